@@ -1,0 +1,71 @@
+"""Engine settings: one small frozen class, validated when built."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import attrs
+
+from engine.errors import ConfigError
+
+Backend = Literal["torch", "sim"]
+
+
+def default_model_dir() -> Path:
+    """The small Llama model shipped inside the `gpu` package (trained by `gpu/train_default.py`)."""
+    return Path(__file__).resolve().parent.parent / "gpu" / "default_model"
+
+
+def _positive(name: str, value: int | float | None) -> None:
+    if value is not None and value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+@attrs.frozen(kw_only=True)
+class EngineConfig:
+    """Everything the Engine needs to start. Defaults suit the shipped model on a CPU."""
+
+    model: Path = attrs.field(factory=default_model_dir, converter=Path)
+    """Hugging Face-format directory: config.json, *.safetensors, tokenizer.json."""
+    backend: Backend = "torch"
+    """`torch` runs the model; `sim` only waits the time a cost model predicts."""
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N`, or `auto` (cuda when available)."""
+    dtype: str = "auto"
+    """`float32`, `bfloat16`, `float16`, or `auto` (float32 on CPU, the model's dtype on CUDA)."""
+    attention_backend: str = "auto"
+    """`torch`, `triton`, or `auto` (triton on CUDA, torch on CPU)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    num_blocks: int | None = None
+    """KV blocks in the device arena; None sizes the pool from `kv_cache_mib`."""
+    kv_cache_mib: float = 256.0
+    """KV pool size when `num_blocks` is not given."""
+    max_num_seqs: int = 64
+    """Most requests in one iteration's batch."""
+    max_batched_tokens: int = 512
+    """Token budget of one iteration; longer prompts are prefilled in chunks."""
+    max_queued_requests: int = 1024
+    """Admission limit: requests held by the engine (waiting, running or preempted)."""
+    max_prompt_tokens: int | None = None
+    """Admission limit on prompt length; None means the model's context length."""
+    threads: int | None = None
+    """torch intra-op threads for the CPU path; None leaves torch's default."""
+    inbox_size: int = 256
+    """Capacity of each actor's inbox."""
+    policy: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
+    """Policy file; None means `policies/fcfs.policy`."""
+
+    def __attrs_post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
+                     "max_batched_tokens", "max_queued_requests", "max_prompt_tokens",
+                     "threads", "inbox_size"):
+            _positive(name, getattr(self, name))
+        if self.backend not in ("torch", "sim"):
+            raise ConfigError(f"backend must be 'torch' or 'sim', got {self.backend!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(
+                f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")

@@ -1,0 +1,49 @@
+"""Exceptions, one class per failure domain.
+
+Messages name the offending value and where it came from, so a user can act on them without
+reading the source: "prompt has 5000 tokens, more than max_prompt_tokens=4096".
+"""
+
+from __future__ import annotations
+
+
+class ShunterError(Exception):
+    """Base class of every error Shunter raises on purpose."""
+
+
+class ConfigError(ShunterError):
+    """An engine setting is invalid (a bad value, or settings that contradict each other)."""
+
+
+class ModelLoadError(ShunterError):
+    """A model directory cannot be loaded: a missing file, an unknown architecture, a missing
+    tensor or a tensor of the wrong shape. The message names the file and, where there is one,
+    the tensor."""
+
+
+class AdmissionError(ShunterError):
+    """A request was refused before it entered the engine; no other request is affected."""
+
+
+class QueueFullError(AdmissionError):
+    """The engine already holds as many queued requests as `max_queued_requests` allows."""
+
+
+class PromptTooLongError(AdmissionError):
+    """The prompt (plus the tokens it asks for) does not fit the engine's limits."""
+
+
+class InvalidRequestError(AdmissionError):
+    """The prompt or the sampling parameters are malformed."""
+
+
+class RequestFailedError(ShunterError):
+    """A request was admitted but ended with finish reason `error`; the message says why."""
+
+
+class EngineDeadError(ShunterError):
+    """The engine stopped (an actor failed or the engine shut down) while the request was live."""
+
+
+class PolicyError(ShunterError):
+    """A policy could not be loaded or is not supported by this engine."""
