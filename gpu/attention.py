@@ -115,12 +115,20 @@ def decode_attention_torch(
     """
     batch, block_size = q.shape[0], k_cache.shape[1]
     num_blocks = -(-max_seq_len // block_size)
+    # table entries past a sequence's blocks are padding of any value: read block 0 instead
+    starts = torch.arange(num_blocks, device=q.device) * block_size  # [nb]
     table = block_tables[:, :num_blocks].long()
+    table = torch.where(starts.unsqueeze(0) < seq_lens.unsqueeze(1), table, 0)  # [B, nb]
     # [B, nb, bs, Hkv, D] -> [B, Hkv, nb*bs, D]
     k = k_cache[table].flatten(1, 2).transpose(1, 2)
     v = v_cache[table].flatten(1, 2).transpose(1, 2)
     positions = torch.arange(k.shape[2], device=q.device)
-    mask = (positions.unsqueeze(0) < seq_lens.unsqueeze(1)).view(batch, 1, 1, -1)
+    valid = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
+    # slots past a sequence's length hold stale data, maybe NaN/inf (an empty arena): masking the
+    # scores is not enough, since SDPA still computes -inf + NaN and 0 * NaN, so zero them
+    k = torch.where(valid.view(batch, 1, -1, 1), k, 0)
+    v = torch.where(valid.view(batch, 1, -1, 1), v, 0)
+    mask = valid.view(batch, 1, 1, -1)
     o = F.scaled_dot_product_attention(
         q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True,
     )  # [B, Hq, 1, D]

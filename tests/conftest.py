@@ -39,3 +39,9 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory):
     write_random_model(out, arch="qwen2", layers=2, hidden=64, heads=4, kv_heads=2,
                        vocab=320, seed=1)
     return out
+
+
+@pytest.fixture(params=["asyncio", "trio"])
+def anyio_backend(request: pytest.FixtureRequest) -> str:
+    """Every `@pytest.mark.anyio` test runs under both event loops."""
+    return request.param

@@ -1,0 +1,50 @@
+"""`shunter`: the command line. Each subcommand lives in engine/commands/."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import structlog
+
+from engine.errors import ShunterError
+
+COMMANDS = ("make_model", "generate", "demo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shunter",
+        description="Shunter: an LLM serving engine built from actors, scheduled by policy files.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine events to stderr")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in COMMANDS:
+        importlib.import_module(f"engine.commands.{name}").add_parser(sub)
+    return parser
+
+
+def configure_logging(verbose: bool) -> None:
+    import logging
+
+    level = logging.INFO if verbose else logging.WARNING
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(level),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configure_logging(args.verbose)
+    try:
+        return args.run(args)
+    except ShunterError as exc:
+        print(f"shunter {args.command}: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Options shared by the commands that start an engine."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.config import EngineConfig
+
+
+def add_engine_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", type=Path, default=None,
+                   help="Hugging Face-format model directory (default: the shipped model)")
+    g.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks in the device pool; small values force preemption")
+    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    g.add_argument("--max-num-seqs", type=int, default=64, help="most sequences per iteration")
+    g.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per iteration")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
+                   help="event loop to run the engine on")
+
+
+def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
+    fields: dict[str, object] = dict(
+        block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
+        max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
+        threads=args.threads,
+    )
+    if args.model is not None:
+        fields["model"] = args.model
+    fields.update(overrides)
+    return EngineConfig(**fields)  # type: ignore[arg-type]

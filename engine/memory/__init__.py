@@ -1,0 +1,1 @@
+"""Memory mechanisms: plain synchronous classes that decide nothing and do no I/O."""

@@ -1,0 +1,164 @@
+"""Fit a policy's order to one iteration's budgets: device blocks, tokens and sequences.
+
+Pure mechanism, no I/O and no policy names. Two passes, as in vLLM's scheduler:
+1. running requests, most deserving first: each gets its next tokens (a decode token or the next
+   prefill chunk); when blocks run short, the least deserving running request is preempted;
+2. the others (waiting, swapped), in order, while they fit; with `displace` they may evict running
+   requests that deserve less. Admission is strict: the first request that does not fit stops it,
+   so nobody behind it jumps ahead.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from engine.policy import Decision, RequestView
+
+
+def blocks_for(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
+@attrs.frozen(kw_only=True)
+class Budget:
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    can_preempt: bool = True
+    max_running: Mapping[str, int] = attrs.field(factory=dict)
+    """Per-class limit on running requests."""
+
+
+@attrs.define
+class IterationPlan:
+    work: dict[int, int] = attrs.field(factory=dict)
+    """request id -> tokens to compute this iteration, in scheduling order."""
+    grow: dict[int, int] = attrs.field(factory=dict)
+    """request id -> device blocks it must hold after this iteration."""
+    admitted: list[RequestView] = attrs.field(factory=list)
+    preempted: list[RequestView] = attrs.field(factory=list)
+    forced: bool = False
+    """A preemption happened although the policy forbids it (everything else was stuck)."""
+
+
+class _Planner:
+    def __init__(self, decision: Decision, requests: Sequence[RequestView], budget: Budget) -> None:
+        self.b = budget
+        self.free = budget.free_blocks
+        self.tokens = budget.max_batched_tokens
+        self.seq_limit = min(budget.max_num_seqs, decision.max_batch or budget.max_num_seqs)
+        self.displace = decision.displace
+        self.rank = {r.id: i for i, r in enumerate(decision.order)}
+        self.order = decision.order
+        unranked = [r for r in requests if r.state == "running" and r.id not in self.rank]
+        ranked = [r for r in decision.order if r.state == "running"]
+        self.running = ranked
+        self.victims = deque(unranked + ranked[::-1])  # least deserving first
+        self.per_class: dict[str, int] = {}
+        for r in requests:
+            if r.state == "running":
+                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+        self.plan = IterationPlan()
+        self.gone: set[int] = set()
+        self.stuck = False
+
+    def full(self) -> bool:
+        return len(self.plan.work) >= self.seq_limit or self.tokens <= 0
+
+    def need(self, r: RequestView, n: int) -> int:
+        return blocks_for(r.computed_tokens + n, self.b.block_size) - r.blocks
+
+    def commit(self, r: RequestView, n: int, need: int) -> None:
+        self.free -= need
+        self.tokens -= n
+        self.plan.work[r.id] = n
+        self.plan.grow[r.id] = r.blocks + need
+
+    def preempt(self, v: RequestView) -> None:
+        self.free += self.plan.grow.pop(v.id, v.blocks)
+        self.tokens += self.plan.work.pop(v.id, 0)
+        self.gone.add(v.id)
+        self.plan.preempted.append(v)
+        self.per_class[v.request_class] -= 1
+
+    def victim_below(self, r: RequestView) -> RequestView | None:
+        """The least deserving running request that deserves less than r, if any."""
+        last = len(self.rank)
+        mine = self.rank.get(r.id, last)
+        while self.victims and self.victims[0].id in self.gone:
+            self.victims.popleft()
+        if not self.victims:
+            return None
+        v = self.victims[0]
+        if v is r or self.rank.get(v.id, last) <= mine:
+            return None
+        return self.victims.popleft()
+
+    def make_room(self, r: RequestView, need: int) -> None:
+        while need > self.free and self.b.can_preempt:
+            victim = self.victim_below(r)
+            if victim is None:
+                return
+            self.preempt(victim)
+
+    def running_pass(self) -> None:
+        for r in self.running:
+            if r.id in self.gone or r.id in self.plan.work:
+                continue
+            if self.full():
+                return
+            n = min(r.remaining_tokens, self.tokens)
+            need = self.need(r, n)
+            self.make_room(r, need)
+            if need <= self.free:
+                self.commit(r, n, need)
+            elif self.b.can_preempt:
+                self.preempt(r)
+            else:
+                self.stuck = True
+
+    def admission_pass(self) -> None:
+        limits = self.b.max_running
+        for r in self.order:
+            if r.state != "waiting" or r.id in self.gone:
+                continue
+            if self.full():
+                return
+            if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
+                continue
+            n = min(r.remaining_tokens, self.tokens)
+            need = self.need(r, n)
+            if self.displace:
+                self.make_room(r, need)
+            if need > self.free:
+                return
+            self.commit(r, n, need)
+            self.plan.admitted.append(r)
+            self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+
+    def break_deadlock(self) -> None:
+        """Nothing could run, yet running requests hold memory (they all wait for blocks and
+        the policy forbids preemption): preempt the least deserving one anyway."""
+        while self.victims and self.victims[0].id in self.gone:
+            self.victims.popleft()
+        if self.victims:
+            self.preempt(self.victims.popleft())
+            self.plan.forced = True
+
+
+def plan_iteration(decision: Decision, requests: Sequence[RequestView], budget: Budget) -> IterationPlan:
+    """Choose this iteration's work. `requests` are all live requests; `decision.order` the
+    policy's ranking of (a subset of) them."""
+    p = _Planner(decision, requests, budget)
+    p.running_pass()
+    p.admission_pass()
+    if p.stuck and not p.plan.work:
+        p.break_deadlock()
+        p.running_pass()
+        p.admission_pass()
+    return p.plan

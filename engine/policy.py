@@ -1,0 +1,199 @@
+"""The seam between the scheduler (mechanism) and a scheduling policy (decisions).
+
+Each iteration the scheduler hands the policy a `SchedulerView` and gets a `Decision` back: the
+order in which live requests deserve the device, a batch-size limit, and whether a more
+important waiting request may evict a less important running one. The scheduler then fits that
+order to the memory and token budget it has; it never asks which policy it is running.
+
+Policies written in the policy language (`policy_lang/`) compile to objects with this interface;
+`FcfsPolicy` below is the hand-written equivalent of `policies/fcfs.policy`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal, Protocol
+
+import attrs
+
+RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
+PreemptMode = Literal["recompute", "swap", "never"]
+
+
+@attrs.define(slots=True, eq=False)
+class RequestView:
+    """One live request as a policy sees it. The scheduler updates these records in place
+    between iterations; a policy must treat them as read-only."""
+
+    id: int
+    request_class: str
+    priority: int
+    """Client-given priority (larger is more important)."""
+    tenant: str
+    conversation_id: str | None
+    turn: int
+    """1 for a conversation's first request, 2 for the next, ..."""
+    arrival: float
+    """Engine clock, seconds."""
+    prompt_tokens: int
+    max_tokens: int
+    ttft_ms: float | None
+    """Effective time-to-first-token deadline (request's own, else its class's)."""
+    tpot_ms: float | None
+    state: RequestState = "waiting"
+    output_tokens: int = 0
+    computed_tokens: int = 0
+    """Tokens whose KV is on the device."""
+    blocks: int = 0
+    """Device KV blocks held."""
+    swapped_blocks: int = 0
+    """KV blocks held in host swap space."""
+    checkpointed_blocks: int = 0
+    preemptions: int = 0
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    last_scheduled_at: float | None = None
+    waited_s: float = 0.0
+    """Seconds since the request was last served (or arrived); refreshed every iteration."""
+    slack_ms: float = math.inf
+    """Milliseconds left until its next token is due; inf without a deadline. Refreshed every
+    iteration."""
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens still to compute before the next sample."""
+        return self.context_tokens - self.computed_tokens
+
+    def refresh(self, now: float) -> None:
+        self.waited_s = now - (self.last_scheduled_at or self.arrival)
+        self.slack_ms = (self.next_deadline() - now) * 1000.0
+
+    def next_deadline(self) -> float:
+        """When the next token is due (engine clock, seconds); inf without a deadline."""
+        if self.first_token_at is None:
+            return math.inf if self.ttft_ms is None else self.arrival + self.ttft_ms / 1000.0
+        if self.tpot_ms is None:
+            return math.inf
+        return self.first_token_at + self.output_tokens * self.tpot_ms / 1000.0
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerView:
+    """What the scheduler knows at the start of an iteration."""
+
+    now: float
+    iteration: int
+    requests: Sequence[RequestView]
+    free_blocks: int
+    total_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_batched_tokens: int
+    last_iteration_ms: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of device KV blocks in use, 0..1."""
+        return 1.0 - self.free_blocks / self.total_blocks if self.total_blocks else 0.0
+
+    @property
+    def free_tokens(self) -> int:
+        return self.free_blocks * self.block_size
+
+    @property
+    def queued_tokens(self) -> int:
+        """Tokens of requests that are not running and still need computing."""
+        return sum(r.remaining_tokens for r in self.requests if r.state != "running")
+
+
+@attrs.frozen(kw_only=True)
+class Decision:
+    """A policy's answer for one iteration."""
+
+    order: Sequence[RequestView]
+    """Live requests, most deserving first. A request left out gets no work this iteration
+    (it keeps what it holds unless memory is needed for requests in the order)."""
+    max_batch: int | None = None
+    """Most sequences in this iteration's batch; None leaves the engine's limit."""
+    displace: bool = False
+    """May a request in the order evict running requests that come after it (or are left out)."""
+
+
+@attrs.frozen(kw_only=True)
+class ClassSpec:
+    """A request class and its service goals."""
+
+    name: str
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+    max_running: int | None = None
+    max_queued: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class MemorySettings:
+    """Memory mechanisms a policy runs with (one file per ablation step)."""
+
+    swap_granularity: Literal["per-block", "groups"] = "per-block"
+    swap_in: Literal["sync", "async", "adaptive"] = "sync"
+    kv_reuse: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class PolicySettings:
+    """The static part of a policy, read once when it is loaded."""
+
+    name: str
+    classes: tuple[ClassSpec, ...] = (ClassSpec(name="default"),)
+    default_class: str = "default"
+    preempt_mode: PreemptMode = "recompute"
+    memory: MemorySettings = MemorySettings()
+
+    def class_spec(self, name: str | None) -> ClassSpec | None:
+        wanted = name or self.default_class
+        return next((c for c in self.classes if c.name == wanted), None)
+
+
+@attrs.frozen(kw_only=True)
+class IterationOutcome:
+    """What an iteration did, fed back to the policy (fairness counters, adaptive batch size)."""
+
+    iteration: int
+    duration_ms: float
+    served: Sequence[tuple[RequestView, int, int]]
+    """(request, prompt tokens computed, output tokens produced) for each request served."""
+    deadline_misses: int
+    """Tokens delivered after their deadline in this iteration."""
+
+
+class Policy(Protocol):
+    settings: PolicySettings
+    source: str
+    """The text it was compiled from (shown, diffed and rolled back by the REPL)."""
+
+    def decide(self, view: SchedulerView) -> Decision: ...
+
+    def observe(self, outcome: IterationOutcome) -> None: ...
+
+
+FCFS_SOURCE = "policy fcfs { }\n"
+
+
+class FcfsPolicy:
+    """First come, first served; preempt the latest arrival by recompute (vLLM's default)."""
+
+    def __init__(self) -> None:
+        self.settings = PolicySettings(name="fcfs")
+        self.source = FCFS_SOURCE
+
+    def decide(self, view: SchedulerView) -> Decision:
+        order = sorted(view.requests, key=lambda r: (r.arrival, r.id))
+        return Decision(order=order)
+
+    def observe(self, outcome: IterationOutcome) -> None:
+        pass

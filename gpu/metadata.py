@@ -1,0 +1,105 @@
+"""Building one step's flattened inputs and `AttentionMetadata` from per-sequence chunks.
+
+A chunk is (token_ids, start_pos, block_table): the new tokens of one sequence, the position of
+the first of them (= tokens already cached), and the sequence's block ids covering
+start_pos + len(token_ids) tokens. The caller orders chunks prefills first, then decodes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from gpu.attention import AttentionMetadata
+
+SeqChunk = tuple[Sequence[int], int, Sequence[int]]
+
+
+@attrs.frozen(kw_only=True)
+class StepInputs:
+    """Everything `CausalLM.forward` takes for one step."""
+
+    input_ids: torch.Tensor
+    """int64 [T]: every chunk's tokens, in chunk order."""
+    positions: torch.Tensor
+    """int64 [T]: each token's position in its sequence."""
+    meta: AttentionMetadata
+    logits_indices: torch.Tensor
+    """int64 [S]: the last token of each chunk (where the next token is predicted)."""
+
+
+def _count_prefills(query_lens: list[int]) -> int:
+    """Sequences up to the last multi-token chunk are prefills; a one-token chunk after it is a
+    decode (its attention is the same either way)."""
+    return max((i + 1 for i, n in enumerate(query_lens) if n != 1), default=0)
+
+
+def _slots(start: int, count: int, table: np.ndarray, block_size: int) -> np.ndarray:
+    positions = np.arange(start, start + count)
+    return table[positions // block_size] * block_size + positions % block_size
+
+
+def _check_chunk(i: int, count: int, end: int, num_blocks: int, block_size: int,
+                 decode: bool) -> None:
+    if count == 0:
+        raise ValueError(f"sequence {i} has no new tokens")
+    if decode and count != 1:
+        raise ValueError(f"sequence {i} is a decode (it follows the prefills) but has "
+                         f"{count} tokens")
+    if num_blocks * block_size < end:
+        raise ValueError(f"sequence {i}: block table of {num_blocks} blocks holds "
+                         f"{num_blocks * block_size} tokens, needs {end}")
+
+
+def build_metadata(seqs: Sequence[SeqChunk], block_size: int, device: str | torch.device,
+                   *, num_prefills: int | None = None) -> AttentionMetadata:
+    """AttentionMetadata for chunks ordered prefills first, then one-token decodes (the caller
+    sorts them). num_prefills None: everything up to the last multi-token chunk."""
+    query_lens = [len(tokens) for tokens, _, _ in seqs]
+    if num_prefills is None:
+        num_prefills = _count_prefills(query_lens)
+    seq_lens, slots, tables = [], [], []
+    for i, (tokens, start, table) in enumerate(seqs):
+        _check_chunk(i, len(tokens), start + len(tokens), len(table), block_size,
+                     decode=i >= num_prefills)
+        seq_lens.append(start + len(tokens))
+        tables.append(np.asarray(table, dtype=np.int64))
+        slots.append(_slots(start, len(tokens), tables[-1], block_size))
+    width = max((len(t) for t in tables), default=0)
+    padded = np.zeros((len(seqs), width), dtype=np.int32)  # [S, max_blocks]
+    for i, table in enumerate(tables):
+        padded[i, :len(table)] = table
+    qsl = np.concatenate([[0], np.cumsum(query_lens)]).astype(np.int32)
+    return AttentionMetadata(
+        num_prefills=num_prefills,
+        num_prefill_tokens=int(qsl[num_prefills]),
+        num_decodes=len(seqs) - num_prefills,
+        query_start_loc=torch.from_numpy(qsl).to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=torch.from_numpy(padded).to(device),
+        slot_mapping=torch.from_numpy(np.concatenate(slots or [np.zeros(0, np.int64)])).to(device),
+        query_lens_host=tuple(query_lens),
+        seq_lens_host=tuple(seq_lens),
+    )
+
+
+def build_step_inputs(seqs: Sequence[SeqChunk], block_size: int, device: str | torch.device,
+                      sample: Sequence[bool] | None = None) -> StepInputs:
+    """Flattened tokens and positions, the metadata, and logits at the last token of each chunk
+    (of each chunk whose `sample` flag is set, when flags are given)."""
+    meta = build_metadata(seqs, block_size, device)
+    ids = [t for tokens, _, _ in seqs for t in tokens]
+    positions = np.concatenate(
+        [np.arange(start, start + len(tokens)) for tokens, start, _ in seqs] or [np.zeros(0)])
+    last = np.cumsum([len(tokens) for tokens, _, _ in seqs], dtype=np.int64) - 1
+    if sample is not None:
+        last = last[np.asarray(sample, dtype=bool)]
+    return StepInputs(
+        input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+        positions=torch.from_numpy(positions.astype(np.int64)).to(device),
+        meta=meta,
+        logits_indices=torch.from_numpy(last.astype(np.int64)).to(device),
+    )

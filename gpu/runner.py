@@ -1,0 +1,126 @@
+"""The torch step runner: owns the model, its arena and each request's tokens and block table on
+the device side, and turns one `ExecuteStep` into one forward pass and one sampling pass."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import anyio
+import attrs
+import torch
+
+from engine.config import EngineConfig
+from engine.messages import ExecuteStep, RequestSetup, SampledToken, SeqWork, StepFinished
+from engine.params import SamplingParams
+from gpu.config import ModelConfig
+from gpu.metadata import StepInputs, build_step_inputs
+from gpu.sampler import make_generator, sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
+    """`auto` is float32 on CPU (bf16 matmuls there are slow and inexact) and the model's own
+    dtype on CUDA."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return _DTYPES.get(model.torch_dtype, torch.bfloat16)
+
+
+@attrs.define(slots=True, eq=False)
+class _DeviceSeq:
+    tokens: list[int]
+    table: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+class TorchRunner:
+    """Runs steps for real; `execute` is called on a worker thread so the event loop stays free."""
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
+        self._config = config
+        self._model_config = model_config
+        self._num_blocks = num_blocks
+        self._device = resolve_device(config.device)
+        self._dtype = resolve_dtype(config.dtype, model_config, self._device)
+        self._seqs: dict[int, _DeviceSeq] = {}
+        self._model = None
+
+    async def start(self) -> range:
+        """Load the weights into the arena (on a worker thread); returns the KV block ids."""
+        return await anyio.to_thread.run_sync(self._load)
+
+    def _load(self) -> range:
+        from gpu.model import CausalLM
+
+        if self._config.threads:
+            torch.set_num_threads(self._config.threads)
+        backend = self._config.attention_backend
+        if backend == "auto":
+            backend = "triton" if self._device.type == "cuda" else "torch"
+        self._model = CausalLM.from_pretrained(
+            self._config.model, device=self._device, dtype=self._dtype,
+            num_kv_blocks=self._num_blocks, block_size=self._config.block_size,
+            attention_backend=backend,
+        )
+        return self._model.arena.kv_block_ids
+
+    async def step(self, step: ExecuteStep) -> StepFinished:
+        return await anyio.to_thread.run_sync(self.execute, step)
+
+    def execute(self, step: ExecuteStep) -> StepFinished:
+        began = time.perf_counter()
+        for rid in step.release:
+            self._seqs.pop(rid, None)
+        for s in step.setups:
+            self._setup(s)
+        for u in step.blocks:
+            seq = self._seqs[u.request_id]
+            if u.reset:
+                seq.table.clear()
+            seq.table.extend(u.append)
+        sampled: list[SampledToken] = []
+        if step.seqs:
+            sampled = self._forward_and_sample(step.seqs)
+        if self._device.type == "cuda":
+            torch.cuda.synchronize(self._device)
+        return StepFinished(step_id=step.step_id, sampled=tuple(sampled),
+                            compute_s=time.perf_counter() - began)
+
+    def _setup(self, s: RequestSetup) -> None:
+        gen = make_generator(s.sampling, fallback_seed=s.request_id, device=self._device)
+        self._seqs[s.request_id] = _DeviceSeq(tokens=list(s.prompt_ids), table=[],
+                                              sampling=s.sampling, generator=gen)
+
+    @torch.inference_mode()
+    def _forward_and_sample(self, work: Sequence[SeqWork]) -> list[SampledToken]:
+        # prefill chunks first, then single-token decodes: the layout AttentionMetadata expects
+        ordered = sorted(work, key=lambda w: w.num_tokens == 1)
+        inputs = self._prepare(ordered)
+        logits = self._model.forward(inputs.input_ids, inputs.positions, inputs.meta,
+                                     inputs.logits_indices)  # [S', V]
+        samplers = [self._seqs[w.request_id] for w in ordered if w.sample]
+        tokens = sample(logits, [s.sampling for s in samplers], [s.generator for s in samplers])
+        out = []
+        for w, tok in zip((w for w in ordered if w.sample), tokens):
+            self._seqs[w.request_id].tokens.append(tok)
+            out.append(SampledToken(request_id=w.request_id, token_id=tok))
+        return out
+
+    def _prepare(self, ordered: Sequence[SeqWork]) -> StepInputs:
+        chunks = []
+        for w in ordered:
+            seq = self._seqs[w.request_id]
+            chunks.append((seq.tokens[w.start:w.start + w.num_tokens], w.start, seq.table))
+        return build_step_inputs(chunks, self._config.block_size, self._device,
+                                 sample=[w.sample for w in ordered])

@@ -1,0 +1,37 @@
+"""Factories for tests: `make_view(**overrides)` and friends."""
+
+from __future__ import annotations
+
+import itertools
+
+from engine.planner import Budget
+from engine.policy import Decision, RequestView
+
+_ids = itertools.count(1)
+
+
+def make_view(**overrides: object) -> RequestView:
+    rid = int(overrides.pop("id", next(_ids)))
+    fields: dict[str, object] = dict(
+        id=rid, request_class="default", priority=0, tenant="default", conversation_id=None,
+        turn=1, arrival=float(rid), prompt_tokens=10, max_tokens=16, ttft_ms=None, tpot_ms=None,
+    )
+    fields.update(overrides)
+    return RequestView(**fields)  # type: ignore[arg-type]
+
+
+def running(blocks: int, computed: int, output: int = 1, **overrides: object) -> RequestView:
+    """A decoding request holding `blocks` blocks with `computed` tokens in its KV."""
+    return make_view(state="running", blocks=blocks, computed_tokens=computed,
+                     output_tokens=output, **overrides)
+
+
+def make_budget(**overrides: object) -> Budget:
+    fields: dict[str, object] = dict(free_blocks=100, total_blocks=100, block_size=4,
+                                     max_num_seqs=8, max_batched_tokens=64)
+    fields.update(overrides)
+    return Budget(**fields)  # type: ignore[arg-type]
+
+
+def fcfs(*views: RequestView, **kw: object) -> Decision:
+    return Decision(order=sorted(views, key=lambda v: v.arrival), **kw)  # type: ignore[arg-type]

@@ -1,0 +1,94 @@
+"""The torch attention paths against a naive dense attention, in float64, per sequence and head.
+
+Every other attention implementation is checked against these paths, so they are checked here
+against the definition: softmax(q k^T * scale + causal mask) v over each sequence's whole context.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu.attention import (
+    decode_attention_torch,
+    paged_attention,
+    prefill_attention_torch,
+    write_kv,
+)
+from gpu.kernels.synthetic import PagedBatch, make_paged_batch
+
+SCALE = 0.125
+
+
+def naive_attention(batch: PagedBatch, scale: float = SCALE) -> torch.Tensor:
+    """Dense causal attention from each sequence's own K/V: [T, Hq, D], in float64."""
+    meta, q = batch.meta, batch.q.double()
+    group = q.shape[1] // batch.keys[0].shape[1]
+    out = torch.empty_like(q)
+    start = 0
+    for keys, values, ql, sl in zip(batch.keys, batch.values, meta.query_lens_host,
+                                    meta.seq_lens_host):
+        for r in range(ql):
+            visible = sl - ql + r + 1  # query r sits at position sl - ql + r
+            for h in range(q.shape[1]):
+                k = keys[:visible, h // group].double()  # [visible, D]
+                v = values[:visible, h // group].double()
+                weights = torch.softmax(k @ q[start + r, h] * scale, dim=0)  # [visible]
+                out[start + r, h] = weights @ v
+        start += ql
+    return out
+
+
+def decode_args(batch: PagedBatch) -> tuple:
+    meta = batch.meta
+    return (batch.q, batch.k_cache, batch.v_cache, meta.block_tables, meta.seq_lens,
+            meta.max_seq_len, SCALE)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(2, 2), (8, 2)])
+def test_prefill_matches_naive(block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
+    # a fresh prompt, one with a cached prefix ending mid-block, and a one-token chunk
+    batch = make_paged_batch(prefills=[(21, 21), (13, 50), (1, 34)], num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, block_size=block_size, seed=1)
+    out = prefill_attention_torch(batch.q, batch.k_cache, batch.v_cache, batch.meta, SCALE)
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 1)])
+def test_decode_matches_naive(block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
+    batch = make_paged_batch(decode_lens=[1, 17, 64, 5], num_q_heads=num_q_heads,
+                             num_kv_heads=num_kv_heads, block_size=block_size, seed=2)
+    out = decode_attention_torch(*decode_args(batch))
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_mixed_step_matches_naive() -> None:
+    batch = make_paged_batch(prefills=[(9, 9), (7, 40)], decode_lens=[3, 33, 16],
+                             num_q_heads=6, num_kv_heads=2, head_dim=16, seed=3)
+    out = paged_attention(batch.q, batch.k_cache, batch.v_cache, batch.meta, SCALE,
+                          backend="torch")
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_ignores_padding_slots_and_table_entries() -> None:
+    # the batch poisons every slot it does not own with NaN and pads tables past the arena;
+    # make the padding a valid block full of huge values too, which a leaky mask would pick up
+    batch = make_paged_batch(decode_lens=[5, 40], seed=4)
+    batch.meta.block_tables[0, 1:] = batch.meta.block_tables[1, 0]
+    batch.k_cache[batch.meta.block_tables[0, 0].long(), 5:] = 1e4
+    out = decode_attention_torch(*decode_args(batch))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+def test_write_kv_stores_each_token_at_its_slot() -> None:
+    k_cache = torch.zeros(4, 16, 2, 8)
+    v_cache = torch.zeros(4, 16, 2, 8)
+    k, v = torch.randn(3, 2, 8), torch.randn(3, 2, 8)
+    write_kv(k_cache, v_cache, k, v, torch.tensor([3 * 16 + 15, 0, 16 + 1]))
+    torch.testing.assert_close(k_cache[3, 15], k[0])
+    torch.testing.assert_close(v_cache[0, 0], v[1])
+    torch.testing.assert_close(k_cache[1, 1], k[2])
+    assert k_cache.count_nonzero() == 3 * 2 * 8

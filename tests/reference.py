@@ -1,0 +1,52 @@
+"""transformers as the reference implementation: greedy tokens and the logit gaps that decide
+whether a divergence is a legitimate near-tie."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import attrs
+import torch
+
+TIE_GAP = 1e-4
+"""Only where the reference's top two logits are this close may the engine pick the second."""
+
+
+@attrs.frozen
+class Reference:
+    tokens: list[int]
+    top2: list[tuple[int, int, float]]
+    """Per step: (best id, second id, best - second logit)."""
+
+
+def load_reference_model(model_dir: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_greedy(model, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+    out = model.generate(torch.tensor([list(prompt)]), do_sample=False, max_new_tokens=max_new_tokens,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    top2 = []
+    for logits in out.logits:
+        vals, ids = torch.topk(logits[0].float(), 2)
+        top2.append((int(ids[0]), int(ids[1]), float(vals[0] - vals[1])))
+    return Reference(tokens=tokens, top2=top2)
+
+
+def assert_matches(engine_tokens: Sequence[int], ref: Reference, label: str) -> None:
+    """Token for token, except that at a near-tie (gap <= TIE_GAP) the engine may take the
+    reference's second choice; the sequences are not compared past such a point."""
+    for k, (got, want) in enumerate(zip(engine_tokens, ref.tokens)):
+        if got == want:
+            continue
+        best, second, gap = ref.top2[k]
+        assert gap <= TIE_GAP and got == second, (
+            f"{label}: step {k}: engine {got}, reference {want} (top-2 gap {gap:.2e}, second {second})")
+        return
+    assert len(engine_tokens) == len(ref.tokens), (
+        f"{label}: engine produced {len(engine_tokens)} tokens, reference {len(ref.tokens)}")
