@@ -14,6 +14,7 @@ import attrs
 import structlog
 
 from engine.config import EngineConfig
+from engine.cost_model import CostModel
 from engine.messages import (
     AbortRequest, AddRequest, InspectScheduler, ReplacePolicy, RequestSetup, RunStep, SchedulerMessage,
     SeqWork, StepFailed, StepFinished, StepOutputs, TokenOutput,
@@ -47,8 +48,9 @@ class Scheduler:
 
     def __init__(self, *, config: EngineConfig, policy: Policy, num_blocks: int, max_context: int,
                  inbox: anyio.abc.ObjectReceiveStream, allocator: anyio.abc.ObjectSendStream,
-                 frontend: anyio.abc.ObjectSendStream) -> None:
+                 frontend: anyio.abc.ObjectSendStream, cost: CostModel | None = None) -> None:
         self._config = config
+        self._cost = cost
         self._policy = policy
         self._total_blocks = num_blocks
         self._free_blocks = num_blocks
@@ -180,6 +182,7 @@ class Scheduler:
             now=now, iteration=self._iteration, requests=views, free_blocks=self._free_blocks,
             total_blocks=self._total_blocks, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
             max_batched_tokens=c.max_batched_tokens, last_iteration_ms=self._last_iteration_ms,
+            cost=self._cost,
         )
 
     def _budget(self) -> Budget:

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from engine.config import EngineConfig
+from engine.cost_model import CostModel
 from engine.errors import ConfigError
 
 
@@ -21,6 +22,8 @@ class Backend:
     max_context: int
     """Longest sequence (prompt + output) the model takes."""
     max_prompt_tokens: int
+    cost_model: CostModel | None = None
+    """Iteration-latency model the policies may consult (the simulator's profile)."""
 
 
 class TokenizerCodec:

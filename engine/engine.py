@@ -111,7 +111,7 @@ class Engine:
             Allocator(pool=BlockPool(block_ids), inbox=alloc_recv, executor=exec_send),
             Scheduler(config=c, policy=self._policy, num_blocks=len(block_ids),
                       max_context=b.max_context, inbox=sched_recv, allocator=alloc_send,
-                      frontend=front_send),
+                      frontend=front_send, cost=b.cost_model),
             Frontend(codec=b.codec, limits=limits, inbox=front_recv, scheduler=sched_send),
         ]
         self._frontend_send, self._scheduler_send, self._allocator_send = front_send, sched_send, alloc_send

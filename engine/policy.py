@@ -17,6 +17,8 @@ from typing import Literal, Protocol
 
 import attrs
 
+from engine.cost_model import CostModel
+
 RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
 PreemptMode = Literal["recompute", "swap", "never"]
 
@@ -95,6 +97,8 @@ class SchedulerView:
     max_num_seqs: int
     max_batched_tokens: int
     last_iteration_ms: float = 0.0
+    cost: CostModel | None = None
+    """Predicts an iteration's latency from its batch shape; None when the backend has none."""
 
     @property
     def kv_usage(self) -> float:
