@@ -1,0 +1,218 @@
+"""Moving KV blocks between the device arena and a host swap space (FastSwitch §3.2).
+
+Worker threads dispatch the copies of each swap ticket; on CUDA they run on a dedicated copy
+stream from pinned host memory and record an event, and every `yield_every` copies a worker waits
+for the stream to drain so the inference stream's own copies are not queued behind thousands of
+ours. On the CPU the same code does real copies between two host buffers in the worker threads.
+
+Granularity (the comparison FastSwitch makes):
+- `per-block`: vLLM 0.3.3's swap, one copy per block per layer per K/V (2 * layers calls a block);
+- `groups`: one copy per run of consecutive block ids on both sides (the arena is block-major, so
+  such a run is one contiguous byte range).
+
+Conflicts: a ticket records every device and host block it touches. A later ticket touching one
+of them waits for exactly the earlier tickets involved; a step that is about to write a block
+waits (`wait_blocks`) for exactly the tickets still using it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Literal
+
+import attrs
+import torch
+
+Direction = Literal["out", "in"]
+Granularity = Literal["per-block", "groups"]
+
+
+@attrs.frozen(kw_only=True)
+class SwapStats:
+    copy_calls: int
+    bytes_out: int
+    bytes_in: int
+    yields: int
+    conflict_waits: int
+
+
+def coalesce(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(device block, host block) pairs -> (device start, host start, count) runs, consecutive on
+    both sides, in the order given."""
+    runs: list[tuple[int, int, int]] = []
+    for g, c in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == c:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((g, c, 1))
+    return runs
+
+
+class _Ticket:
+    __slots__ = ("id", "future", "event", "blocks")
+
+    def __init__(self, ticket_id: int, blocks: tuple[list[int], list[int]]) -> None:
+        self.id = ticket_id
+        self.future: Future[None] = Future()
+        self.event: torch.cuda.Event | None = None
+        self.blocks = blocks
+
+    def done(self) -> bool:
+        if not self.future.done():
+            return False
+        return self.event is None or self.event.query()
+
+
+class TorchSwapper:
+    """Real copies between `device_kv` ([blocks, L, 2, bs, H, D]) and a host buffer like it."""
+
+    def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, *, workers: int = 2,
+                 yield_every: int = 256) -> None:
+        self.device_kv = device_kv
+        cuda = device_kv.is_cuda
+        self.host_kv = torch.zeros((num_host_blocks, *device_kv.shape[1:]), dtype=device_kv.dtype,
+                                   pin_memory=cuda)
+        self.block_nbytes = device_kv[0].numel() * device_kv.element_size()
+        self._stream = torch.cuda.Stream(device=device_kv.device) if cuda else None
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shunter-swap")
+        self._lock = threading.Lock()
+        self._tickets: dict[int, _Ticket] = {}
+        self._device_busy: dict[int, _Ticket] = {}
+        self._host_busy: dict[int, _Ticket] = {}
+        self._yield_every = yield_every
+        self._since_yield = 0
+        self._stats = dict(copy_calls=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
+        self.skip_conflict_waits = False
+        """Tests set this to plant the bug FastSwitch's conflict handling exists to prevent."""
+
+    # ---------------------------------------------------------------------------- dispatch
+
+    def submit(self, ticket_id: int, direction: Direction, pairs: Sequence[tuple[int, int]],
+               granularity: Granularity) -> None:
+        """Queue the copies of one ticket; returns at once."""
+        ticket = _Ticket(ticket_id, ([g for g, _ in pairs], [c for _, c in pairs]))
+        with self._lock:
+            deps = {self._device_busy[g] for g in ticket.blocks[0] if g in self._device_busy}
+            deps |= {self._host_busy[c] for c in ticket.blocks[1] if c in self._host_busy}
+            for g in ticket.blocks[0]:
+                self._device_busy[g] = ticket
+            for c in ticket.blocks[1]:
+                self._host_busy[c] = ticket
+            self._tickets[ticket_id] = ticket
+        self._pool.submit(self._run, ticket, direction, list(pairs), granularity, deps)
+
+    def _run(self, ticket: _Ticket, direction: Direction, pairs: list[tuple[int, int]],
+             granularity: Granularity, deps: set[_Ticket]) -> None:
+        try:
+            for dep in deps:  # ordered after exactly the tickets sharing a block with this one
+                self._wait_ticket(dep)
+            if self._stream is not None:
+                with torch.cuda.stream(self._stream):
+                    self._copy(direction, pairs, granularity)
+                    ticket.event = torch.cuda.Event()
+                    ticket.event.record(self._stream)
+            else:
+                self._copy(direction, pairs, granularity)
+            ticket.future.set_result(None)
+        except BaseException as exc:  # surfaces in wait()/done() callers
+            ticket.future.set_exception(exc)
+
+    def _copy(self, direction: Direction, pairs: list[tuple[int, int]], granularity: Granularity) -> None:
+        dev, host = self.device_kv, self.host_kv
+        layers = dev.shape[1]
+        calls = 0
+        if granularity == "per-block":
+            for g, c in pairs:
+                for layer in range(layers):
+                    for kv in (0, 1):
+                        src, dst = (dev[g, layer, kv], host[c, layer, kv]) if direction == "out" \
+                            else (host[c, layer, kv], dev[g, layer, kv])
+                        dst.copy_(src, non_blocking=True)
+                        calls += 1
+                        self._maybe_yield()
+        else:
+            for g, c, n in coalesce(pairs):
+                src, dst = (dev[g:g + n], host[c:c + n]) if direction == "out" \
+                    else (host[c:c + n], dev[g:g + n])
+                dst.copy_(src, non_blocking=True)
+                calls += 1
+                self._maybe_yield()
+        with self._lock:
+            self._stats["copy_calls"] += calls
+            self._stats["bytes_out" if direction == "out" else "bytes_in"] += len(pairs) * self.block_nbytes
+
+    def _maybe_yield(self) -> None:
+        """After `yield_every` dispatched copies, let the copy stream drain (FastSwitch §3.2)."""
+        if self._stream is None:
+            return
+        self._since_yield += 1
+        if self._since_yield >= self._yield_every:
+            self._stream.synchronize()
+            self._since_yield = 0
+            with self._lock:
+                self._stats["yields"] += 1
+
+    # ---------------------------------------------------------------------------- completion
+
+    def done(self, ticket_id: int) -> bool:
+        t = self._tickets.get(ticket_id)
+        return t is None or t.done()
+
+    def poll(self) -> list[int]:
+        """Tickets that finished since the last poll (forgotten afterwards). A ticket whose
+        copies failed raises here, so the failure ends the step that polled, not silence."""
+        with self._lock:
+            finished = [t for t in self._tickets.values() if t.done()]
+            for t in finished:
+                del self._tickets[t.id]
+                self._forget(t)
+        for t in finished:
+            if t.future.exception() is not None:
+                raise RuntimeError(f"swap ticket {t.id} failed: {t.future.exception()!r}")
+        return [t.id for t in finished]
+
+    def _forget(self, t: _Ticket) -> None:
+        for g in t.blocks[0]:
+            if self._device_busy.get(g) is t:
+                del self._device_busy[g]
+        for c in t.blocks[1]:
+            if self._host_busy.get(c) is t:
+                del self._host_busy[c]
+
+    def _wait_ticket(self, t: _Ticket) -> None:
+        t.future.result()
+        if t.event is not None:
+            t.event.synchronize()
+
+    def wait(self, ticket_ids: Iterable[int]) -> None:
+        """Block until these tickets' copies are complete (synchronous swap-in)."""
+        for tid in ticket_ids:
+            t = self._tickets.get(tid)
+            if t is not None:
+                self._wait_ticket(t)
+
+    def wait_blocks(self, device_blocks: Iterable[int]) -> int:
+        """Before a step writes these device blocks: wait for exactly the tickets still using
+        them. On CUDA the compute stream waits on their events, the host does not. Returns how
+        many tickets were waited for."""
+        with self._lock:
+            involved = {self._device_busy[g] for g in device_blocks if g in self._device_busy}
+        involved = {t for t in involved if not t.done()}
+        if self.skip_conflict_waits or not involved:
+            return 0
+        for t in involved:
+            t.future.result()  # dispatched (on the CPU: copied)
+            if t.event is not None:
+                torch.cuda.current_stream(self.device_kv.device).wait_event(t.event)
+        with self._lock:
+            self._stats["conflict_waits"] += len(involved)
+        return len(involved)
+
+    def stats(self) -> SwapStats:
+        with self._lock:
+            return SwapStats(**self._stats)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
