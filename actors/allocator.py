@@ -1,7 +1,14 @@
 """The allocator actor: owns the device block pool and every request's block table.
 
-It turns the scheduler's plan (how many blocks each request must hold) into block ids and passes
-the step on to the executor with only the table changes, so one iteration is one message here.
+It turns the scheduler's plan (how many blocks each request must hold, which requests swap out
+or in) into block ids and passes the step on with only the table changes, so one iteration is
+one message here. Steps with swaps go through the swap pool, which dispatches the copies before
+the executor sees the step.
+
+Two allocators, chosen by the swap granularity of the policy the engine starts with:
+- `per-block` (vLLM): a free stack of single blocks (`BlockPool`);
+- `groups` (FastSwitch §3.1): block groups (`BlockGroupManager`), so a request's KV is a few
+  contiguous runs and a swap of it is a few copies.
 """
 
 from __future__ import annotations
@@ -12,8 +19,11 @@ import anyio
 import attrs
 import structlog
 
+from engine.memory.block_groups import BlockGroupManager
 from engine.memory.block_pool import BlockPool
-from engine.messages import AllocatorMessage, BlockUpdate, ExecuteStep, InspectAllocator, RunStep
+from engine.messages import (
+    AllocatorMessage, BlockUpdate, ExecuteStep, InspectAllocator, RunStep, SwapOrders, SwapTransfer,
+)
 
 log = structlog.get_logger().bind(actor="allocator")
 
@@ -29,11 +39,14 @@ class AllocatorSnapshot:
 class Allocator:
     name = "allocator"
 
-    def __init__(self, *, pool: BlockPool, inbox: anyio.abc.ObjectReceiveStream,
-                 executor: anyio.abc.ObjectSendStream) -> None:
+    def __init__(self, *, pool: BlockPool | BlockGroupManager, inbox: anyio.abc.ObjectReceiveStream,
+                 executor: anyio.abc.ObjectSendStream, block_size: int = 16,
+                 swap_pool: anyio.abc.ObjectSendStream | None = None) -> None:
         self._pool = pool
+        self._block_size = block_size
         self._inbox = inbox
         self._executor = executor
+        self._swap_pool = swap_pool
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -43,7 +56,14 @@ class Allocator:
     async def _handle(self, msg: AllocatorMessage) -> None:
         match msg:
             case RunStep():
-                await self._executor.send(self.apply(msg))
+                step, transfers = self.apply(msg)
+                if transfers:
+                    if self._swap_pool is None:
+                        raise RuntimeError("a step asked for swaps but the engine has no swap pool")
+                    await self._swap_pool.send(SwapOrders(
+                        transfers=transfers, granularity=msg.granularity, step=step))
+                else:
+                    await self._executor.send(step)
             case InspectAllocator(reply=reply):
                 pool = self._pool
                 reply.send(AllocatorSnapshot(
@@ -52,20 +72,51 @@ class Allocator:
             case _:
                 assert_never(msg)
 
-    def apply(self, plan: RunStep) -> ExecuteStep:
-        """Free first, then grow, so blocks released by this plan can serve it."""
+    def apply(self, plan: RunStep) -> tuple[ExecuteStep, tuple[SwapTransfer, ...]]:
+        """Swap-outs read the tables first; then free; then swap-ins and growth take blocks,
+        so blocks released by this plan can serve it (the swap pool and the executor wait
+        for the copies still reading them)."""
         pool = self._pool
+        if isinstance(pool, BlockGroupManager):  # size new requests' first groups to fit them
+            for s in plan.setups:
+                tokens = len(s.prompt_ids) + s.sampling.max_tokens
+                pool.expect(s.request_id, -(-tokens // self._block_size))
+        transfers: list[SwapTransfer] = []
+        for o in plan.swap_out:
+            table = pool.table(o.request_id)
+            blocks = table[o.first_block:o.first_block + len(o.cpu_blocks)]
+            if len(blocks) != len(o.cpu_blocks):
+                raise RuntimeError(f"request {o.request_id}: swap-out of blocks "
+                                   f"{o.first_block}..{o.first_block + len(o.cpu_blocks)} but it "
+                                   f"holds {len(table)}")
+            if blocks:
+                transfers.append(SwapTransfer(request_id=o.request_id, direction="out",
+                                              pairs=tuple(zip(blocks, o.cpu_blocks))))
         for rid in plan.release:
             pool.free(rid)
         updates: dict[int, BlockUpdate] = {}
         for rid in plan.preempt:
             pool.free(rid)
             updates[rid] = BlockUpdate(request_id=rid, reset=True, append=())
+        for i in plan.swap_in:
+            if pool.table(i.request_id):
+                raise RuntimeError(f"request {i.request_id} is swapped in but still holds blocks")
+            got = pool.allocate(i.request_id, len(i.cpu_blocks))
+            transfers.append(SwapTransfer(request_id=i.request_id, direction="in",
+                                          pairs=tuple(zip(got, i.cpu_blocks)), sync=i.sync))
+            updates[i.request_id] = BlockUpdate(request_id=i.request_id, reset=True,
+                                                append=tuple(got))
         for rid, target in plan.grow:
-            have = len(pool.table(rid))
+            table = pool.table(rid)
+            have = len(table)
             if target > have:
                 new = tuple(pool.allocate(rid, target - have))
-                reset = rid in updates and updates[rid].reset
-                updates[rid] = BlockUpdate(request_id=rid, reset=reset, append=new)
-        return ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
+                old = updates.get(rid)
+                if old is None:
+                    updates[rid] = BlockUpdate(request_id=rid, reset=False, append=new)
+                else:
+                    updates[rid] = BlockUpdate(request_id=rid, reset=old.reset,
+                                               append=old.append + new)
+        step = ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
                            blocks=tuple(updates.values()), seqs=plan.seqs)
+        return step, tuple(transfers)

@@ -33,8 +33,8 @@ class Executor:
         self._scheduler = scheduler
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        block_ids = await self._runner.start()
-        task_status.started(block_ids)
+        """The runner was started (weights loaded) by `Engine.start` before the actors."""
+        task_status.started()
         async for msg in self._inbox:
             await self._scheduler.send(await self._run_step(msg))
 

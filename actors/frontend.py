@@ -46,6 +46,10 @@ class _ClientStream:
     emitted: int = 0
     stopping: bool = False
     gone: bool = False
+    stream: bool = True
+    held_ids: list[int] = attrs.field(factory=list)
+    """Non-streaming clients: tokens held back until the final chunk."""
+    held_text: list[str] = attrs.field(factory=list)
 
     def hold_back(self) -> int:
         """Characters that may be the start of a stop string, held until they are decided."""
@@ -110,7 +114,8 @@ class Frontend:
             return
         rid = next(self._ids)
         detok = self._codec.detokenizer() if self._codec else None
-        self._streams[rid] = _ClientStream(send=msg.outputs, detok=detok, stop=msg.sampling.stop)
+        self._streams[rid] = _ClientStream(send=msg.outputs, detok=detok, stop=msg.sampling.stop,
+                                           stream=msg.stream)
         msg.outputs.send_nowait(Admitted(request_id=rid))
         await self._scheduler.send(AddRequest(
             request_id=rid, prompt_ids=prompt_ids, sampling=msg.sampling,
@@ -151,9 +156,18 @@ class Frontend:
         final = out.finish_reason is not None
         was_stopping = s.stopping
         text = self._new_text(s, out, final)
-        if not s.gone:
+        token_ids = () if was_stopping else out.token_ids
+        if not s.stream and not s.gone:
+            s.held_ids.extend(token_ids)
+            if text:
+                s.held_text.append(text)
+            if not final:
+                token_ids = ()
+            else:
+                token_ids, text = tuple(s.held_ids), "".join(s.held_text)
+        if not s.gone and (s.stream or final):
             chunk = GenerationChunk(
-                request_id=out.request_id, token_ids=() if was_stopping else out.token_ids,
+                request_id=out.request_id, token_ids=token_ids,
                 text=text, finish_reason=out.finish_reason, error=out.error,
                 timeline=out.metrics if final else None)
             try:

@@ -44,7 +44,25 @@ class TokenizerCodec:
 def build_backend(config: EngineConfig) -> Backend:
     if config.backend == "torch":
         return _torch_backend(config)
+    if config.backend == "sim":
+        return _sim_backend(config)
     raise ConfigError(f"backend {config.backend!r} is not available in this build")
+
+
+def _sim_backend(config: EngineConfig) -> Backend:
+    """No model: steps take the time the profile predicts; prompts must be token ids."""
+    from engine.sim.profile import load_profile
+    from engine.sim.runner import SimRunner
+
+    profile = load_profile(config.profile)
+    num_blocks = config.num_blocks or profile.num_blocks(config.block_size)
+    max_context = profile.model.max_context
+    return Backend(
+        runner=SimRunner(profile.cost, num_blocks, link=profile.link, model=profile.model,
+                         block_size=config.block_size), codec=None,
+        vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
+        max_prompt_tokens=config.max_prompt_tokens or max_context - 1, cost_model=profile.cost,
+    )
 
 
 def _torch_backend(config: EngineConfig) -> Backend:

@@ -10,7 +10,7 @@ import structlog
 
 from engine.errors import ShunterError
 
-COMMANDS = ("make_model", "generate", "demo")
+COMMANDS = ("make_model", "generate", "demo", "policy", "repl", "bench", "profile")
 
 
 def build_parser() -> argparse.ArgumentParser:

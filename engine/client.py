@@ -35,13 +35,14 @@ class GenerationStream:
     cancelling the task that reads it cancels the request and frees its KV blocks."""
 
     def __init__(self, engine: Engine, prompt: str | Sequence[int],
-                 sampling: SamplingParams, scheduling: SchedulingParams) -> None:
+                 sampling: SamplingParams, scheduling: SchedulingParams, *,
+                 stream: bool = True) -> None:
         self._engine = engine
         self._send, self._recv = anyio.create_memory_object_stream[Any](math.inf)
         text = prompt if isinstance(prompt, str) else None
         ids = None if isinstance(prompt, str) else prompt
         self._submit = Submit(prompt=text, prompt_ids=ids, sampling=sampling,
-                              scheduling=scheduling, outputs=self._send)
+                              scheduling=scheduling, outputs=self._send, stream=stream)
         self.request_id: int | None = None
         self._done = False
 

@@ -56,8 +56,17 @@ class EngineConfig:
     """Capacity of each actor's inbox."""
     policy: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
     """Policy file; None means `policies/fcfs.policy`."""
+    cpu_swap_blocks: int | None = None
+    """Host KV blocks for swapping out and for CPU copies kept across turns (FastSwitch); None:
+    as many as the device pool has; 0: no swap space (policies that swap are refused)."""
+    profile: str = "llama3-8b-a100"
+    """Sim backend: the timing profile (a name from `shunter profile list`, or a JSON path)."""
+    record_iterations: bool = False
+    """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
 
     def __attrs_post_init__(self) -> None:
+        if self.cpu_swap_blocks is not None and self.cpu_swap_blocks < 0:
+            raise ConfigError(f"cpu_swap_blocks must be >= 0, got {self.cpu_swap_blocks}")
         for name in ("block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
                      "max_batched_tokens", "max_queued_requests", "max_prompt_tokens",
                      "threads", "inbox_size"):

@@ -47,3 +47,23 @@ class EngineDeadError(ShunterError):
 
 class PolicyError(ShunterError):
     """A policy could not be loaded or is not supported by this engine."""
+
+
+class PolicySyntaxError(PolicyError):
+    """A policy file does not parse. The message is `FILE:LINE:COL: message`, then the source
+    line and a caret under the offending token."""
+
+    def __init__(self, message: str, *, diagnostics: tuple = ()) -> None:
+        super().__init__(message)
+        self.diagnostics = diagnostics
+        """The structured errors (`policy_lang.diagnostics.Diagnostic`) behind the message."""
+
+
+class PolicyCheckError(PolicyError):
+    """A policy parses but means something wrong: an unknown name, a wrong unit or type, a bad
+    include or extends, or a setting this engine does not support. One `FILE:LINE:COL: message`
+    block (with source line and caret) per error found."""
+
+    def __init__(self, message: str, *, diagnostics: tuple = ()) -> None:
+        super().__init__(message)
+        self.diagnostics = diagnostics

@@ -29,6 +29,9 @@ class Submit:
     scheduling: SchedulingParams
     outputs: Any
     """The send side of the client's unbounded output stream."""
+    stream: bool = True
+    """Send a chunk per iteration; False sends only the final chunk, holding every token and
+    the whole text (far cheaper per token for clients that want the whole result)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -98,6 +101,22 @@ class StepFinished:
     sampled: tuple[SampledToken, ...]
     compute_s: float
     """Seconds the forward pass and sampling took (on the worker thread or simulated)."""
+    stall_s: float = 0.0
+    """Seconds the step waited for swaps first: synchronous swap-ins, and swap-outs still
+    reading blocks this step writes (conflicts)."""
+
+
+@attrs.frozen(kw_only=True)
+class SwapDone:
+    """Asynchronous swap-ins finished: those requests' KV is on the device (FastSwitch §3.2).
+    `failed` lists the ones whose copies raised, with the error."""
+
+    request_ids: tuple[int, ...]
+    seconds_per_block: float | None = None
+    """Mean time a block of these swap-ins took, from dispatch to completion (the adaptive
+    swap-in profiler's input)."""
+    failed: tuple[int, ...] = ()
+    error: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -116,6 +135,14 @@ class InspectScheduler:
 
 
 @attrs.frozen(kw_only=True)
+class TakeIterationLog:
+    """Hand over the per-iteration log (an `engine.iteration_log.IterationLog`, or None when
+    `record_iterations` is off) and start a new one."""
+
+    reply: Reply
+
+
+@attrs.frozen(kw_only=True)
 class ReplacePolicy:
     """Switch to another compiled policy at the next iteration boundary."""
 
@@ -124,7 +151,8 @@ class ReplacePolicy:
 
 
 SchedulerMessage = (
-    AddRequest | AbortRequest | StepFinished | StepFailed | InspectScheduler | ReplacePolicy
+    AddRequest | AbortRequest | StepFinished | StepFailed | SwapDone | InspectScheduler
+    | ReplacePolicy | TakeIterationLog
 )
 
 # --------------------------------------------------------------------------------- allocator
@@ -152,6 +180,28 @@ class RequestSetup:
 
 
 @attrs.frozen(kw_only=True)
+class SwapOut:
+    """Copy blocks [first_block, first_block + len(cpu_blocks)) of a request's block table to
+    these host blocks, then free its device blocks. Blocks before `first_block` are already
+    held by a valid CPU copy (FastSwitch §3.3) and are not copied again."""
+
+    request_id: int
+    first_block: int
+    cpu_blocks: tuple[int, ...]
+
+
+@attrs.frozen(kw_only=True)
+class SwapIn:
+    """Allocate device blocks for a request that holds none and copy these host blocks in."""
+
+    request_id: int
+    cpu_blocks: tuple[int, ...]
+    sync: bool
+    """The step waits for it (the request computes in this step); else it is reported by
+    `SwapDone` and joins a later step."""
+
+
+@attrs.frozen(kw_only=True)
 class RunStep:
     """The scheduler's whole plan for one iteration, sent to the allocator.
 
@@ -168,6 +218,13 @@ class RunStep:
     """(request_id, device blocks it must hold after this step)."""
     setups: tuple[RequestSetup, ...]
     seqs: tuple[SeqWork, ...]
+    swap_out: tuple[SwapOut, ...] = ()
+    """Done before anything is freed: preempted requests (listed in `preempt` too) and ended
+    conversation turns whose KV is kept (listed in `release`)."""
+    swap_in: tuple[SwapIn, ...] = ()
+    """Done after freeing, before growing."""
+    granularity: str = "per-block"
+    """How the swap pool copies: `per-block` or `groups`."""
 
 
 @attrs.frozen(kw_only=True)
@@ -197,6 +254,34 @@ class ExecuteStep:
     setups: tuple[RequestSetup, ...]
     blocks: tuple[BlockUpdate, ...]
     seqs: tuple[SeqWork, ...]
+    wait_tickets: tuple[int, ...] = ()
+    """Swap tickets (synchronous swap-ins) that must complete before the step computes."""
 
 
 ExecutorMessage = ExecuteStep
+
+# --------------------------------------------------------------------------------- swap pool
+
+
+@attrs.frozen(kw_only=True)
+class SwapTransfer:
+    """One request's copies in one direction: (device block, host block) pairs."""
+
+    request_id: int
+    direction: str
+    """`out` (device -> host) or `in`."""
+    pairs: tuple[tuple[int, int], ...]
+    sync: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class SwapOrders:
+    """One iteration's swaps, in one message; the pool dispatches them (returning at once) and
+    forwards `step` to the executor, so the step always sees its own swaps."""
+
+    transfers: tuple[SwapTransfer, ...]
+    granularity: str
+    step: ExecuteStep
+
+
+SwapPoolMessage = SwapOrders

@@ -1,15 +1,22 @@
 """Latency and throughput aggregates computed from request timelines.
 
-One module used by the demo, `shunter bench`, the REPL and `/metrics`.
+One module used by the demo, `shunter bench`, the REPL and `/metrics`. Per request
+(`RequestMetrics`): TTFT, every inter-token gap (TBT), TPOT, end-to-end and normalized latency,
+queueing time, preemptions, swap-in stall, and which SLOs it met. Per run (`RunMetrics`):
+percentiles of each, SLO attainment per class, goodput, throughput, preemptions, swap volume and
+scheduler time per iteration.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import attrs
+import numpy as np
 
+from engine.iteration_log import IterationLog, SwapCounters
 from engine.timeline import RequestTimeline
 
 
@@ -36,10 +43,15 @@ class Percentiles:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Percentiles:
-        mean = sum(values) / len(values) if values else math.nan
-        return cls(p50=percentile(values, 50), p90=percentile(values, 90),
-                   p95=percentile(values, 95), p99=percentile(values, 99),
-                   p999=percentile(values, 99.9), mean=mean, count=len(values))
+        """Sorts once (a replayed hour has millions of token gaps); same interpolation as
+        `percentile`."""
+        if len(values) == 0:
+            nan = math.nan
+            return cls(p50=nan, p90=nan, p95=nan, p99=nan, p999=nan, mean=nan, count=0)
+        a = np.asarray(values, dtype=np.float64)
+        q = np.percentile(a, [50, 90, 95, 99, 99.9])
+        return cls(p50=float(q[0]), p90=float(q[1]), p95=float(q[2]), p99=float(q[3]),
+                   p999=float(q[4]), mean=float(a.mean()), count=len(a))
 
     def as_dict(self) -> dict[str, float]:
         return {k: v for k, v in attrs.asdict(self).items() if k != "count"}
@@ -68,4 +80,190 @@ def summarize(timelines: Sequence[RequestTimeline], *, duration_s: float) -> Sum
         tbt_ms=Percentiles.of(_ms(g for t in done for g in t.tbt_s)),
         tpot_ms=Percentiles.of(_ms(t.tpot_s for t in done)),
         e2e_ms=Percentiles.of(_ms(t.e2e_s for t in done)),
+    )
+
+
+# ------------------------------------------------------------------------ per request
+
+
+@attrs.frozen(kw_only=True)
+class Goal:
+    """How a benchmark judges one request: its class label and SLOs (None: no such SLO)."""
+
+    request_class: str
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+
+@attrs.frozen(kw_only=True)
+class RequestMetrics:
+    request_class: str
+    completed: bool
+    """Ended by `stop` or `length` (not an error or a cancellation)."""
+    prompt_tokens: int
+    output_tokens: int
+    ttft_ms: float | None
+    tbt_ms: tuple[float, ...]
+    tpot_ms: float | None
+    e2e_ms: float
+    normalized_latency_ms: float | None
+    """End-to-end latency per output token (Orca, vLLM, BROS §7.1)."""
+    queue_ms: float | None
+    preemptions: int
+    swap_stall_ms: float
+    met_ttft: bool | None
+    """None when the request has no TTFT SLO."""
+    met_tpot: bool | None
+
+    @property
+    def good(self) -> bool:
+        """Completed and met every SLO it has (goodput counts these)."""
+        return self.completed and self.met_ttft is not False and self.met_tpot is not False
+
+
+def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetrics:
+    """One request's numbers; `goal` overrides the class and SLOs the timeline carries."""
+    goal = goal or Goal(request_class=t.request_class, ttft_ms=t.ttft_slo_ms, tpot_ms=t.tpot_slo_ms)
+    completed = t.finish_reason in ("stop", "length")
+    ttft = None if t.ttft_s is None else t.ttft_s * 1000.0
+    tpot = None if t.tpot_s is None else t.tpot_s * 1000.0
+    e2e = t.e2e_s * 1000.0
+    met_ttft = met_tpot = None
+    if goal.ttft_ms is not None:
+        met_ttft = completed and ttft is not None and ttft <= goal.ttft_ms
+    if goal.tpot_ms is not None:
+        # a single-token answer has no TPOT and cannot miss it
+        met_tpot = completed and (tpot is None or tpot <= goal.tpot_ms)
+    return RequestMetrics(
+        request_class=goal.request_class, completed=completed, prompt_tokens=t.prompt_tokens,
+        output_tokens=t.output_tokens, ttft_ms=ttft, tbt_ms=tuple(g * 1000.0 for g in t.tbt_s),
+        tpot_ms=tpot, e2e_ms=e2e,
+        normalized_latency_ms=e2e / t.output_tokens if t.output_tokens else None,
+        queue_ms=None if t.queue_s is None else t.queue_s * 1000.0,
+        preemptions=t.preemptions, swap_stall_ms=t.swap_stall_s * 1000.0,
+        met_ttft=met_ttft, met_tpot=met_tpot)
+
+
+def _failed(goal: Goal) -> RequestMetrics:
+    return RequestMetrics(
+        request_class=goal.request_class, completed=False, prompt_tokens=0, output_tokens=0,
+        ttft_ms=None, tbt_ms=(), tpot_ms=None, e2e_ms=0.0, normalized_latency_ms=None,
+        queue_ms=None, preemptions=0, swap_stall_ms=0.0,
+        met_ttft=False if goal.ttft_ms is not None else None,
+        met_tpot=False if goal.tpot_ms is not None else None)
+
+
+# ------------------------------------------------------------------------ per run
+
+
+@attrs.frozen(kw_only=True)
+class Attainment:
+    """Share of a class's requests (with that SLO) that met it; None when none has it."""
+
+    requests: int
+    ttft: float | None
+    tpot: float | None
+    all: float | None
+    """Met every SLO it has (a failed request meets none)."""
+
+
+@attrs.frozen(kw_only=True)
+class RunMetrics:
+    duration_s: float
+    completed: int
+    failed: int
+    ttft_ms: Percentiles
+    tbt_ms: Percentiles
+    tpot_ms: Percentiles
+    e2e_ms: Percentiles
+    normalized_latency_ms: Percentiles
+    queue_ms: Percentiles
+    slo_attainment: Mapping[str, Attainment]
+    goodput_rps: float
+    requests_per_s: float
+    output_tokens_per_s: float
+    total_tokens_per_s: float
+    be_requests_per_s: float
+    preemptions: int
+    swap: SwapCounters
+    swap_stall_ms: Percentiles
+    """Per request, over the requests that stalled at all."""
+    scheduler_ms_per_iteration: Percentiles
+    iterations: int
+
+    def as_dict(self) -> dict[str, Any]:
+        """The bench JSON's `metrics` object."""
+        s = self.swap
+        return {
+            "ttft_ms": self.ttft_ms.as_dict(), "tbt_ms": self.tbt_ms.as_dict(),
+            "tpot_ms": self.tpot_ms.as_dict(), "e2e_ms": self.e2e_ms.as_dict(),
+            "normalized_latency_ms": self.normalized_latency_ms.as_dict(),
+            "queue_ms": self.queue_ms.as_dict(),
+            "slo_attainment": {c: attrs.asdict(a) for c, a in self.slo_attainment.items()},
+            "goodput_rps": self.goodput_rps, "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+            "be_requests_per_s": self.be_requests_per_s, "preemptions": self.preemptions,
+            "swap": {"copy_ops": s.copy_ops, "bytes_out": s.bytes_out, "bytes_in": s.bytes_in,
+                     "avg_copy_bytes": (s.bytes_out + s.bytes_in) / s.copy_ops if s.copy_ops else 0.0,
+                     "stall_ms": s.stall_s * 1000.0,
+                     "request_stall_ms": self.swap_stall_ms.as_dict()},
+            "scheduler_ms_per_iteration": self.scheduler_ms_per_iteration.as_dict(),
+            "iterations": self.iterations, "duration_s": self.duration_s,
+            "requests": {"completed": self.completed, "failed": self.failed},
+        }
+
+
+def attainment(per_request: Sequence[RequestMetrics]) -> dict[str, Attainment]:
+    by_class: dict[str, list[RequestMetrics]] = {}
+    for m in per_request:
+        by_class.setdefault(m.request_class, []).append(m)
+
+    def share(flags: list[bool]) -> float | None:
+        return sum(flags) / len(flags) if flags else None
+
+    out = {}
+    for cls, ms in sorted(by_class.items()):
+        with_slo = [m for m in ms if m.met_ttft is not None or m.met_tpot is not None]
+        out[cls] = Attainment(
+            requests=len(ms),
+            ttft=share([m.met_ttft for m in ms if m.met_ttft is not None]),
+            tpot=share([m.met_tpot for m in ms if m.met_tpot is not None]),
+            all=share([m.good for m in with_slo]))
+    return out
+
+
+def run_metrics(timelines: Sequence[RequestTimeline], *, duration_s: float,
+                goals: Mapping[int, Goal] | None = None, failed: Sequence[Goal] = (),
+                log: IterationLog | None = None, be_class: str = "be") -> RunMetrics:
+    """Aggregate a run. `goals` maps request id -> how to judge it (default: what the timeline
+    says); `failed` are requests that never got a timeline (refused at admission, or failed):
+    they count as failed and as missing every SLO they had."""
+    goals = goals or {}
+    per = [request_metrics(t, goals.get(t.request_id)) for t in timelines]
+    per += [_failed(g) for g in failed]
+    done = [m for m in per if m.completed]
+    dur = duration_s if duration_s > 0 else math.nan
+    swap = log.swap if log is not None else SwapCounters()
+    return RunMetrics(
+        duration_s=duration_s, completed=len(done), failed=len(per) - len(done),
+        ttft_ms=Percentiles.of([m.ttft_ms for m in done if m.ttft_ms is not None]),
+        tbt_ms=Percentiles.of([g for m in done for g in m.tbt_ms]),
+        tpot_ms=Percentiles.of([m.tpot_ms for m in done if m.tpot_ms is not None]),
+        e2e_ms=Percentiles.of([m.e2e_ms for m in done]),
+        normalized_latency_ms=Percentiles.of(
+            [m.normalized_latency_ms for m in done if m.normalized_latency_ms is not None]),
+        queue_ms=Percentiles.of([m.queue_ms for m in done if m.queue_ms is not None]),
+        slo_attainment=attainment(per),
+        goodput_rps=sum(m.good for m in per) / dur,
+        requests_per_s=len(done) / dur,
+        output_tokens_per_s=sum(m.output_tokens for m in done) / dur,
+        total_tokens_per_s=sum(m.output_tokens + m.prompt_tokens for m in done) / dur,
+        be_requests_per_s=sum(m.request_class == be_class for m in done) / dur,
+        preemptions=log.preemptions if log is not None else sum(m.preemptions for m in per),
+        swap=swap,
+        swap_stall_ms=Percentiles.of([m.swap_stall_ms for m in per if m.swap_stall_ms > 0]),
+        scheduler_ms_per_iteration=Percentiles.of(
+            [s * 1000.0 for s in log.scheduler_s] if log is not None else []),
+        iterations=len(log) if log is not None else 0,
     )

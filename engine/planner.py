@@ -5,7 +5,9 @@ Pure mechanism, no I/O and no policy names. Two passes, as in vLLM's scheduler:
    prefill chunk); when blocks run short, the least deserving running request is preempted;
 2. the others (waiting, swapped), in order, while they fit; with `displace` they may evict running
    requests that deserve less. Admission is strict: the first request that does not fit stops it,
-   so nobody behind it jumps ahead.
+   so nobody behind it jumps ahead. A swapped request is admitted with the blocks its KV needs on
+   the device; with asynchronous swap-in it computes nothing this iteration (its KV is still
+   arriving) and joins the running batch once the swap pool reports it.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Budget:
     can_preempt: bool = True
     max_running: Mapping[str, int] = attrs.field(factory=dict)
     """Per-class limit on running requests."""
+    async_swap_in: bool = False
+    """Swapped requests admitted now are swapped in asynchronously (no work this iteration)."""
 
 
 @attrs.define
@@ -41,6 +45,8 @@ class IterationPlan:
     grow: dict[int, int] = attrs.field(factory=dict)
     """request id -> device blocks it must hold after this iteration."""
     admitted: list[RequestView] = attrs.field(factory=list)
+    swapped_in: list[RequestView] = attrs.field(factory=list)
+    """Swapped requests whose KV comes back this iteration (also in `work` when synchronous)."""
     preempted: list[RequestView] = attrs.field(factory=list)
     forced: bool = False
     """A preemption happened although the policy forbids it (everything else was stuck)."""
@@ -125,19 +131,26 @@ class _Planner:
     def admission_pass(self) -> None:
         limits = self.b.max_running
         for r in self.order:
-            if r.state != "waiting" or r.id in self.gone:
+            if r.state not in ("waiting", "swapped") or r.id in self.gone:
                 continue
             if self.full():
                 return
             if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
                 continue
-            n = min(r.remaining_tokens, self.tokens)
+            swap_only = r.state == "swapped" and self.b.async_swap_in
+            n = 0 if swap_only else min(r.remaining_tokens, self.tokens)
             need = self.need(r, n)
             if self.displace:
                 self.make_room(r, need)
             if need > self.free:
                 return
-            self.commit(r, n, need)
+            if swap_only:
+                self.free -= need
+                self.plan.grow[r.id] = need
+            else:
+                self.commit(r, n, need)
+            if r.state == "swapped":
+                self.plan.swapped_in.append(r)
             self.plan.admitted.append(r)
             self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
 

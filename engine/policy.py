@@ -12,15 +12,17 @@ Policies written in the policy language (`policy_lang/`) compile to objects with
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Literal, Protocol
 
 import attrs
 
 from engine.cost_model import CostModel
+from engine.errors import PolicyError
 
 RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
 PreemptMode = Literal["recompute", "swap", "never"]
+OverloadSignal = Literal["drop", "restore"]
 
 
 @attrs.define(slots=True, eq=False)
@@ -126,6 +128,10 @@ class Decision:
     """Most sequences in this iteration's batch; None leaves the engine's limit."""
     displace: bool = False
     """May a request in the order evict running requests that come after it (or are left out)."""
+    overload: OverloadSignal | None = None
+    """An overload trigger firing this iteration (KunServe §4.1, §4.4): `drop` asks for
+    parameters to be dropped to free memory, `restore` for them to come back. Until the cluster
+    coordinator exists the engine only counts and logs these."""
 
 
 @attrs.frozen(kw_only=True)
@@ -173,6 +179,62 @@ class IterationOutcome:
     """(request, prompt tokens computed, output tokens produced) for each request served."""
     deadline_misses: int
     """Tokens delivered after their deadline in this iteration."""
+
+
+@attrs.frozen(kw_only=True)
+class EngineCapabilities:
+    """The mechanisms the running engine has built. A policy that needs another is refused when
+    it is loaded, naming the setting (FastSwitch's swap, block groups, async swap-in and KV reuse
+    flip these on when they land)."""
+
+    preempt_modes: frozenset[str] = frozenset({"recompute", "never"})
+    swap_granularities: frozenset[str] = frozenset()
+    """`per-block` and/or `groups`; empty while there is no swap at all."""
+    swap_in_modes: frozenset[str] = frozenset()
+    """`sync`, `async`, `adaptive`; empty while there is no swap at all."""
+    kv_reuse: bool = False
+
+    @property
+    def swap(self) -> bool:
+        return "swap" in self.preempt_modes
+
+    def unsupported(self, settings: PolicySettings,
+                    written: Collection[str] = ()) -> list[tuple[str, str]]:
+        """(setting, why) for each setting this engine cannot honour. A memory setting counts
+        when the policy swaps (and swap is built), when it is `written` explicitly, or when it
+        differs from the default."""
+        m, default = settings.memory, MemorySettings()
+        swaps = settings.preempt_mode == "swap" and "swap" in self.preempt_modes
+        out = []
+        if settings.preempt_mode not in self.preempt_modes:
+            out.append(("preempt", f"preempt {settings.preempt_mode} is not supported by this "
+                                   f"engine (it supports: {', '.join(sorted(self.preempt_modes))})"))
+
+        def needed(name: str) -> bool:
+            return swaps or name in written or getattr(m, name) != getattr(default, name)
+
+        for name, value, have in (("swap_granularity", m.swap_granularity, self.swap_granularities),
+                                  ("swap_in", m.swap_in, self.swap_in_modes)):
+            if needed(name) and value not in have:
+                built = f"it supports: {', '.join(sorted(have))}" if have else "swap is not built yet"
+                out.append((name, f"{name} {value} is not supported by this engine ({built})"))
+        if m.kv_reuse and not self.kv_reuse:
+            out.append(("kv_reuse", "kv_reuse on is not supported by this engine (multi-turn KV "
+                                    "reuse is not built yet)"))
+        return out
+
+
+def ensure_supported(policy: Policy, capabilities: EngineCapabilities) -> None:
+    """Raise PolicyError when `policy` needs a mechanism the engine lacks. Compiled policies
+    point at the file, line and column of the setting."""
+    check = getattr(policy, "check_supported", None)
+    if check is not None:
+        check(capabilities)
+        return
+    problems = capabilities.unsupported(policy.settings)
+    if problems:
+        reasons = "; ".join(why for _, why in problems)
+        raise PolicyError(f"policy {policy.settings.name}: {reasons}")
 
 
 class Policy(Protocol):

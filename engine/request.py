@@ -28,6 +28,10 @@ class Request:
     aborted: str | None = None
     """Finish reason asked for while the request was in a step in flight."""
     swap_stall_s: float = 0.0
+    """Seconds this request waited on swap-ins: steps it was in that stalled for synchronous
+    swap-ins or conflicts, and its own asynchronous swap-ins."""
+    swap_started: float = 0.0
+    """When its asynchronous swap-in was ordered."""
 
     @property
     def id(self) -> int:

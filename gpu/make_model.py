@@ -10,6 +10,7 @@ import inspect
 import json
 from pathlib import Path
 
+import tokenizers
 from tokenizers import processors
 
 from gpu.config import DTYPES, ModelConfig
@@ -40,16 +41,27 @@ def corpus_texts() -> list[str]:
     return [text[i:i + 4096] for i in range(0, len(text), 4096)] + [_CORPUS_EXTRA] * 20
 
 
+def add_bos_on_encode(tok: tokenizers.Tokenizer) -> None:
+    """Make `encode` prefix every sequence with <|bos|>, as Llama tokenizers do."""
+    bos = SPECIAL_TOKENS[BOS_ID]
+    tok.post_processor = processors.Sequence([
+        processors.ByteLevel(trim_offsets=False),
+        processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                      special_tokens=[(bos, BOS_ID)]),
+    ])
+
+
+def write_generation_config(out_dir: Path) -> None:
+    """generation_config.json: greedy by default, ending at <|eos|>."""
+    generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+
+
 @functools.lru_cache(maxsize=8)
 def _tokenizer_json(vocab: int, add_bos: bool) -> str:
     tok = train_byte_level_bpe(corpus_texts(), vocab, special_tokens=SPECIAL_TOKENS)
     if add_bos:
-        bos = SPECIAL_TOKENS[BOS_ID]
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                                          special_tokens=[(bos, BOS_ID)]),
-        ])
+        add_bos_on_encode(tok)
     return tok.to_str(pretty=True)
 
 
@@ -96,6 +108,5 @@ def write_random_model(
     out = Path(out_dir)
     CausalLM.init_random(config, seed=seed, dtype=DTYPES[dtype]).save_pretrained(out)
     (out / "tokenizer.json").write_text(_tokenizer_json(vocab, arch == "llama"))
-    generation = {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    write_generation_config(out)
     return out

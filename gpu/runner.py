@@ -4,7 +4,8 @@ the device side, and turns one `ExecuteStep` into one forward pass and one sampl
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import anyio
 import attrs
@@ -55,6 +56,16 @@ class TorchRunner:
         self._dtype = resolve_dtype(config.dtype, model_config, self._device)
         self._seqs: dict[int, _DeviceSeq] = {}
         self._model = None
+        self.swapper = None
+        """The swap pool's copier (`gpu.swap.TorchSwapper`) once `make_swapper` made it."""
+
+    def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
+        """A host swap space of `num_host_blocks` blocks next to the arena (pinned on CUDA),
+        with the worker threads that copy between them (FastSwitch §3.2)."""
+        from gpu.swap import TorchSwapper
+
+        self.swapper = TorchSwapper(self._model.arena.kv, num_host_blocks, **options)
+        return self.swapper
 
     async def start(self) -> range:
         """Load the weights into the arena (on a worker thread); returns the KV block ids."""
@@ -89,13 +100,31 @@ class TorchRunner:
             if u.reset:
                 seq.table.clear()
             seq.table.extend(u.append)
+        stall = self._wait_for_swaps(step) if self.swapper is not None else 0.0
         sampled: list[SampledToken] = []
         if step.seqs:
             sampled = self._forward_and_sample(step.seqs)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled),
-                            compute_s=time.perf_counter() - began)
+                            compute_s=time.perf_counter() - began - stall, stall_s=stall)
+
+    def _wait_for_swaps(self, step: ExecuteStep) -> float:
+        """Wait for this step's synchronous swap-ins, then for exactly the swaps still using a
+        block the step writes (FastSwitch §3.2's conflicts). Returns the seconds waited."""
+        began = time.perf_counter()
+        self.swapper.wait(step.wait_tickets)
+        self.swapper.wait_blocks(self._written_blocks(step.seqs))
+        stall = time.perf_counter() - began
+        if stall > 0:
+            self.swapper.add_stall(stall)
+        return stall
+
+    def _written_blocks(self, work: Sequence[SeqWork]) -> Iterator[int]:
+        bs = self._config.block_size
+        for w in work:
+            table = self._seqs[w.request_id].table
+            yield from table[w.start // bs:(w.start + w.num_tokens - 1) // bs + 1]
 
     def _setup(self, s: RequestSetup) -> None:
         gen = make_generator(s.sampling, fallback_seed=s.request_id, device=self._device)

@@ -18,12 +18,15 @@ waits (`wait_blocks`) for exactly the tickets still using it.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Literal
 
 import attrs
 import torch
+
+from engine.iteration_log import SwapCounters
 
 Direction = Literal["out", "in"]
 Granularity = Literal["per-block", "groups"]
@@ -69,7 +72,7 @@ class TorchSwapper:
     """Real copies between `device_kv` ([blocks, L, 2, bs, H, D]) and a host buffer like it."""
 
     def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, *, workers: int = 2,
-                 yield_every: int = 256) -> None:
+                 yield_every: int = 256, copy_delay_s: float = 0.0) -> None:
         self.device_kv = device_kv
         cuda = device_kv.is_cuda
         self.host_kv = torch.zeros((num_host_blocks, *device_kv.shape[1:]), dtype=device_kv.dtype,
@@ -84,6 +87,11 @@ class TorchSwapper:
         self._yield_every = yield_every
         self._since_yield = 0
         self._stats = dict(copy_calls=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
+        self._blocks = {"out": 0, "in": 0}
+        self._stall_s = 0.0
+        self.copy_delay_s = copy_delay_s
+        """Each ticket waits this long before copying: a slow link, so that tests can make
+        copies outlast the steps that race them."""
         self.skip_conflict_waits = False
         """Tests set this to plant the bug FastSwitch's conflict handling exists to prevent."""
 
@@ -108,6 +116,8 @@ class TorchSwapper:
         try:
             for dep in deps:  # ordered after exactly the tickets sharing a block with this one
                 self._wait_ticket(dep)
+            if self.copy_delay_s:
+                time.sleep(self.copy_delay_s)
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     self._copy(direction, pairs, granularity)
@@ -142,6 +152,7 @@ class TorchSwapper:
         with self._lock:
             self._stats["copy_calls"] += calls
             self._stats["bytes_out" if direction == "out" else "bytes_in"] += len(pairs) * self.block_nbytes
+            self._blocks[direction] += len(pairs)
 
     def _maybe_yield(self) -> None:
         """After `yield_every` dispatched copies, let the copy stream drain (FastSwitch §3.2)."""
@@ -213,6 +224,22 @@ class TorchSwapper:
     def stats(self) -> SwapStats:
         with self._lock:
             return SwapStats(**self._stats)
+
+    def next_poll_s(self) -> float | None:
+        """How soon the swap pool should poll again: soon while tickets are pending."""
+        return 0.001 if self._tickets else None
+
+    def add_stall(self, seconds: float) -> None:
+        with self._lock:
+            self._stall_s += seconds
+
+    def counters(self) -> SwapCounters:
+        """Traffic so far, in the benchmark's terms."""
+        with self._lock:
+            s = self._stats
+            return SwapCounters(copy_ops=s["copy_calls"], bytes_out=s["bytes_out"],
+                                bytes_in=s["bytes_in"], blocks_out=self._blocks["out"],
+                                blocks_in=self._blocks["in"], stall_s=self._stall_s)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

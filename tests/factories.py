@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from engine.planner import Budget
-from engine.policy import Decision, RequestView
+from engine.policy import Decision, RequestView, SchedulerView
 
 _ids = itertools.count(1)
 
@@ -35,3 +35,12 @@ def make_budget(**overrides: object) -> Budget:
 
 def fcfs(*views: RequestView, **kw: object) -> Decision:
     return Decision(order=sorted(views, key=lambda v: v.arrival), **kw)  # type: ignore[arg-type]
+
+
+def make_scheduler_view(requests: list[RequestView], **overrides: object) -> SchedulerView:
+    """A frozen scheduler view over `requests` (a policy's whole input)."""
+    fields: dict[str, object] = dict(now=100.0, iteration=1, requests=requests, free_blocks=100,
+                                     total_blocks=100, block_size=16, max_num_seqs=64,
+                                     max_batched_tokens=512)
+    fields.update(overrides)
+    return SchedulerView(**fields)  # type: ignore[arg-type]

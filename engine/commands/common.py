@@ -22,6 +22,8 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="event loop to run the engine on")
+    g.add_argument("--policy", type=Path, default=None, metavar="FILE",
+                   help="scheduling policy file (default: the shipped policies/fcfs.policy)")
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
@@ -32,5 +34,7 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     )
     if args.model is not None:
         fields["model"] = args.model
+    if getattr(args, "policy", None) is not None:
+        fields["policy"] = args.policy
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

@@ -116,6 +116,14 @@ class CpuCopyStore:
         if valid_tokens is not None:
             c.valid_tokens = min(c.valid_tokens, valid_tokens)
 
+    def keep_prefix(self, key: Hashable, tokens: int, *, rank: float) -> None:
+        """Keep only the copy's first `tokens` tokens (whole blocks) for a new owner that will
+        swap them in (a conversation's next turn): the copy is sole again until then."""
+        c = self._copies[key]
+        self._space.truncate(key, -(-tokens // self.block_size))
+        c.valid_tokens = min(c.valid_tokens, tokens)
+        c.sole, c.rank = True, rank
+
     def set_rank(self, key: Hashable, rank: float) -> None:
         c = self._copies.get(key)
         if c is not None:

@@ -1,0 +1,110 @@
+"""The swap pool actor: dispatches an iteration's KV copies and reports finished swap-ins
+(FastSwitch §3.2, Algorithm 1).
+
+It receives one `SwapOrders` per iteration that swaps, hands every transfer to the swapper
+(worker threads and a copy stream on the torch backend, a modelled copy engine in the simulator),
+which returns at once, and forwards the step to the executor with the tickets of its synchronous
+swap-ins. Asynchronous swap-ins run on while the following steps compute; the pool polls the
+swapper while any is pending and tells the scheduler which finished (`SwapDone`), so the
+scheduler can return them to the running batch at the start of its next iteration.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol
+
+import anyio
+import attrs
+import structlog
+
+from engine.iteration_log import SwapCounters
+from engine.messages import SwapDone, SwapOrders
+
+log = structlog.get_logger().bind(actor="swap_pool")
+
+
+class Swapper(Protocol):
+    def submit(self, ticket_id: int, direction: str, pairs: Any, granularity: str) -> None: ...
+
+    def poll(self) -> list[int]:
+        """Tickets finished since the last poll; raises if a ticket's copies failed."""
+
+    def next_poll_s(self) -> float | None:
+        """Seconds until polling again is worthwhile; None when nothing is pending."""
+
+    def counters(self) -> SwapCounters: ...
+
+
+@attrs.define(slots=True)
+class _Pending:
+    request_id: int
+    blocks: int
+    submitted: float
+    report: bool
+    """An asynchronous swap-in the scheduler waits to hear about."""
+
+
+class SwapPool:
+    name = "swap_pool"
+
+    def __init__(self, *, swapper: Swapper, inbox: anyio.abc.ObjectReceiveStream,
+                 executor: anyio.abc.ObjectSendStream,
+                 scheduler: anyio.abc.ObjectSendStream) -> None:
+        self.swapper = swapper
+        self._inbox = inbox
+        self._executor = executor
+        self._scheduler = scheduler
+        self._tickets = itertools.count(1)
+        self._pending: dict[int, _Pending] = {}
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        while True:
+            wait = self.swapper.next_poll_s()
+            msg = None
+            if wait is None:
+                msg = await self._inbox.receive()
+            else:
+                with anyio.move_on_after(wait):
+                    msg = await self._inbox.receive()
+            if msg is not None:
+                await self._dispatch(msg)
+            await self._report()
+
+    async def _dispatch(self, msg: SwapOrders) -> None:
+        now = anyio.current_time()
+        sync: list[int] = []
+        # swap-outs first: a swap-in may land on blocks a swap-out of this step still reads,
+        # and the swapper orders a ticket after the earlier ones sharing a block with it
+        for t in sorted(msg.transfers, key=lambda t: t.direction != "out"):
+            ticket = next(self._tickets)
+            self.swapper.submit(ticket, t.direction, t.pairs, msg.granularity)
+            self._pending[ticket] = _Pending(
+                request_id=t.request_id, blocks=len(t.pairs), submitted=now,
+                report=t.direction == "in" and not t.sync)
+            if t.direction == "in" and t.sync:
+                sync.append(ticket)
+        await self._executor.send(attrs.evolve(msg.step, wait_tickets=tuple(sync)))
+
+    async def _report(self) -> None:
+        try:
+            done = self.swapper.poll()
+        except Exception as exc:  # a failed copy fails the requests waiting on it, not the engine
+            log.exception("swap failed")
+            failed = tuple(p.request_id for p in self._pending.values() if p.report)
+            self._pending.clear()
+            if failed:
+                await self._scheduler.send(SwapDone(request_ids=(), failed=failed,
+                                                    error=f"{type(exc).__name__}: {exc}"))
+            return
+        if not done:
+            return
+        now = anyio.current_time()
+        finished = [p for tid in done if (p := self._pending.pop(tid, None)) is not None]
+        reported = [p for p in finished if p.report]
+        if reported:
+            blocks = sum(p.blocks for p in reported)
+            per_block = sum(now - p.submitted for p in reported) / blocks if blocks else None
+            await self._scheduler.send(SwapDone(
+                request_ids=tuple(p.request_id for p in reported), seconds_per_block=per_block))

@@ -1,0 +1,50 @@
+"""`shunter policy check FILE...` and `shunter policy explain FILE`."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.errors import PolicyCheckError, PolicyError, PolicySyntaxError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("policy", help="check or explain policy files",
+                       description="Work with .policy files without starting an engine.")
+    actions = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    check = actions.add_parser(
+        "check", help="check the language of policy files",
+        description="Print `FILE: ok` for each good file (exit 0), or each error as "
+                    "FILE:LINE:COL: message with the source line and a caret (exit 2). Checks "
+                    "the language only, not whether this engine has every mechanism a file asks "
+                    "for (that is checked when an engine loads it).")
+    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    check.set_defaults(run=run_check)
+    explain = actions.add_parser("explain", help="say what a policy does, in plain words")
+    explain.add_argument("file", type=Path, metavar="FILE")
+    explain.set_defaults(run=run_explain)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    from policy_lang import load_policy_file
+
+    failed = False
+    for path in args.files:
+        try:
+            load_policy_file(path)
+        except (PolicySyntaxError, PolicyCheckError) as exc:
+            print(exc)
+            failed = True
+        except PolicyError as exc:
+            print(exc)
+            failed = True
+        else:
+            print(f"{path}: ok")
+    return 2 if failed else 0
+
+
+def run_explain(args: argparse.Namespace) -> int:
+    from policy_lang import load_policy_file
+
+    print(load_policy_file(args.file).explain(), end="")
+    return 0

@@ -1,0 +1,74 @@
+"""What the scheduler did, iteration by iteration: the raw material of `shunter bench`'s
+engine-side metrics (scheduler time per iteration, KV usage and queue length over time, swap
+volume). Off unless `EngineConfig.record_iterations` is set; O(1) appends per iteration."""
+
+from __future__ import annotations
+
+from array import array
+
+import attrs
+
+
+@attrs.define(eq=False)
+class SwapCounters:
+    """Swap traffic between device and host (FastSwitch); zero until swapping exists."""
+
+    copy_ops: int = 0
+    """Copy calls issued (one per block per layer for vLLM's layout, one per group for groups)."""
+    bytes_out: int = 0
+    """Device -> host."""
+    bytes_in: int = 0
+    """Host -> device."""
+    stall_s: float = 0.0
+    """Iteration time lost waiting for swap-ins to finish."""
+    blocks_out: int = 0
+    """KV blocks copied device -> host."""
+    blocks_in: int = 0
+    reused_blocks: int = 0
+    """Blocks a swap-out did not copy because a valid CPU copy held them (FastSwitch §3.3)."""
+    turn_prefix_blocks: int = 0
+    """Blocks of a conversation's earlier turns swapped in instead of prefilled again."""
+
+    def minus(self, earlier: SwapCounters) -> SwapCounters:
+        return SwapCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                               for f in attrs.fields(SwapCounters)})
+
+    def plus(self, other: SwapCounters) -> SwapCounters:
+        return SwapCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                               for f in attrs.fields(SwapCounters)})
+
+
+@attrs.define(eq=False)
+class IterationLog:
+    """One entry per iteration sent to the executor, in parallel arrays."""
+
+    total_blocks: int
+    time: array = attrs.field(factory=lambda: array("d"))
+    """Engine clock (s) when the iteration was planned."""
+    scheduler_s: array = attrs.field(factory=lambda: array("d"))
+    """Wall seconds (`time.perf_counter`) the scheduler spent planning it: CPU work, never the
+    simulated clock."""
+    batch_seqs: array = attrs.field(factory=lambda: array("l"))
+    batch_tokens: array = attrs.field(factory=lambda: array("l"))
+    queued: array = attrs.field(factory=lambda: array("l"))
+    """Live requests left out of the batch (waiting, preempted or swapped)."""
+    used_blocks: array = attrs.field(factory=lambda: array("l"))
+    preemptions: int = 0
+    swap: SwapCounters = attrs.field(factory=SwapCounters)
+
+    def add(self, *, now: float, scheduler_s: float, batch_seqs: int, batch_tokens: int,
+            queued: int, used_blocks: int) -> None:
+        self.time.append(now)
+        self.scheduler_s.append(scheduler_s)
+        self.batch_seqs.append(batch_seqs)
+        self.batch_tokens.append(batch_tokens)
+        self.queued.append(queued)
+        self.used_blocks.append(used_blocks)
+
+    def __len__(self) -> int:
+        return len(self.time)
+
+    def kv_usage(self) -> list[float]:
+        """Fraction of device KV blocks in use at each iteration."""
+        n = self.total_blocks or 1
+        return [u / n for u in self.used_blocks]

@@ -1,0 +1,241 @@
+"""Measure the torch runner's step time over a grid of batch shapes, for `shunter profile fit`.
+
+Each measured step is a real `TorchRunner.execute` (input preparation, forward, sampling), the
+same call the executor makes, on sequences whose cached prefix was prefilled beforehand (not
+timed). The median of a few repeats is kept.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.cost_model import BatchShape
+from engine.messages import BlockUpdate, ExecuteStep, RequestSetup, SeqWork
+from engine.params import SamplingParams
+from gpu.config import ModelConfig
+
+Batch = Sequence[tuple[int, int]]
+"""(cached tokens, new tokens) per sequence; one new token is a decode."""
+
+
+def default_grid(max_context: int, max_tokens: int = 512,
+                 max_batch_context: int = 16384) -> list[Batch]:
+    """Prefills alone, prefills after a cached prefix, decode batches over context lengths, and
+    a few mixed batches, within the model's context, one iteration's token budget and at most
+    `max_batch_context` cached tokens per decode batch (on a CPU, attention over more falls
+    out of cache and grows faster than linearly, which the linear cost model cannot follow)."""
+    grid: list[Batch] = []
+    for p in (8, 32, 64, 128, 256, 384, 512):
+        if p <= min(max_tokens, max_context):
+            grid.append([(0, p)])
+    for p, prefix in itertools.product((64, 256), (256, 1024)):
+        if p + prefix <= max_context and p <= max_tokens:
+            grid.append([(prefix, p)])
+    for b, ctx in itertools.product((1, 2, 4, 8, 16, 32, 64), (32, 128, 512, 1024)):
+        if ctx < max_context and b * ctx <= max_batch_context:
+            grid.append([(ctx, 1)] * b)
+    for p, b in ((64, 8), (128, 16), (256, 32)):
+        grid.append([(0, p)] + [(256, 1)] * b)
+    return grid
+
+
+class StepTimer:
+    """Owns a TorchRunner and hands out block ids for the sequences it times."""
+
+    def __init__(self, config: EngineConfig, model: ModelConfig, num_blocks: int) -> None:
+        from gpu.runner import TorchRunner
+
+        self.config = config
+        self.model = model
+        self.runner = TorchRunner(config, model, num_blocks)
+        self.runner._load()
+        self._ids = itertools.count(1)
+        self._steps = itertools.count(1)
+
+    def time_batch(self, batch: Batch, repeats: int = 3) -> float:
+        """Median ms of one step computing `batch`."""
+        bs = self.config.block_size
+        rids = [next(self._ids) for _ in batch]
+        next_block = 0
+        setups, blocks = [], []
+        for rid, (start, n) in zip(rids, batch):
+            total = start + n
+            prompt = [(rid * 7919 + i * 104729) % (self.model.vocab_size - 3) + 3 for i in range(total)]
+            need = -(-total // bs)
+            setups.append(RequestSetup(request_id=rid, prompt_ids=prompt,
+                                       sampling=SamplingParams(max_tokens=1), eos_token_ids=()))
+            blocks.append(BlockUpdate(request_id=rid, reset=False,
+                                      append=tuple(range(next_block, next_block + need))))
+            next_block += need
+        if next_block > self.runner._num_blocks:
+            raise ValueError(f"batch needs {next_block} KV blocks, the arena has {self.runner._num_blocks}")
+        prefix = [SeqWork(request_id=r, start=0, num_tokens=s, sample=False)
+                  for r, (s, _) in zip(rids, batch) if s]
+        self._run(setups=tuple(setups), blocks=tuple(blocks), seqs=tuple(prefix))
+        work = tuple(SeqWork(request_id=r, start=s, num_tokens=n, sample=True)
+                     for r, (s, n) in zip(rids, batch))
+        times = []
+        for _ in range(repeats):
+            began = time.perf_counter()
+            self._run(seqs=work)
+            times.append((time.perf_counter() - began) * 1000.0)
+        self._run(release=tuple(rids))
+        return statistics.median(times)
+
+    def _run(self, *, setups=(), blocks=(), seqs=(), release=()) -> None:
+        self.runner.execute(ExecuteStep(step_id=next(self._steps), release=release,
+                                        setups=setups, blocks=blocks, seqs=seqs))
+
+
+def measure(config: EngineConfig, grid: Sequence[Batch] | None = None, *, repeats: int = 3,
+            on_row: Callable[[int, int], None] | None = None) -> list[tuple[BatchShape, float]]:
+    """(shape, median ms) for every batch of the grid, on the model `config` names."""
+    model = ModelConfig.from_dir(config.model)
+    grid = list(grid or default_grid(model.max_position_embeddings, config.max_batched_tokens))
+    bs = config.block_size
+    most = max(sum(-(-(s + n) // bs) for s, n in b) for b in grid)
+    timer = StepTimer(config, model, num_blocks=most + 1)
+    timer.time_batch(grid[0], repeats=2)  # warm-up: first calls allocate and pick kernels
+    rows = []
+    for i, batch in enumerate(grid):
+        rows.append((BatchShape.of(batch), timer.time_batch(batch, repeats)))
+        if on_row:
+            on_row(i + 1, len(grid))
+    return rows
+
+
+def measure_copy(device: str = "cpu", big_mib: int = 64, small_kib: int = 16,
+                 calls: int = 200) -> tuple[float, float]:
+    """(GB/s of one large device -> host copy, us per small copy call) on this machine."""
+    import torch
+
+    from gpu.runner import resolve_device
+
+    dev = resolve_device(device)
+    pin = dev.type == "cuda"
+    src = torch.empty(big_mib * 2**20, dtype=torch.uint8, device=dev)
+    dst = torch.empty(src.shape, dtype=torch.uint8, pin_memory=pin)
+    dst.copy_(src)  # warm-up
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    began = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src, non_blocking=pin)
+    sync()
+    gb_per_s = 3 * src.numel() / (time.perf_counter() - began) / 1e9
+    n = small_kib * 1024
+    began = time.perf_counter()
+    for i in range(calls):
+        dst[i * n:(i + 1) * n].copy_(src[i * n:(i + 1) * n], non_blocking=pin)
+    sync()
+    per_call_s = (time.perf_counter() - began) / calls - n / (gb_per_s * 1e9)
+    return gb_per_s, max(per_call_s, 0.0) * 1e6
+
+
+def profile_for(config: EngineConfig, *, name: str, fit, kv_cache_mib: float, gb_per_s: float,
+                dispatch_us: float):
+    """A sim profile of `config.model` on this machine: the fitted cost model, the model's shape,
+    and a "device" holding the weights plus `kv_cache_mib` of KV (the torch backend's pool)."""
+    import platform
+
+    from engine.sim.profile import CopyLink, ModelShape, Profile
+    from gpu.runner import resolve_device, resolve_dtype
+
+    model = ModelConfig.from_dir(config.model)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, model, device)
+    shape = ModelShape(
+        name=config.model.name, num_layers=model.num_layers, hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size, num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads, head_dim=model.head_dim, vocab_size=model.vocab_size,
+        max_context=model.max_position_embeddings, tie_word_embeddings=model.tie_word_embeddings,
+        dtype_bytes=dtype.itemsize)
+    where = platform.processor() or platform.machine()
+    if device.type == "cuda":
+        import torch
+
+        where = torch.cuda.get_device_name(device)
+    memory = (shape.weight_bytes + kv_cache_mib * 2**20) / 2**30
+    source = (f"fitted by `shunter profile fit` from {fit.rows} measured TorchRunner steps of "
+              f"{config.model} on {device.type} ({where}, {dtype}); mean relative error "
+              f"{fit.mean_relative_error:.1%}, max {fit.max_relative_error:.1%}; copy link "
+              f"measured with torch copies{fit.note}")
+    return Profile(name=name, model=shape, gpu=f"{device.type}: {where}", gpu_memory_gib=memory,
+                   memory_utilization=1.0, cost=fit.cost,
+                   link=CopyLink(bandwidth_gb_per_s=gb_per_s, dispatch_us=dispatch_us),
+                   source=source)
+
+
+def calibrate_in_engine(config: EngineConfig, cost, *, batches: int = 3,
+                        batch_size: int = 16) -> tuple[float, float, float]:
+    """(k, overhead ms, overhead ms per sequence): how a step measured alone compares with the same step inside a running
+    engine. Serves a few closed-loop batches on the real engine, recording every step's
+    `execute` time and the gap until the next step starts (scheduling, messages, the hop to
+    the worker thread). k is the median of in-engine time over the fitted prediction; the
+    overhead the median gap between back-to-back steps. The sim has no such costs (its actors
+    take no virtual time), so a profile for this machine's engine folds them in."""
+    import anyio
+
+    from engine.backends import build_backend
+    from engine.benchmark.driver import Driver
+    from engine.engine import Engine
+    from engine.policy import FcfsPolicy
+    from engine.workloads import BatchSource, Workload
+
+    backend = build_backend(config)
+    runner = backend.runner
+    plain = runner.execute
+    steps: list[tuple[BatchShape, float, float, float]] = []
+
+    def timed(step: ExecuteStep):
+        began = time.perf_counter()
+        out = plain(step)
+        end = time.perf_counter()
+        steps.append((BatchShape.of([(w.start, w.num_tokens) for w in step.seqs]),
+                      (end - began) * 1000.0, began, end))
+        return out
+
+    runner.execute = timed
+    workload = Workload(name="calibration", description="", params={}, requests=(),
+                        batches=(BatchSource(batch_size=batch_size, prompt_range=(16, 256),
+                                             output_range=(16, 64), max_batches=batches),))
+
+    async def serve() -> None:
+        async with Engine.start(config, policy=FcfsPolicy(), backend=backend) as engine:
+            await Driver(engine, workload, vocab=backend.vocab_size, declared_classes=set()).run()
+
+    anyio.run(serve)
+    work = [s for s in steps if s[0].prefill_tokens or s[0].decode_seqs]
+    k = statistics.median(ms / cost.predict_ms(shape) for shape, ms, _, _ in work)
+    # the gap after a step grows with the sequences it served (outputs, bookkeeping)
+    pairs = [(cur[0].decode_seqs + (cur[0].prefill_tokens > 0), (nxt[2] - cur[3]) * 1000.0)
+             for cur, nxt in zip(steps, steps[1:])]
+    gaps = sorted(g for _, g in pairs)
+    cut = gaps[int(0.9 * (len(gaps) - 1))]  # leave out the idle waits between batches
+    kept = [(n, g) for n, g in pairs if g <= cut]
+    slope, intercept = statistics.linear_regression([n for n, _ in kept], [g for _, g in kept])
+    return k, max(0.0, intercept), max(0.0, slope)
+
+
+def calibrated(fit, k: float, overhead_ms: float, per_seq_ms: float = 0.0):
+    """The fit with every coefficient scaled by k, the overhead added to the fixed cost and the
+    per-sequence overhead to the cost per decode sequence."""
+    import attrs
+
+    from engine.sim.fit import COLUMNS
+
+    c = fit.cost
+    scaled = {name: getattr(c, name) * k for name in COLUMNS}
+    scaled["a_ms"] += overhead_ms
+    scaled["d_ms_per_decode_seq"] += per_seq_ms
+    note = (f"; calibrated in a running engine: steps x{k:.3f}, +{overhead_ms:.3f} ms per "
+            f"iteration, +{per_seq_ms:.4f} ms per sequence")
+    return attrs.evolve(fit, cost=attrs.evolve(c, **scaled),
+                        calibration=(k, overhead_ms, per_seq_ms), note=note)

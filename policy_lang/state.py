@@ -1,0 +1,190 @@
+"""The state a compiled policy carries between iterations: rerank priorities, fairness counters,
+the adaptive batch size and the overload triggers. Plain Python; no Lark."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from operator import attrgetter
+from typing import Any, Literal
+
+from engine.policy import IterationOutcome, OverloadSignal, SchedulerView
+
+Condition = Callable[[Any], Any]
+
+
+class Rerank:
+    """Periodic priority updates (FastSwitch §4): every N iterations (or T milliseconds) every
+    live request gets a new priority value, held until the next rerank; a request that arrives
+    in between gets one on arrival.
+
+    `markov`: a request running at the rerank stays in the top band with probability `stay`; one
+    that is not gets in with the probability that keeps the band's size steady, so recently
+    served requests are likelier to stay on top. `random`: uniform values, no memory.
+    """
+
+    def __init__(self, *, pattern: Literal["markov", "random"], stay: float, seed: int,
+                 every_iterations: int | None, every_ms: float | None) -> None:
+        self.pattern = pattern
+        self.stay = stay
+        self.every_iterations = every_iterations
+        self.every_ms = every_ms
+        self.values: dict[int, float] = {}
+        """request id -> assigned priority (larger is more important); updated in place."""
+        self.reranks = 0
+        self._rng = random.Random(seed)
+        self._last_iteration: int | None = None
+        self._last_now = 0.0
+        self._promote = 0.0
+        """markov: chance that a request not on top is put on top."""
+
+    def before(self, view: SchedulerView) -> None:
+        if self._due(view):
+            self._rerank(view)
+            return
+        values, draw = self.values, self._draw
+        for r in view.requests:
+            if r.id not in values:
+                values[r.id] = draw()
+        if len(values) > 2 * len(view.requests) + 64:  # forget finished requests
+            live = {r.id: values[r.id] for r in view.requests}
+            values.clear()
+            values.update(live)
+
+    def _due(self, view: SchedulerView) -> bool:
+        if self._last_iteration is None:
+            return True
+        if self.every_iterations is not None:
+            return view.iteration - self._last_iteration >= self.every_iterations
+        assert self.every_ms is not None
+        return (view.now - self._last_now) * 1000.0 >= self.every_ms
+
+    def _rerank(self, view: SchedulerView) -> None:
+        self._last_iteration, self._last_now = view.iteration, view.now
+        self.reranks += 1
+        requests = sorted(view.requests, key=attrgetter("id"))
+        rng, values = self._rng, self.values
+        values.clear()
+        if self.pattern == "random":
+            for r in requests:
+                values[r.id] = rng.random()
+            return
+        top = sum(r.state == "running" for r in requests)
+        rest = len(requests) - top
+        self._promote = min(1.0, (1.0 - self.stay) * top / rest) if rest else 0.0
+        for r in requests:
+            chance = self.stay if r.state == "running" else self._promote
+            values[r.id] = float(rng.random() < chance) + rng.random()
+
+    def _draw(self) -> float:
+        if self.pattern == "random":
+            return self._rng.random()
+        return float(self._rng.random() < self._promote) + self._rng.random()
+
+
+class FairCounters:
+    """Virtual token counters per tenant, in the style of VTC (Sheng et al., OSDI 2024): each
+    tenant is charged `input` per prompt token computed and `output` per token generated; a
+    tenant that comes back after having nothing queued starts at the least-served active
+    tenant's count, so idling banks no credit."""
+
+    def __init__(self, *, input_price: float, output_price: float) -> None:
+        self.input_price = input_price
+        self.output_price = output_price
+        self.service: dict[str, float] = {}
+        """tenant -> weighted tokens served; updated in place."""
+        self._active: set[str] = set()
+
+    def before(self, view: SchedulerView) -> None:
+        tenants = {r.tenant for r in view.requests}
+        if tenants == self._active:
+            return
+        service = self.service
+        staying = [service.get(t, 0.0) for t in tenants & self._active]
+        floor = min(staying) if staying else None
+        for t in tenants - self._active:
+            mine = service.get(t, 0.0)
+            service[t] = mine if floor is None else max(mine, floor)
+        self._active = tenants
+
+    def observe(self, outcome: IterationOutcome) -> None:
+        service, pin, pout = self.service, self.input_price, self.output_price
+        for r, prompt, output in outcome.served:
+            service[r.tenant] = service.get(r.tenant, 0.0) + pin * prompt + pout * output
+
+
+class FixedBatch:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def limit(self, view: SchedulerView) -> int:
+        return self.size
+
+    def note_predicted_violation(self) -> None:
+        pass
+
+    def observe(self, outcome: IterationOutcome) -> None:
+        pass
+
+
+class AdaptiveBatch:
+    """BROS §4.2, adaptive batch sizing: start at `start`, grow by `grow` after every calm
+    iteration, fall back to `start` after a violation: predicted (packing found the batch would
+    miss the tightest deadline) and/or observed (a token was late), as `reset_on` says."""
+
+    def __init__(self, *, start: int, grow: int, cap: int | None,
+                 reset_on: Literal["violation", "predicted", "observed"]) -> None:
+        self.start = start
+        self.grow = grow
+        self.cap = cap
+        self.reset_on = reset_on
+        self.size = start
+        self.resets = 0
+        self._ceiling = cap
+        self._predicted = False
+
+    def limit(self, view: SchedulerView) -> int:
+        self._ceiling = self.cap or view.max_num_seqs
+        return min(self.size, self._ceiling)
+
+    def note_predicted_violation(self) -> None:
+        self._predicted = True
+
+    def observe(self, outcome: IterationOutcome) -> None:
+        predicted = self._predicted and self.reset_on != "observed"
+        observed = outcome.deadline_misses > 0 and self.reset_on != "predicted"
+        self._predicted = False
+        if predicted or observed:
+            self.size = self.start
+            self.resets += 1
+        else:
+            self.size = min(self.size + self.grow, self._ceiling or self.size + self.grow)
+
+
+class OverloadTriggers:
+    """KunServe §4.1 and §4.4: `drop` fires while its condition has held for `drop_hold`
+    consecutive iterations; after a drop, `restore` fires once its condition has held for
+    `restore_hold` iterations. Evaluated once per iteration."""
+
+    def __init__(self, *, drop: Condition, drop_hold: int, restore: Condition | None,
+                 restore_hold: int) -> None:
+        self._drop, self._drop_hold = drop, drop_hold
+        self._restore, self._restore_hold = restore, restore_hold
+        self.dropped = False
+        self._drop_run = self._restore_run = 0
+        self._iteration: int | None = None
+        self._signal: OverloadSignal | None = None
+
+    def evaluate(self, view: SchedulerView) -> OverloadSignal | None:
+        if view.iteration == self._iteration:
+            return self._signal
+        self._iteration = view.iteration
+        self._drop_run = self._drop_run + 1 if self._drop(None) else 0
+        self._signal = None
+        if self._drop_run >= self._drop_hold:
+            self.dropped, self._restore_run, self._signal = True, 0, "drop"
+        elif self.dropped and self._restore is not None:
+            self._restore_run = self._restore_run + 1 if self._restore(None) else 0
+            if self._restore_run >= self._restore_hold:
+                self.dropped, self._restore_run, self._signal = False, 0, "restore"
+        return self._signal

@@ -1,0 +1,106 @@
+"""Replacing one rule of a policy's text (the REPL's `edit`), and the `shunter policy` commands."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.cli import main
+from engine.errors import PolicySyntaxError
+from policies import policy_path
+from policy_lang import ast
+from policy_lang.edit import replace_rule
+from policy_lang.parser import parse
+
+BASE = """\
+# a comment that stays
+policy p {
+  priority = arrival asc   # and this one
+  preempt recompute
+  memory { swap_in sync; kv_reuse off }
+  every 25 iterations: rerank markov(stay = 0.8, seed = 7)
+}
+"""
+
+
+@pytest.mark.parametrize(("rule", "old", "new"), [
+    ("priority = client_priority desc", "priority = arrival asc", "priority = client_priority desc"),
+    ("preempt   never", "preempt recompute", "preempt never"),
+    ("memory { kv_reuse on }", "memory { swap_in sync; kv_reuse off }",
+     "memory { swap_in sync; kv_reuse on }"),
+    ("rerank random(seed = 1)", "every 25 iterations: rerank markov(stay = 0.8, seed = 7)",
+     "every 25 iterations: rerank random(seed = 1)"),
+])
+def test_a_rule_replaces_the_statement_that_sets_the_same_thing(rule, old, new):
+    assert replace_rule(BASE, rule) == BASE.replace(old, new)
+
+
+def test_a_rule_the_file_does_not_set_is_added_before_the_closing_brace():
+    head, brace, tail = BASE.rpartition("}")
+    assert replace_rule(BASE, "batch max 8") == head + "  batch max 8\n" + brace + tail
+    assert replace_rule("policy q { }\n", "preempt never") == "policy q { preempt never }\n"
+    assert replace_rule("class a { }\n", "class b { }") == "class a { }\nclass b { }\n"
+
+
+def test_a_malformed_rule_is_a_syntax_error_in_the_edit():
+    with pytest.raises(PolicySyntaxError) as info:
+        replace_rule(BASE, "priority = arrival sideways")
+    assert str(info.value) == ("<edit>:1:20: unexpected name 'sideways'; expected ',', ';', 'asc', "
+                               "'desc', a statement, end of file\n"
+                               "  priority = arrival sideways\n"
+                               "                     ^~~~~~~~")
+    with pytest.raises(PolicySyntaxError, match="expected one rule, got 2"):
+        replace_rule(BASE, "preempt never; batch max 2")
+
+
+def test_nodes_carry_the_span_of_their_text():
+    tree = parse(BASE, "b.policy")
+    rule = tree.body[0]
+    assert isinstance(rule, ast.PriorityRule)
+    s = rule.keys[0].expr.span
+    assert (s.file, s.line, s.column, s.end_column) == ("b.policy", 3, 14, 21)
+    assert BASE[rule.span.start:rule.span.end] == "priority = arrival asc"
+    assert tree.close is not None and BASE[tree.close.start] == "}"
+
+
+def test_policy_check_prints_ok_or_each_error_and_exits_0_or_2(tmp_path, capsys):
+    good = policy_path("fcfs")
+    bad = tmp_path / "bad.policy"
+    bad.write_text("policy bad {\n  priority = arival asc\n  preempt swapp\n}\n")
+    assert main(["policy", "check", str(good)]) == 0
+    assert capsys.readouterr().out == f"{good}: ok\n"
+    assert main(["policy", "check", str(bad), str(good), str(tmp_path / "none.policy")]) == 2
+    assert capsys.readouterr().out == (
+        f"{bad}:2:14: unknown field 'arival'; did you mean 'arrival'?\n"
+        "    priority = arival asc\n"
+        "               ^~~~~~\n"
+        f"{bad}:3:11: unknown preemption mode 'swapp'; did you mean 'swap'? (modes: swap, "
+        "recompute, never)\n"
+        "    preempt swapp\n"
+        "            ^~~~~\n"
+        f"{good}: ok\n"
+        f"{tmp_path}/none.policy: cannot read the policy file: No such file or directory\n")
+
+
+def test_policy_check_checks_the_language_not_the_engine(capsys):
+    path = policy_path("fastswitch_markov")
+    assert main(["policy", "check", str(path)]) == 0
+
+
+def test_policy_explain_prints_plain_words(capsys):
+    assert main(["policy", "explain", str(policy_path("bros"))]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"Policy bros ({policy_path('bros')}).\n  BROS hybrid scheduling")
+    for line in (
+        "  rt: first token within 400 ms, then a token every 200 ms.",
+        "  be (the default for requests that name no class): no deadlines.",
+        "  1. take rt requests (by slack, smallest first) while est_iteration < min_slack; the "
+        "first that fails ends this step and counts as a predicted deadline violation.",
+        "  2. fill with be requests (by checkpointed_blocks, smallest first, then by arrival, "
+        "earliest first) while the batch has room and est_iteration < min_slack.",
+        "Batch size (BROS §4.2, adaptive): starts at 8, grows by 1 after each calm iteration up "
+        "to the engine's max_num_seqs, and goes back to 8 after a predicted or an observed "
+        "deadline violation.",
+        "  est_iteration is predicted by the engine's cost model; when the engine has none (the "
+        "torch backend today), by the moving average of observed iteration times (BROS Table 1).",
+    ):
+        assert line in out.splitlines(), line
