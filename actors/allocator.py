@@ -25,7 +25,7 @@ from engine.messages import (
     AllocatorMessage, BlockUpdate, ExecuteStep, InspectAllocator, RunStep, SwapOrders, SwapTransfer,
 )
 
-log = structlog.get_logger().bind(actor="allocator")
+log = structlog.get_logger(actor="allocator")
 
 
 @attrs.frozen(kw_only=True)

@@ -13,7 +13,7 @@ import structlog
 
 from engine.messages import ExecuteStep, StepFailed, StepFinished
 
-log = structlog.get_logger().bind(actor="executor")
+log = structlog.get_logger(actor="executor")
 
 
 class StepRunner(Protocol):

@@ -18,7 +18,7 @@ from engine.errors import AdmissionError, InvalidRequestError, PromptTooLongErro
 from engine.messages import AbortRequest, AddRequest, Cancel, FrontendMessage, StepOutputs, Submit, TokenOutput
 from engine.outputs import Admitted, GenerationChunk, Rejected
 
-log = structlog.get_logger().bind(actor="frontend")
+log = structlog.get_logger(actor="frontend")
 
 
 class TextCodec(Protocol):

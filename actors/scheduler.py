@@ -3,6 +3,13 @@
 Each iteration: refresh the views, ask the policy for an order, fit it to the budgets
 (engine/planner.py), send the whole plan to the allocator in one `RunStep`, and wait for the
 executor's `StepFinished` while still taking new requests, cancellations and policy swaps.
+
+Queues are request states: waiting, running, swapped (KV on the host) and swapping_in (an
+asynchronous swap-in under way). When the policy re-ranks, the planner moves requests between
+them in priority order; the swaps that causes ride in the same `RunStep`. The scheduler also owns
+the host copy space (`CpuCopyStore`): which host blocks hold whose KV, what is reused across
+swaps and conversation turns (FastSwitch §3.3), and whether a swap-out fits at all (else the
+victim is preempted by recompute).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
 from engine.request import Request
 
-log = structlog.get_logger().bind(actor="scheduler")
+log = structlog.get_logger(actor="scheduler")
 
 IDLE_POLL_S = 0.005
 """How long to wait before asking the policy again when it scheduled nothing."""
@@ -79,7 +86,9 @@ class Scheduler:
         self._policy = policy
         self._total_blocks = num_blocks
         self._free_blocks = num_blocks
-        self._max_context = max_context
+        # a sequence longer than the whole KV pool could never be scheduled again: it ends
+        # with `length` there, as at the model's context limit
+        self._max_context = min(max_context, num_blocks * config.block_size)
         self._inbox = inbox
         self._allocator = allocator
         self._frontend = frontend
@@ -261,6 +270,7 @@ class Scheduler:
                 self._swap_out.append(SwapOut(request_id=v.id, first_block=plan.first_block,
                                               cpu_blocks=plan.cpu_blocks))
                 self._reuse.reused_blocks += plan.reused_blocks
+                self._reuse.turn_end_blocks_out += len(plan.cpu_blocks)
                 self._cpu.mark_backup(v.id, rank=math.inf)
                 self._cpu.rekey(v.id, ("conversation", conversation))
                 tokens = (*req.prompt_ids, *req.output_ids)

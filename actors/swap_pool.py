@@ -21,7 +21,7 @@ import structlog
 from engine.iteration_log import SwapCounters
 from engine.messages import SwapDone, SwapOrders
 
-log = structlog.get_logger().bind(actor="swap_pool")
+log = structlog.get_logger(actor="swap_pool")
 
 
 class Swapper(Protocol):

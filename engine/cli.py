@@ -30,8 +30,13 @@ def configure_logging(verbose: bool) -> None:
     level = logging.INFO if verbose else logging.WARNING
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=_stderr_logger,
     )
+
+
+def _stderr_logger(*args: object) -> structlog.PrintLogger:
+    """Looks sys.stderr up when a logger is made, so a replaced stderr (tests) is followed."""
+    return structlog.PrintLogger(file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

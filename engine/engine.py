@@ -42,7 +42,7 @@ from engine.policy_source import (
 )
 from engine.reply import Reply
 
-log = structlog.get_logger().bind(actor="engine")
+log = structlog.get_logger(actor="engine")
 
 
 @attrs.frozen(kw_only=True)

@@ -28,6 +28,9 @@ class SwapCounters:
     """Blocks a swap-out did not copy because a valid CPU copy held them (FastSwitch §3.3)."""
     turn_prefix_blocks: int = 0
     """Blocks of a conversation's earlier turns swapped in instead of prefilled again."""
+    turn_end_blocks_out: int = 0
+    """Of `blocks_out`, those copied when a conversation's turn ended, to keep its KV for the
+    next turn (the rest were copied to preempt)."""
 
     def minus(self, earlier: SwapCounters) -> SwapCounters:
         return SwapCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)

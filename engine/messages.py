@@ -3,7 +3,9 @@
 Commands are imperative (`AddRequest`, `RunStep`), events are past tense (`StepFinished`).
 Messages carry ids and numbers, never tensors; one iteration costs O(1) messages: the scheduler
 sends one `RunStep` to the allocator, which sends one `ExecuteStep` to the executor, which answers
-the scheduler with one `StepFinished` and the frontend gets one `StepOutputs`.
+the scheduler with one `StepFinished` and the frontend gets one `StepOutputs`. An iteration that
+swaps goes allocator -> swap pool (`SwapOrders`, all its copies) -> executor; the pool reports
+finished asynchronous swap-ins to the scheduler with `SwapDone`.
 """
 
 from __future__ import annotations

@@ -206,6 +206,11 @@ class RunMetrics:
             "be_requests_per_s": self.be_requests_per_s, "preemptions": self.preemptions,
             "swap": {"copy_ops": s.copy_ops, "bytes_out": s.bytes_out, "bytes_in": s.bytes_in,
                      "avg_copy_bytes": (s.bytes_out + s.bytes_in) / s.copy_ops if s.copy_ops else 0.0,
+                     "blocks_out": s.blocks_out, "blocks_in": s.blocks_in,
+                     "copy_ops_per_block": (s.copy_ops / (s.blocks_out + s.blocks_in)
+                                            if s.blocks_out + s.blocks_in else 0.0),
+                     "reused_blocks": s.reused_blocks, "turn_prefix_blocks": s.turn_prefix_blocks,
+                     "turn_end_blocks_out": s.turn_end_blocks_out,
                      "stall_ms": s.stall_s * 1000.0,
                      "request_stall_ms": self.swap_stall_ms.as_dict()},
             "scheduler_ms_per_iteration": self.scheduler_ms_per_iteration.as_dict(),

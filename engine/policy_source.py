@@ -13,7 +13,7 @@ from engine.config import EngineConfig
 from engine.errors import PolicyError
 from engine.policy import EngineCapabilities, FcfsPolicy, Policy, ensure_supported
 
-log = structlog.get_logger().bind(actor="engine")
+log = structlog.get_logger(actor="engine")
 
 
 def cpu_swap_blocks(config: EngineConfig, device_blocks: range) -> int:

@@ -22,19 +22,33 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="event loop to run the engine on")
+    g.add_argument("--cpu-swap-blocks", type=int, default=None,
+                   help="host KV blocks for swapping and CPU copies kept across turns "
+                        "(default: as many as the device pool; 0: no swapping)")
     g.add_argument("--policy", type=Path, default=None, metavar="FILE",
-                   help="scheduling policy file (default: the shipped policies/fcfs.policy)")
+                   help="scheduling policy file, or the name of a shipped one such as "
+                        "fastswitch_markov (default: policies/fcfs.policy)")
+
+
+def resolve_policy(path: Path) -> Path:
+    """A policy file as given, else a shipped policy of that name."""
+    if path.exists() or len(path.parts) > 1 or path.suffix:
+        return path
+    from policies import policy_dir
+
+    shipped = policy_dir() / f"{path.name}.policy"
+    return shipped if shipped.exists() else path
 
 
 def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig:
     fields: dict[str, object] = dict(
         block_size=args.block_size, num_blocks=args.num_blocks, max_num_seqs=args.max_num_seqs,
         max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
-        threads=args.threads,
+        threads=args.threads, cpu_swap_blocks=getattr(args, "cpu_swap_blocks", None),
     )
     if args.model is not None:
         fields["model"] = args.model
     if getattr(args, "policy", None) is not None:
-        fields["policy"] = args.policy
+        fields["policy"] = resolve_policy(args.policy)
     fields.update(overrides)
     return EngineConfig(**fields)  # type: ignore[arg-type]

@@ -78,6 +78,7 @@ def test_run_aggregates_by_hand():
         log.add(now=float(i), scheduler_s=s, batch_seqs=1, batch_tokens=1, queued=0, used_blocks=5)
     log.preemptions = 2
     log.swap.copy_ops, log.swap.bytes_out, log.swap.bytes_in = 4, 300, 100
+    log.swap.blocks_out, log.swap.blocks_in = 3, 1
     m = run_metrics([a, b, c], duration_s=10.0, goals=goals, failed=refused, log=log)
 
     assert (m.completed, m.failed) == (3, 1)
@@ -102,6 +103,8 @@ def test_run_aggregates_by_hand():
     assert m.scheduler_ms_per_iteration.p50 == pytest.approx(2.5)
     d = m.as_dict()
     assert d["swap"] == {"copy_ops": 4, "bytes_out": 300, "bytes_in": 100, "avg_copy_bytes": 100.0,
+                         "blocks_out": 3, "blocks_in": 1, "copy_ops_per_block": 1.0,
+                         "reused_blocks": 0, "turn_prefix_blocks": 0, "turn_end_blocks_out": 0,
                          "stall_ms": 0.0, "request_stall_ms": d["swap"]["request_stall_ms"]}
     assert d["swap"]["request_stall_ms"]["p50"] == pytest.approx(50.0)
     assert d["requests"] == {"completed": 3, "failed": 1}

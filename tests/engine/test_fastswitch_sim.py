@@ -1,0 +1,59 @@
+"""FastSwitch's ladder on the simulator (Llama-3-8B profile, small pool, multi-turn workload):
+each step of the ladder must change what it claims to change, every request must end, and no
+device block may be left allocated. The sizes of the effects are benchmarks
+(bench/fastswitch_ladder.py), not tests; here only their direction is checked."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.benchmark.policies import parse_policy
+from engine.benchmark.run import run_one
+from engine.config import EngineConfig
+from engine.workloads import load_workload
+from tests.conftest import slow_scale
+
+SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=400, cpu_swap_blocks=6000,
+                   record_iterations=True, max_batched_tokens=2048)
+LAYERS = 32
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    conversations = slow_scale(60, 16)
+    w = load_workload(f"multiturn:conversations={conversations},rate=0.5,seed=3,max_len=4096")
+    out = {}
+    for name in ("vllm_baseline_markov", "groups_markov", "reuse_markov", "fastswitch_markov"):
+        o = run_one(parse_policy(name), w, SIM, progress=False)
+        assert o.error is None, o.error
+        out[name.split("_")[0]] = o
+    return w, out
+
+
+def test_every_request_ends_and_swaps_happen(ladder):
+    w, runs = ladder
+    for o in runs.values():
+        m = o.metrics
+        assert m.completed == len(w.requests) and m.failed == 0
+        assert m.preemptions > 0 and m.swap.blocks_out > 0 and m.swap.blocks_in > 0
+
+
+def test_per_block_swap_copies_each_layer_apart_and_groups_coalesce(ladder):
+    _, runs = ladder
+    base = runs["vllm"].metrics.swap
+    assert base.copy_ops == 2 * LAYERS * (base.blocks_out + base.blocks_in)
+    groups = runs["groups"].metrics.swap
+    assert groups.copy_ops < groups.blocks_out + groups.blocks_in  # under one copy per block
+
+
+def test_reuse_copies_less_out_and_swaps_turn_history_in(ladder):
+    _, runs = ladder
+    groups, reuse = runs["groups"].metrics.swap, runs["reuse"].metrics.swap
+    assert reuse.bytes_out < groups.bytes_out
+    assert reuse.reused_blocks > 0 and reuse.turn_prefix_blocks > 0
+    assert groups.reused_blocks == groups.turn_prefix_blocks == 0
+
+
+def test_async_swap_in_stalls_the_steps_less(ladder):
+    _, runs = ladder
+    assert runs["fastswitch"].metrics.swap.stall_s < runs["reuse"].metrics.swap.stall_s
