@@ -50,11 +50,12 @@ SETUPS = {
         config=EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=1500,
                             cpu_swap_blocks=20000, max_num_seqs=64, max_batched_tokens=2048,
                             max_queued_requests=100_000)),
-    # The shipped 2.4M-parameter model on this CPU: lengths scaled down to its 1024-token
-    # context, a pool of 48 blocks of 16 tokens.
+    # The shipped 2.4M-parameter model on this CPU: ShareGPT lengths scaled by 0.05 (contexts
+    # up to ~400 tokens), a pool of 32 blocks of 16 tokens, real copies between two host
+    # buffers in worker threads.
     "torch": dict(
-        workload="multiturn:conversations=24,rate=1,seed=1,scale_lengths=0.06,max_len=900",
-        config=EngineConfig(backend="torch", num_blocks=48, cpu_swap_blocks=1024, threads=2,
+        workload="multiturn:conversations=30,rate=3,think=1,seed=1,scale_lengths=0.05",
+        config=EngineConfig(backend="torch", num_blocks=32, cpu_swap_blocks=1024, threads=2,
                             max_num_seqs=32, max_batched_tokens=256, max_queued_requests=100_000)),
 }
 

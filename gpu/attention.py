@@ -105,34 +105,60 @@ def prefill_attention_torch(
     return out
 
 
+DECODE_BUCKET = 16
+"""The torch decode path pads each group of this many sequences (sorted by length) to the
+group's longest, not the whole batch to the batch's longest."""
+
+
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+    seq_lens_host: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """One query per sequence over its whole cached context, batched with a length mask.
 
-    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, Hq, D].
+    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, Hq, D]. With
+    `seq_lens_host`, sequences of similar length are batched together, so a few long contexts
+    do not make every short one read (and mask) as many slots.
     """
+    batch = q.shape[0]
+    if seq_lens_host is None or batch <= DECODE_BUCKET:
+        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    out = torch.empty_like(q)
+    order = sorted(range(batch), key=seq_lens_host.__getitem__)
+    for i in range(0, batch, DECODE_BUCKET):
+        rows = order[i:i + DECODE_BUCKET]
+        idx = torch.tensor(rows, device=q.device)
+        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
+                                 seq_lens_host[rows[-1]], scale)
+    return out
+
+
+def _decode_group(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
+) -> torch.Tensor:
     batch, block_size = q.shape[0], k_cache.shape[1]
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     num_blocks = -(-max_seq_len // block_size)
+    slots = num_blocks * block_size
     # table entries past a sequence's blocks are padding of any value: read block 0 instead
     starts = torch.arange(num_blocks, device=q.device) * block_size  # [nb]
     table = block_tables[:, :num_blocks].long()
     table = torch.where(starts.unsqueeze(0) < seq_lens.unsqueeze(1), table, 0)  # [B, nb]
-    # [B, nb, bs, Hkv, D] -> [B, Hkv, nb*bs, D]
-    k = k_cache[table].flatten(1, 2).transpose(1, 2)
-    v = v_cache[table].flatten(1, 2).transpose(1, 2)
-    positions = torch.arange(k.shape[2], device=q.device)
-    valid = positions.unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
-    # slots past a sequence's length hold stale data, maybe NaN/inf (an empty arena): masking the
-    # scores is not enough, since SDPA still computes -inf + NaN and 0 * NaN, so zero them
-    k = torch.where(valid.view(batch, 1, -1, 1), k, 0)
-    v = torch.where(valid.view(batch, 1, -1, 1), v, 0)
-    mask = valid.view(batch, 1, 1, -1)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), k, v, attn_mask=mask, scale=scale, enable_gqa=True,
-    )  # [B, Hq, 1, D]
-    return o.squeeze(2)
+    k = k_cache[table].view(batch, slots, num_kv_heads, head_dim)  # [B, S, Hkv, D]
+    v = v_cache[table].view(batch, slots, num_kv_heads, head_dim)
+    valid = torch.arange(slots, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
+    # grouped-query attention: the query heads of one KV head side by side
+    qg = q.view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
+    scores = torch.einsum("bhgd,bshd->bhgs", qg.float(), k.float()) * scale
+    # slots past a sequence's length hold stale data, maybe NaN/inf (an empty arena): the fill
+    # replaces their scores whatever they were, and V is zeroed there, since 0 * NaN is NaN
+    scores.masked_fill_(~valid.view(batch, 1, 1, slots), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    v = v.float().masked_fill(~valid.view(batch, slots, 1, 1), 0.0)
+    out = torch.einsum("bhgs,bshd->bhgd", probs, v)  # [B, Hkv, G, D]
+    return out.reshape(batch, -1, head_dim).to(q.dtype)
 
 
 def paged_attention(
@@ -152,8 +178,10 @@ def paged_attention(
         out[:npt] = prefill(q[:npt], k_cache, v_cache, meta, scale)
     if nd:
         s = meta.num_prefills
-        out[npt:] = decode(
-            q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],
-            max(meta.seq_lens_host[s:]), scale,
-        )
+        args = (q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],
+                max(meta.seq_lens_host[s:]), scale)
+        if backend == "triton":
+            out[npt:] = decode(*args)
+        else:
+            out[npt:] = decode(*args, seq_lens_host=meta.seq_lens_host[s:])
     return out

@@ -114,10 +114,11 @@ class TorchRunner:
         block the step writes (FastSwitch §3.2's conflicts). Returns the seconds waited."""
         began = time.perf_counter()
         self.swapper.wait(step.wait_tickets)
-        self.swapper.wait_blocks(self._written_blocks(step.seqs))
+        conflicts = self.swapper.wait_blocks(self._written_blocks(step.seqs))
+        if not (step.wait_tickets or conflicts):
+            return 0.0
         stall = time.perf_counter() - began
-        if stall > 0:
-            self.swapper.add_stall(stall)
+        self.swapper.add_stall(stall)
         return stall
 
     def _written_blocks(self, work: Sequence[SeqWork]) -> Iterator[int]:
