@@ -25,7 +25,7 @@ import structlog
 from engine.config import EngineConfig
 from engine.cost_model import CostModel
 from engine.iteration_log import IterationLog, SwapCounters
-from engine.memory.cpu_store import CpuCopyStore
+from engine.memory.cpu_store import CpuCopyStore, SwapOutPlan
 from engine.messages import (
     AbortRequest, AddRequest, InspectScheduler, ReplacePolicy, RequestSetup, RunStep, SchedulerMessage,
     SeqWork, StepFailed, StepFinished, StepOutputs, SwapDone, SwapIn, SwapOut, TakeIterationLog,
@@ -265,11 +265,8 @@ class Scheduler:
         conversation = v.conversation_id
         if (self._reusing() and conversation is not None and reason in ("stop", "length")
                 and v.blocks and v.computed_tokens):
-            plan = self._cpu.prepare_swap_out(v.id, v.computed_tokens, rank=math.inf)
+            plan = self._order_swap_out(v, rank=math.inf)
             if plan is not None:
-                self._swap_out.append(SwapOut(request_id=v.id, first_block=plan.first_block,
-                                              cpu_blocks=plan.cpu_blocks))
-                self._reuse.reused_blocks += plan.reused_blocks
                 self._reuse.turn_end_blocks_out += len(plan.cpu_blocks)
                 self._cpu.mark_backup(v.id, rank=math.inf)
                 self._cpu.rekey(v.id, ("conversation", conversation))
@@ -373,6 +370,18 @@ class Scheduler:
                      free_blocks=self._free_blocks, total_blocks=self._total_blocks)
         self._overload = signal
 
+    def _order_swap_out(self, v: RequestView, *, rank: float,
+                        expected_blocks: int | None = None) -> SwapOutPlan | None:
+        """Make room on the host for the request's computed KV and order the copy of what no
+        valid CPU copy holds yet; None (nothing ordered) when the host has no room."""
+        plan = self._cpu.prepare_swap_out(v.id, v.computed_tokens, rank=rank,
+                                          expected_blocks=expected_blocks)
+        if plan is not None:
+            self._swap_out.append(SwapOut(request_id=v.id, first_block=plan.first_block,
+                                          cpu_blocks=plan.cpu_blocks))
+            self._reuse.reused_blocks += plan.reused_blocks
+        return plan
+
     def _preempt(self, req: Request, rank: int) -> None:
         """Preempt by swap when the policy says so and the CPU has room (only what no valid CPU
         copy holds is copied, FastSwitch §3.3); else by recompute: drop the KV, keep the tokens,
@@ -383,13 +392,9 @@ class Scheduler:
         self._preemptions += 1
         self._backups.discard(v.id)
         if self._policy.settings.preempt_mode == "swap" and self._cpu is not None and v.computed_tokens:
-            plan = self._cpu.prepare_swap_out(
-                v.id, v.computed_tokens, rank=rank,
-                expected_blocks=blocks_for(v.prompt_tokens + v.max_tokens, self._config.block_size))
+            plan = self._order_swap_out(v, rank=rank, expected_blocks=blocks_for(
+                v.prompt_tokens + v.max_tokens, self._config.block_size))
             if plan is not None:
-                self._swap_out.append(SwapOut(request_id=v.id, first_block=plan.first_block,
-                                              cpu_blocks=plan.cpu_blocks))
-                self._reuse.reused_blocks += plan.reused_blocks
                 v.swapped_blocks = blocks_for(v.computed_tokens, self._config.block_size)
                 v.blocks, v.state = 0, "swapped"
                 log.debug("preempted", request_id=v.id, mode="swap",

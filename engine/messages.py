@@ -170,6 +170,10 @@ class SeqWork:
     sample: bool
     """Sample a token after this step (the last known token is being processed)."""
 
+    def written(self, block_size: int) -> slice:
+        """The entries of the request's block table this step writes KV into."""
+        return slice(self.start // block_size, (self.start + self.num_tokens - 1) // block_size + 1)
+
 
 @attrs.frozen(kw_only=True)
 class RequestSetup:

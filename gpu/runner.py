@@ -124,8 +124,7 @@ class TorchRunner:
     def _written_blocks(self, work: Sequence[SeqWork]) -> Iterator[int]:
         bs = self._config.block_size
         for w in work:
-            table = self._seqs[w.request_id].table
-            yield from table[w.start // bs:(w.start + w.num_tokens - 1) // bs + 1]
+            yield from self._seqs[w.request_id].table[w.written(bs)]
 
     def _setup(self, s: RequestSetup) -> None:
         gen = make_generator(s.sampling, fallback_seed=s.request_id, device=self._device)

@@ -27,6 +27,9 @@ import attrs
 import torch
 
 from engine.iteration_log import SwapCounters
+from engine.memory.block_groups import coalesce
+
+__all__ = ["SwapStats", "TorchSwapper", "coalesce"]
 
 Direction = Literal["out", "in"]
 Granularity = Literal["per-block", "groups"]
@@ -39,18 +42,6 @@ class SwapStats:
     bytes_in: int
     yields: int
     conflict_waits: int
-
-
-def coalesce(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(device block, host block) pairs -> (device start, host start, count) runs, consecutive on
-    both sides, in the order given."""
-    runs: list[tuple[int, int, int]] = []
-    for g, c in pairs:
-        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == c:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((g, c, 1))
-    return runs
 
 
 class _Ticket:

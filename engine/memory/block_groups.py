@@ -15,6 +15,7 @@ tables stay the interface to attention, plus `runs()` for the swap path.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Sequence
 
 import attrs
 
@@ -77,6 +78,18 @@ class FreeRuns:
     def _remove(self, start: int) -> None:
         del self._length[start]
         self._starts.pop(bisect.bisect_left(self._starts, start))
+
+
+def coalesce(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(device block, host block) pairs -> (device start, host start, count) runs, consecutive on
+    both sides, in the order given."""
+    runs: list[tuple[int, int, int]] = []
+    for g, c in pairs:
+        if runs and runs[-1][0] + runs[-1][2] == g and runs[-1][1] + runs[-1][2] == c:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((g, c, 1))
+    return runs
 
 
 class BlockGroupManager:

@@ -80,8 +80,7 @@ class SimRunner:
                 table.clear()
             table.extend(u.append)
         bs = self._block_size
-        written = [b for w in step.seqs
-                   for b in tables.get(w.request_id, [])[w.start // bs:(w.start + w.num_tokens - 1) // bs + 1]]
+        written = [b for w in step.seqs for b in tables.get(w.request_id, [])[w.written(bs)]]
         now = anyio.current_time()
         stall = max(0.0, self.swapper.ready_at(step.wait_tickets, written) - now)
         if stall > 0:

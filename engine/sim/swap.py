@@ -13,18 +13,9 @@ from collections.abc import Iterable, Sequence
 import anyio
 
 from engine.iteration_log import SwapCounters
+from engine.memory.block_groups import coalesce
 from engine.sim.copy_engine import CopyEngine
 from engine.sim.profile import CopyLink
-
-
-def _runs(pairs: Sequence[tuple[int, int]]) -> int:
-    """Copy calls of a `groups` swap: runs consecutive on both sides."""
-    runs, last = 0, None
-    for g, c in pairs:
-        if last is None or (g, c) != (last[0] + 1, last[1] + 1):
-            runs += 1
-        last = (g, c)
-    return runs
 
 
 class SimSwapper:
@@ -42,7 +33,7 @@ class SimSwapper:
         now = anyio.current_time()
         after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
-        calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else _runs(pairs)
+        calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else len(coalesce(pairs))
         t = self.engine.submit(after, direction, calls, len(pairs) * self.block_nbytes)  # type: ignore[arg-type]
         c = self.engine.counters
         if direction == "out":
