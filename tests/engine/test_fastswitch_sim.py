@@ -11,7 +11,9 @@ from engine.benchmark.policies import parse_policy
 from engine.benchmark.run import run_one
 from engine.config import EngineConfig
 from engine.workloads import load_workload
+from engine.workloads.traces import FILES
 from tests.conftest import slow_scale
+from tests.engine.test_workloads import write_gz
 
 SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=400, cpu_swap_blocks=6000,
                    record_iterations=True, max_batched_tokens=2048)
@@ -19,9 +21,16 @@ LAYERS = 32
 
 
 @pytest.fixture(scope="module")
-def ladder():
+def ladder(tmp_path_factory):
+    # a ShareGPT-like length table of its own: the shared traces are not part of the repository
+    traces = tmp_path_factory.mktemp("traces")
+    write_gz(traces / FILES["sharegpt"],
+             "num_prefill_tokens,num_decode_tokens,num_total_tokens,pd_ratio\n"
+             "150,100,250,1.5\n300,150,450,2\n500,400,900,1.25\n800,250,1050,3.2\n"
+             "1200,300,1500,4\n")
     conversations = slow_scale(60, 16)
-    w = load_workload(f"multiturn:conversations={conversations},rate=0.5,seed=3,max_len=4096")
+    w = load_workload(f"multiturn:conversations={conversations},rate=0.5,seed=3,max_len=4096",
+                      traces_dir=traces)
     out = {}
     for name in ("vllm_baseline_markov", "groups_markov", "reuse_markov", "fastswitch_markov"):
         o = run_one(parse_policy(name), w, SIM, progress=False)
