@@ -192,8 +192,6 @@ class Scheduler:
         req = Request(view=view, prompt_ids=msg.prompt_ids, sampling=msg.sampling,
                       stop_ids=frozenset(stop), eos_token_ids=msg.eos_token_ids)
         self._live[view.id] = req
-        if self._reusing() and sched.conversation_id is not None:
-            self._reuse_turn(req, sched.conversation_id)
         if spec is None:
             declared = ", ".join(c.name for c in settings.classes)
             self._finish(req, "error", f"unknown request class {sched.request_class!r} "
@@ -201,6 +199,8 @@ class Scheduler:
         elif spec.max_queued is not None and self._queued(spec.name) > spec.max_queued:
             self._finish(req, "error", f"class {spec.name} already has {spec.max_queued} queued "
                                        f"requests (max_queued in policy {settings.name})")
+        elif self._reusing() and sched.conversation_id is not None:
+            self._reuse_turn(req, sched.conversation_id)
 
     def _reusing(self) -> bool:
         return self._cpu is not None and self._policy.settings.memory.kv_reuse
@@ -272,8 +272,16 @@ class Scheduler:
                 self._cpu.rekey(v.id, ("conversation", conversation))
                 tokens = (*req.prompt_ids, *req.output_ids)
                 self._conversations[conversation] = tokens[:v.computed_tokens]
+                self._forget_lost_conversations()
                 return
         self._cpu.drop(v.id)
+
+    def _forget_lost_conversations(self) -> None:
+        """Drop the tokens of conversations whose CPU copy was taken by others since."""
+        if len(self._conversations) > 2 * len(self._cpu.keys()):
+            kept = set(self._cpu.keys())
+            self._conversations = {c: t for c, t in self._conversations.items()
+                                   if ("conversation", c) in kept}
 
     async def _flush_outputs(self) -> None:
         if self._outputs:
