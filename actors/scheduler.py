@@ -427,6 +427,10 @@ class Scheduler:
             req = self._live[v.id]
             setup(req)
             sync = v.id in plan.work
+            if sync:
+                self._reuse.sync_swap_ins += 1
+            else:
+                self._reuse.async_swap_ins += 1
             cpu_blocks = self._cpu.blocks(v.id)[:v.swapped_blocks]
             swap_in.append(SwapIn(request_id=v.id, cpu_blocks=tuple(cpu_blocks), sync=sync))
             if self._reusing():  # the copy stays, as a backup: the next swap-out copies less

@@ -28,6 +28,9 @@ class SwapCounters:
     """Blocks a swap-out did not copy because a valid CPU copy held them (FastSwitch §3.3)."""
     turn_prefix_blocks: int = 0
     """Blocks of a conversation's earlier turns swapped in instead of prefilled again."""
+    sync_swap_ins: int = 0
+    """Requests swapped in with the step waiting for them (the rest were asynchronous)."""
+    async_swap_ins: int = 0
     turn_end_blocks_out: int = 0
     """Of `blocks_out`, those copied when a conversation's turn ended, to keep its KV for the
     next turn (the rest were copied to preempt)."""

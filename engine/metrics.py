@@ -211,6 +211,7 @@ class RunMetrics:
                                             if s.blocks_out + s.blocks_in else 0.0),
                      "reused_blocks": s.reused_blocks, "turn_prefix_blocks": s.turn_prefix_blocks,
                      "turn_end_blocks_out": s.turn_end_blocks_out,
+                     "sync_swap_ins": s.sync_swap_ins, "async_swap_ins": s.async_swap_ins,
                      "stall_ms": s.stall_s * 1000.0,
                      "request_stall_ms": self.swap_stall_ms.as_dict()},
             "scheduler_ms_per_iteration": self.scheduler_ms_per_iteration.as_dict(),

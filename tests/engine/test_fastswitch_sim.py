@@ -65,4 +65,7 @@ def test_reuse_copies_less_out_and_swaps_turn_history_in(ladder):
 
 def test_async_swap_in_stalls_the_steps_less(ladder):
     _, runs = ladder
-    assert runs["fastswitch"].metrics.swap.stall_s < runs["reuse"].metrics.swap.stall_s
+    reuse, fastswitch = runs["reuse"].metrics.swap, runs["fastswitch"].metrics.swap
+    assert fastswitch.stall_s < reuse.stall_s
+    assert reuse.async_swap_ins == 0 and reuse.sync_swap_ins > 0
+    assert fastswitch.async_swap_ins > 0  # adaptive: asynchronous when a stall would be long
