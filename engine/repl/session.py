@@ -87,8 +87,9 @@ class ReplSession:
         return "\n".join([
             f"policy {s.policy} for {time.monotonic() - self._since:.0f} s; iteration "
             f"{s.iteration}, last one {s.iteration_ms:.1f} ms",
-            f"queues: {s.waiting} waiting, {s.running} running, {s.swapped} swapped; "
-            f"{s.free_blocks} of {s.total_blocks} KV blocks free; {s.preemptions} preemptions",
+            f"queues: {s.waiting} waiting, {s.running} running, {s.swapped} swapped, "
+            f"{s.swapping_in} swapping in; {s.free_blocks} of {s.total_blocks} KV blocks free; "
+            f"{s.preemptions} preemptions",
             f"overload: {s.overload or 'none'} (drop fired {s.overload_drops} times, restore "
             f"{s.overload_restores})",
             f"workload: {state}; in flight rt {in_flight['rt']}, be {in_flight['be']}; "

@@ -40,7 +40,8 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
         wait_for(lambda: finished(s) >= 10)
         status = s.execute("status").splitlines()
         assert re.fullmatch(r"policy fcfs for \d+ s; iteration \d+, last one [\d.]+ ms", status[0])
-        assert re.fullmatch(r"queues: \d+ waiting, \d+ running, 0 swapped; \d+ of 256 KV blocks "
+        assert re.fullmatch(r"queues: \d+ waiting, \d+ running, 0 swapped, 0 swapping in; "
+                            r"\d+ of 256 KV blocks "
                             r"free; \d+ preemptions", status[1])
         assert status[2] == "overload: none (drop fired 0 times, restore 0)"
         assert status[5].split() == ["class", "done", "TTFT", "p50", "TTFT", "p99", "TPOT", "p50",
