@@ -276,6 +276,11 @@ class Scheduler:
                 return
         self._cpu.drop(v.id)
 
+    def _drop_conversation_copies(self) -> None:
+        for conversation in self._conversations:
+            self._cpu.drop(("conversation", conversation))
+        self._conversations.clear()
+
     def _forget_lost_conversations(self) -> None:
         """Drop the tokens of conversations whose CPU copy was taken by others since."""
         if len(self._conversations) > 2 * len(self._cpu.keys()):
@@ -510,8 +515,12 @@ class Scheduler:
                 req.swap_stall_s += now - req.swap_started
         for rid in msg.failed:
             req = self._live.get(rid)
-            if req is not None and req.view.state == "swapping_in":
-                self._finish(req, "error", f"swapping its KV in failed: {msg.error}")
+            if req is None:  # an ended turn whose KV was being kept: which copy is unknown
+                self._drop_conversation_copies()
+            elif req.view.state in ("swapped", "swapping_in"):
+                self._finish(req, "error", f"copying its KV between device and host failed: "
+                                           f"{msg.error}")
+            # a running request's failed swap-in fails the step that waited for it
         if msg.seconds_per_block is not None:
             old = self._seconds_per_block
             self._seconds_per_block = msg.seconds_per_block if old is None else (

@@ -28,7 +28,10 @@ class Swapper(Protocol):
     def submit(self, ticket_id: int, direction: str, pairs: Any, granularity: str) -> None: ...
 
     def poll(self) -> list[int]:
-        """Tickets finished since the last poll; raises if a ticket's copies failed."""
+        """Tickets finished since the last poll, failed ones included."""
+
+    def take_failures(self) -> dict[int, str]:
+        """Tickets whose copies failed since the last call, with the error."""
 
     def next_poll_s(self) -> float | None:
         """Seconds until polling again is worthwhile; None when nothing is pending."""
@@ -88,23 +91,19 @@ class SwapPool:
         await self._executor.send(attrs.evolve(msg.step, wait_tickets=tuple(sync)))
 
     async def _report(self) -> None:
-        try:
-            done = self.swapper.poll()
-        except Exception as exc:  # a failed copy fails the requests waiting on it, not the engine
-            log.exception("swap failed")
-            failed = tuple(p.request_id for p in self._pending.values() if p.report)
-            self._pending.clear()
-            if failed:
-                await self._scheduler.send(SwapDone(request_ids=(), failed=failed,
-                                                    error=f"{type(exc).__name__}: {exc}"))
-            return
+        done = self.swapper.poll()
         if not done:
             return
+        failures = self.swapper.take_failures()
         now = anyio.current_time()
-        finished = [p for tid in done if (p := self._pending.pop(tid, None)) is not None]
-        reported = [p for p in finished if p.report]
-        if reported:
+        finished = [(tid, p) for tid in done if (p := self._pending.pop(tid, None)) is not None]
+        reported = [p for tid, p in finished if p.report and tid not in failures]
+        failed = tuple(sorted({p.request_id for tid, p in finished if tid in failures}))
+        if failed:
+            log.error("swap copies failed", requests=failed, error=next(iter(failures.values())))
+        if reported or failed:
             blocks = sum(p.blocks for p in reported)
             per_block = sum(now - p.submitted for p in reported) / blocks if blocks else None
             await self._scheduler.send(SwapDone(
-                request_ids=tuple(p.request_id for p in reported), seconds_per_block=per_block))
+                request_ids=tuple(p.request_id for p in reported), seconds_per_block=per_block,
+                failed=failed, error=next(iter(failures.values()), None)))

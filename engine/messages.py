@@ -111,7 +111,9 @@ class StepFinished:
 @attrs.frozen(kw_only=True)
 class SwapDone:
     """Asynchronous swap-ins finished: those requests' KV is on the device (FastSwitch §3.2).
-    `failed` lists the ones whose copies raised, with the error."""
+    `failed` lists requests whose copies (in either direction) raised, with the error; a
+    request listed there may also have ended already (a conversation turn whose KV was being
+    kept)."""
 
     request_ids: tuple[int, ...]
     seconds_per_block: float | None = None

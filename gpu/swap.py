@@ -79,6 +79,9 @@ class TorchSwapper:
         self._since_yield = 0
         self._stats = dict(copy_calls=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
         self._blocks = {"out": 0, "in": 0}
+        self._failures: dict[int, str] = {}
+        self._failed_ids: dict[int, str] = {}
+        """Every ticket that failed (few), so a late `wait` for one still raises."""
         self._stall_s = 0.0
         self.copy_delay_s = copy_delay_s
         """Each ticket waits this long before copying: a slow link, so that tests can make
@@ -93,19 +96,25 @@ class TorchSwapper:
         """Queue the copies of one ticket; returns at once."""
         ticket = _Ticket(ticket_id, ([g for g, _ in pairs], [c for _, c in pairs]))
         with self._lock:
+            # sharing a device block only orders the copies; sharing a host block means this
+            # ticket reads (or overwrites) what the other wrote, so it needs that one to succeed
             deps = {self._device_busy[g] for g in ticket.blocks[0] if g in self._device_busy}
-            deps |= {self._host_busy[c] for c in ticket.blocks[1] if c in self._host_busy}
+            needs = {self._host_busy[c] for c in ticket.blocks[1] if c in self._host_busy}
             for g in ticket.blocks[0]:
                 self._device_busy[g] = ticket
             for c in ticket.blocks[1]:
                 self._host_busy[c] = ticket
             self._tickets[ticket_id] = ticket
-        self._pool.submit(self._run, ticket, direction, list(pairs), granularity, deps)
+        self._pool.submit(self._run, ticket, direction, list(pairs), granularity, deps - needs,
+                          needs)
 
     def _run(self, ticket: _Ticket, direction: Direction, pairs: list[tuple[int, int]],
-             granularity: Granularity, deps: set[_Ticket]) -> None:
+             granularity: Granularity, deps: set[_Ticket], needs: set[_Ticket]) -> None:
         try:
-            for dep in deps:  # ordered after exactly the tickets sharing a block with this one
+            # ordered after exactly the tickets sharing a block with this one
+            for dep in deps:
+                self._wait_done(dep)
+            for dep in needs:
                 self._wait_ticket(dep)
             if self.copy_delay_s:
                 time.sleep(self.copy_delay_s)
@@ -163,17 +172,23 @@ class TorchSwapper:
         return t is None or t.done()
 
     def poll(self) -> list[int]:
-        """Tickets that finished since the last poll (forgotten afterwards). A ticket whose
-        copies failed raises here, so the failure ends the step that polled, not silence."""
+        """Tickets that finished since the last poll, failed ones included (forgotten
+        afterwards); `take_failures` says which failed and why."""
         with self._lock:
             finished = [t for t in self._tickets.values() if t.done()]
             for t in finished:
                 del self._tickets[t.id]
                 self._forget(t)
-        for t in finished:
-            if t.future.exception() is not None:
-                raise RuntimeError(f"swap ticket {t.id} failed: {t.future.exception()!r}")
+                exc = t.future.exception()
+                if exc is not None:
+                    self._failures[t.id] = self._failed_ids[t.id] = f"{type(exc).__name__}: {exc}"
         return [t.id for t in finished]
+
+    def take_failures(self) -> dict[int, str]:
+        """Tickets whose copies raised, with the error, since the last call."""
+        with self._lock:
+            failures, self._failures = self._failures, {}
+        return failures
 
     def _forget(self, t: _Ticket) -> None:
         for g in t.blocks[0]:
@@ -184,16 +199,25 @@ class TorchSwapper:
                 del self._host_busy[c]
 
     def _wait_ticket(self, t: _Ticket) -> None:
+        """Until `t` has copied; raises if its copies failed."""
         t.future.result()
         if t.event is not None:
             t.event.synchronize()
 
+    def _wait_done(self, t: _Ticket) -> None:
+        """Until `t` is over, whether its copies succeeded or not."""
+        if t.future.exception() is None and t.event is not None:
+            t.event.synchronize()
+
     def wait(self, ticket_ids: Iterable[int]) -> None:
-        """Block until these tickets' copies are complete (synchronous swap-in)."""
+        """Block until these tickets' copies are complete (synchronous swap-in); raises if one
+        failed, even one already polled."""
         for tid in ticket_ids:
             t = self._tickets.get(tid)
             if t is not None:
                 self._wait_ticket(t)
+            elif tid in self._failed_ids:
+                raise RuntimeError(f"swap ticket {tid} failed: {self._failed_ids[tid]}")
 
     def wait_blocks(self, device_blocks: Iterable[int]) -> int:
         """Before a step writes these device blocks: wait for exactly the tickets still using
@@ -205,8 +229,9 @@ class TorchSwapper:
         if self.skip_conflict_waits or not involved:
             return 0
         for t in involved:
-            t.future.result()  # dispatched (on the CPU: copied)
-            if t.event is not None:
+            # dispatched (on the CPU: copied); a failed copy no longer uses the block, and its
+            # failure reaches the requests it was moving through `take_failures`
+            if t.future.exception() is None and t.event is not None:
                 torch.cuda.current_stream(self.device_kv.device).wait_event(t.event)
         with self._lock:
             self._stats["conflict_waits"] += len(involved)

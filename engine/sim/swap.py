@@ -55,6 +55,10 @@ class SimSwapper:
             self._host_busy.clear()
         return done
 
+    def take_failures(self) -> dict[int, str]:
+        """Modelled copies never fail."""
+        return {}
+
     def next_poll_s(self) -> float | None:
         if not self._end:
             return None

@@ -16,6 +16,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.engine import Engine
+from engine.errors import RequestFailedError
 from engine.params import SamplingParams, SchedulingParams
 from policies import policy_dir
 from policy_lang import compile_policy
@@ -135,3 +136,44 @@ async def test_skipping_conflict_waits_corrupts_outputs(tiny_llama_dir, referenc
     test passes, the correctness test above can tell a conflict-unsafe swap pool apart."""
     served, _, _ = await serve(tiny_llama_dir, "groups", plant_bug=True)
     assert mismatches(reference_model, served), "skipping conflict waits went unnoticed"
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_a_failed_copy_fails_only_the_requests_it_touched(tiny_llama_dir, reference_model):
+    """A swap copy that raises ends the requests whose KV it was moving with a clear error; the
+    others finish with the right tokens, no block is leaked, and the engine goes on serving."""
+    policy = compile_policy(pressure_policy("groups"), base_dir=policy_dir())
+    config = EngineConfig(model=tiny_llama_dir, num_blocks=28, block_size=8, max_batched_tokens=64,
+                          max_num_seqs=16, cpu_swap_blocks=160)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([9, 17, 30]))] for _ in range(24)]
+    served, failed = [], []
+    async with Engine.start(config, policy=policy) as engine:
+        copy, calls = engine.swapper._copy, [0]
+
+        def sometimes_failing_copy(*args):
+            calls[0] += 1
+            if calls[0] in (3, 4):
+                raise OSError("injected copy failure")
+            return copy(*args)
+
+        engine.swapper._copy = sometimes_failing_copy
+
+        async def client(p: list[int]) -> None:
+            try:
+                r = await engine.complete(p, SamplingParams(max_tokens=MAX_TOKENS))
+            except RequestFailedError as exc:
+                failed.append(str(exc))
+            else:
+                served.append((p, r.token_ids, f"prompt {len(served)}"))
+
+        async with anyio.create_task_group() as tg:
+            for p in prompts:
+                tg.start_soon(client, p)
+        after = await engine.complete(prompts[0], SamplingParams(max_tokens=4))
+        snap = await engine.wait_idle()
+    assert calls[0] > 4, "the pool was meant to swap more than the two failing copies"
+    assert failed and all("injected copy failure" in e for e in failed), failed
+    assert len(failed) + len(served) == len(prompts) and len(failed) <= 4
+    assert mismatches(reference_model, served) == []
+    assert len(after.token_ids) == 4 and snap.allocator.allocated_blocks == 0
