@@ -1,9 +1,12 @@
 """Output tokens/s of the engine against transformers' generate() in padded batches of 8.
 
-Same model, same threads, the same 64 prompts of mixed lengths, greedy, exactly --max-tokens new
-tokens per prompt on both sides. Prints one JSON object; --out also writes it to a file.
+Same model, same threads, the same 64 prompts of mixed lengths, greedy. By default every prompt
+asks for exactly --max-tokens new tokens on both sides. With --mixed-outputs each prompt asks for
+its own number (uniform in 8..2 x --max-tokens - 8, seeded), as real requests do; transformers
+then runs each padded batch until its longest request is done, and only the tokens each request
+asked for are counted on both sides. Prints one JSON object; --out also writes it to a file.
 
-    python bench/throughput_vs_hf.py [--model DIR] [--threads 2] [--max-tokens 64]
+    python bench/throughput_vs_hf.py [--model DIR] [--threads 2] [--max-tokens 64] [--mixed-outputs]
 """
 
 from __future__ import annotations
@@ -30,30 +33,37 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(rng.randint(8, 200))] for _ in range(n)]
 
 
-def run_hf(model_dir: Path, prompts: list[list[int]], max_tokens: int, batch: int) -> float:
+def output_lengths(n: int, max_tokens: int, mixed: bool, seed: int) -> list[int]:
+    if not mixed:
+        return [max_tokens] * n
+    rng = random.Random(seed + 1)
+    return [rng.randint(8, 2 * max_tokens - 8) for _ in range(n)]
+
+
+def run_hf(model_dir: Path, prompts: list[list[int]], lengths: list[int], batch: int) -> float:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
     began = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            group = prompts[i:i + batch]
+            group, new = prompts[i:i + batch], max(lengths[i:i + batch])
             width = max(len(p) for p in group)
             ids = torch.tensor([[0] * (width - len(p)) + p for p in group])  # left padding
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_tokens,
-                           min_new_tokens=max_tokens, pad_token_id=0)
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=new,
+                           min_new_tokens=new, pad_token_id=0)
     return time.perf_counter() - began
 
 
-async def run_engine(model_dir: Path, prompts: list[list[int]], max_tokens: int, threads: int) -> tuple[float, dict]:
+async def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[int],
+                     threads: int) -> tuple[float, dict]:
     config = EngineConfig(model=model_dir, threads=threads, max_num_seqs=64, max_batched_tokens=512)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     async with Engine.start(config) as engine:
         began = time.perf_counter()
         async with anyio.create_task_group() as tg:
-            for p in prompts:
-                tg.start_soon(engine.complete, p, params)
+            for p, n in zip(prompts, lengths):
+                tg.start_soon(engine.complete, p, SamplingParams(max_tokens=n, ignore_eos=True))
         wall = time.perf_counter() - began
         snap = await engine.inspect()
     return wall, {"iterations": snap.scheduler.iteration}
@@ -66,17 +76,21 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--mixed-outputs", action="store_true",
+                    help="each prompt asks for its own number of new tokens")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args.prompts, vocab, seed=0)
-    tokens = args.prompts * args.max_tokens
-    engine_s, info = anyio.run(run_engine, args.model, prompts, args.max_tokens, args.threads)
-    hf_s = run_hf(args.model, prompts, args.max_tokens, args.hf_batch)
+    lengths = output_lengths(args.prompts, args.max_tokens, args.mixed_outputs, seed=0)
+    tokens = sum(lengths)
+    engine_s, info = anyio.run(run_engine, args.model, prompts, lengths, args.threads)
+    hf_s = run_hf(args.model, prompts, lengths, args.hf_batch)
     result = {
         "model": str(args.model), "threads": args.threads, "prompts": args.prompts,
-        "max_tokens": args.max_tokens, "output_tokens": tokens,
+        "max_tokens": args.max_tokens, "mixed_outputs": args.mixed_outputs,
+        "output_tokens": tokens,
         "engine_tokens_per_s": tokens / engine_s, "hf_tokens_per_s": tokens / hf_s,
         "speedup": hf_s / engine_s, "engine_iterations": info["iterations"],
         "torch": torch.__version__,
