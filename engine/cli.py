@@ -6,8 +6,6 @@ import argparse
 import importlib
 import sys
 
-import structlog
-
 from engine.errors import ShunterError
 
 COMMANDS = ("make_model", "generate", "demo", "policy", "repl", "bench", "profile")
@@ -27,16 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
 def configure_logging(verbose: bool) -> None:
     import logging
 
-    level = logging.INFO if verbose else logging.WARNING
-    structlog.configure(
-        wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=_stderr_logger,
-    )
+    from engine.logs import configure
 
-
-def _stderr_logger(*args: object) -> structlog.PrintLogger:
-    """Looks sys.stderr up when a logger is made, so a replaced stderr (tests) is followed."""
-    return structlog.PrintLogger(file=sys.stderr)
+    configure(logging.INFO if verbose else logging.WARNING)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,7 @@ from engine.client import Completion, GenerationStream, collect
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.iteration_log import IterationLog, SwapCounters
+from engine.logs import configure_default
 from engine.memory.block_groups import BlockGroupManager
 from engine.memory.block_pool import BlockPool
 from engine.messages import (
@@ -91,6 +92,7 @@ class Engine:
                     backend: Backend | None = None) -> AsyncIterator[Engine]:
         """Load the model, start the actors, and stop them when the block exits. `backend`
         replaces the one `config` names (tests use it to plug in a fake model)."""
+        configure_default()
         config = config or EngineConfig()
         engine = cls(config, policy, backend)
         block_ids = await engine.backend.runner.start()
