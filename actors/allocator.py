@@ -107,8 +107,7 @@ class Allocator:
             updates[i.request_id] = BlockUpdate(request_id=i.request_id, reset=True,
                                                 append=tuple(got))
         for rid, target in plan.grow:
-            table = pool.table(rid)
-            have = len(table)
+            have = len(pool.table(rid))
             if target > have:
                 new = tuple(pool.allocate(rid, target - have))
                 old = updates.get(rid)

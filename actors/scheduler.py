@@ -112,7 +112,9 @@ class Scheduler:
         self._conversations: dict[str, tuple[int, ...]] = {}
         """Tokens of each conversation's last ended turn whose KV is kept on the CPU."""
         self._seconds_per_block: float | None = None
-        self._reuse = SwapCounters()
+        self._swap_counts = SwapCounters()
+        """Swap events only the scheduler sees (reuse, turn-end copies, sync/async swap-ins);
+        the swapper counts copies and bytes."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -229,7 +231,7 @@ class Scheduler:
         self._cpu.rekey(key, v.id)
         self._cpu.keep_prefix(v.id, keep * self._config.block_size, rank=0.0)
         v.state, v.computed_tokens, v.swapped_blocks = "swapped", keep * self._config.block_size, keep
-        self._reuse.turn_prefix_blocks += keep
+        self._swap_counts.turn_prefix_blocks += keep
 
     def _queued(self, request_class: str) -> int:
         """Live requests of a class that are not running."""
@@ -267,7 +269,7 @@ class Scheduler:
                 and v.blocks and v.computed_tokens):
             plan = self._order_swap_out(v, rank=math.inf)
             if plan is not None:
-                self._reuse.turn_end_blocks_out += len(plan.cpu_blocks)
+                self._swap_counts.turn_end_blocks_out += len(plan.cpu_blocks)
                 self._cpu.mark_backup(v.id, rank=math.inf)
                 self._cpu.rekey(v.id, ("conversation", conversation))
                 tokens = (*req.prompt_ids, *req.output_ids)
@@ -349,9 +351,8 @@ class Scheduler:
         rank = {r.id: i for i, r in enumerate(order)}
         for v in plan.preempted:
             self._preempt(self._live[v.id], rank.get(v.id, len(order)))
-        if self._backups:
-            for rid in self._backups:
-                self._cpu.set_rank(rid, rank.get(rid, len(order)))
+        for rid in self._backups:
+            self._cpu.set_rank(rid, rank.get(rid, len(order)))
         if not (plan.work or plan.swapped_in or plan.preempted or self._release or self._swap_out):
             return None
         step = self._build_step(plan, now, rank)
@@ -366,8 +367,8 @@ class Scheduler:
         taken = self._log
         if taken is not None:
             taken.preemptions = self._preemptions
-            taken.swap = self._reuse
-            self._reuse = SwapCounters()
+            taken.swap = self._swap_counts
+            self._swap_counts = SwapCounters()
             self._log = IterationLog(total_blocks=self._total_blocks)
         return taken
 
@@ -392,7 +393,7 @@ class Scheduler:
         if plan is not None:
             self._swap_out.append(SwapOut(request_id=v.id, first_block=plan.first_block,
                                           cpu_blocks=plan.cpu_blocks))
-            self._reuse.reused_blocks += plan.reused_blocks
+            self._swap_counts.reused_blocks += plan.reused_blocks
         return plan
 
     def _preempt(self, req: Request, rank: int) -> None:
@@ -433,9 +434,9 @@ class Scheduler:
             setup(req)
             sync = v.id in plan.work
             if sync:
-                self._reuse.sync_swap_ins += 1
+                self._swap_counts.sync_swap_ins += 1
             else:
-                self._reuse.async_swap_ins += 1
+                self._swap_counts.async_swap_ins += 1
             cpu_blocks = self._cpu.blocks(v.id)[:v.swapped_blocks]
             swap_in.append(SwapIn(request_id=v.id, cpu_blocks=tuple(cpu_blocks), sync=sync))
             if self._reusing():  # the copy stays, as a backup: the next swap-out copies less

@@ -78,9 +78,7 @@ class SwapPool:
     async def _dispatch(self, msg: SwapOrders) -> None:
         now = anyio.current_time()
         sync: list[int] = []
-        # swap-outs first: a swap-in may land on blocks a swap-out of this step still reads,
-        # and the swapper orders a ticket after the earlier ones sharing a block with it
-        for t in sorted(msg.transfers, key=lambda t: t.direction != "out"):
+        for t in msg.transfers:  # swap-outs first (see SwapOrders.transfers)
             ticket = next(self._tickets)
             self.swapper.submit(ticket, t.direction, t.pairs, msg.granularity)
             self._pending[ticket] = _Pending(

@@ -11,12 +11,18 @@ finished asynchronous swap-ins to the scheduler with `SwapDone`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 
 from engine.params import SamplingParams, SchedulingParams
 from engine.reply import Reply
+
+SwapDirection = Literal["out", "in"]
+"""`out`: device -> host (swap out); `in`: host -> device (swap in)."""
+SwapGranularity = Literal["per-block", "groups"]
+"""`per-block`: one copy per block per layer per K/V (vLLM 0.3.3); `groups`: one copy per run
+of blocks consecutive on both sides (FastSwitch §3.1)."""
 
 # ---------------------------------------------------------------------------------- frontend
 
@@ -231,8 +237,8 @@ class RunStep:
     conversation turns whose KV is kept (listed in `release`)."""
     swap_in: tuple[SwapIn, ...] = ()
     """Done after freeing, before growing."""
-    granularity: str = "per-block"
-    """How the swap pool copies: `per-block` or `groups`."""
+    granularity: SwapGranularity = "per-block"
+    """How the swap pool copies."""
 
 
 @attrs.frozen(kw_only=True)
@@ -276,8 +282,7 @@ class SwapTransfer:
     """One request's copies in one direction: (device block, host block) pairs."""
 
     request_id: int
-    direction: str
-    """`out` (device -> host) or `in`."""
+    direction: SwapDirection
     pairs: tuple[tuple[int, int], ...]
     sync: bool = False
 
@@ -288,7 +293,9 @@ class SwapOrders:
     forwards `step` to the executor, so the step always sees its own swaps."""
 
     transfers: tuple[SwapTransfer, ...]
-    granularity: str
+    """Swap-outs before swap-ins: a swap-in may land on blocks a swap-out of the same step
+    still reads, and the swapper orders a copy after the earlier ones sharing a block with it."""
+    granularity: SwapGranularity
     step: ExecuteStep
 
 

@@ -19,6 +19,7 @@ import attrs
 
 from engine.cost_model import CostModel
 from engine.errors import PolicyError
+from engine.messages import SwapGranularity
 
 RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
 PreemptMode = Literal["recompute", "swap", "never"]
@@ -149,7 +150,7 @@ class ClassSpec:
 class MemorySettings:
     """Memory mechanisms a policy runs with (one file per ablation step)."""
 
-    swap_granularity: Literal["per-block", "groups"] = "per-block"
+    swap_granularity: SwapGranularity = "per-block"
     swap_in: Literal["sync", "async", "adaptive"] = "sync"
     kv_reuse: bool = False
 

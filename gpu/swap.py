@@ -21,18 +21,17 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Literal
 
 import attrs
 import torch
 
 from engine.iteration_log import SwapCounters
 from engine.memory.block_groups import coalesce
+from engine.messages import SwapDirection as Direction
+from engine.messages import SwapGranularity as Granularity
 
 __all__ = ["SwapStats", "TorchSwapper", "coalesce"]
 
-Direction = Literal["out", "in"]
-Granularity = Literal["per-block", "groups"]
 
 
 @attrs.frozen(kw_only=True)

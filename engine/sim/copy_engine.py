@@ -9,15 +9,11 @@ each other and the model's steps. A transfer costs `calls * dispatch + bytes / b
 
 from __future__ import annotations
 
-from typing import Literal
-
 import attrs
 
 from engine.iteration_log import SwapCounters
+from engine.messages import SwapDirection as Direction
 from engine.sim.profile import CopyLink
-
-Direction = Literal["out", "in"]
-"""`out`: device -> host (swap out); `in`: host -> device (swap in)."""
 
 
 @attrs.frozen(kw_only=True)
