@@ -4,9 +4,11 @@ Same model, same threads, the same 64 prompts of mixed lengths, greedy. By defau
 asks for exactly --max-tokens new tokens on both sides. With --mixed-outputs each prompt asks for
 its own number (uniform in 8..2 x --max-tokens - 8, seeded), as real requests do; transformers
 then runs each padded batch until its longest request is done, and only the tokens each request
-asked for are counted on both sides. Prints one JSON object; --out also writes it to a file.
+asked for are counted on both sides. Each side runs --repeats times in a fresh process of its
+own and its median run counts. Prints one JSON object; --out also writes it to a file.
 
     python bench/throughput_vs_hf.py [--model DIR] [--threads 2] [--max-tokens 64] [--mixed-outputs]
+                                     [--repeats 3]
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -78,26 +82,56 @@ def main() -> None:
     ap.add_argument("--hf-batch", type=int, default=8)
     ap.add_argument("--mixed-outputs", action="store_true",
                     help="each prompt asks for its own number of new tokens")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="runs of each side; the median is reported")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--side", choices=("engine", "hf"), help=argparse.SUPPRESS)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
-    prompts = make_prompts(args.prompts, vocab, seed=0)
-    lengths = output_lengths(args.prompts, args.max_tokens, args.mixed_outputs, seed=0)
-    tokens = sum(lengths)
-    engine_s, info = anyio.run(run_engine, args.model, prompts, lengths, args.threads)
-    hf_s = run_hf(args.model, prompts, lengths, args.hf_batch)
+    if args.side:
+        print(json.dumps(run_side(args)))
+        return
+    # each side in a fresh process: neither inherits the other's threads, allocator state or
+    # OpenMP pools (a second pool halves torch's CPU speed: gpu/device_thread.py)
+    sides = {side: measure_side(side, sys.argv[1:]) for side in ("engine", "hf")}
+    tokens = sides["engine"]["output_tokens"]
+    engine_s, hf_s = sides["engine"]["median_s"], sides["hf"]["median_s"]
     result = {
         "model": str(args.model), "threads": args.threads, "prompts": args.prompts,
         "max_tokens": args.max_tokens, "mixed_outputs": args.mixed_outputs,
-        "output_tokens": tokens,
+        "output_tokens": tokens, "repeats": args.repeats,
         "engine_tokens_per_s": tokens / engine_s, "hf_tokens_per_s": tokens / hf_s,
-        "speedup": hf_s / engine_s, "engine_iterations": info["iterations"],
+        "speedup": hf_s / engine_s, "engine_iterations": sides["engine"]["iterations"],
+        "engine_runs_s": sides["engine"]["runs_s"], "hf_runs_s": sides["hf"]["runs_s"],
         "torch": torch.__version__,
     }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def run_side(args: argparse.Namespace) -> dict:
+    """One side's runs, in this process."""
+    torch.set_num_threads(args.threads)
+    vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.prompts, vocab, seed=0)
+    lengths = output_lengths(args.prompts, args.max_tokens, args.mixed_outputs, seed=0)
+    runs, info = [], {}
+    for _ in range(args.repeats):
+        if args.side == "engine":
+            seconds, info = anyio.run(run_engine, args.model, prompts, lengths, args.threads)
+        else:
+            seconds = run_hf(args.model, prompts, lengths, args.hf_batch)
+        runs.append(seconds)
+    return {"runs_s": runs, "median_s": statistics.median(runs), "output_tokens": sum(lengths),
+            **info}
+
+
+def measure_side(side: str, argv: list[str]) -> dict:
+    done = subprocess.run([sys.executable, __file__, *argv, "--side", side],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the {side} side failed:\n{done.stderr}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":

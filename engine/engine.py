@@ -95,11 +95,12 @@ class Engine:
         configure_default()
         config = config or EngineConfig()
         engine = cls(config, policy, backend)
-        block_ids = await engine.backend.runner.start()
-        if engine.capabilities.swap:
-            engine.swapper = engine.backend.runner.make_swapper(cpu_swap_blocks(config, block_ids))
         body_error: Exception | None = None
         try:
+            block_ids = await engine.backend.runner.start()
+            if engine.capabilities.swap:
+                engine.swapper = await engine.backend.runner.make_swapper(
+                    cpu_swap_blocks(config, block_ids))
             async with anyio.create_task_group() as tg:
                 await tg.start(engine._run_actors, block_ids)
                 try:
@@ -113,6 +114,9 @@ class Engine:
         finally:
             if engine.swapper is not None:
                 engine.swapper.close()
+            close_runner = getattr(engine.backend.runner, "close", None)
+            if close_runner is not None:
+                close_runner()
         if body_error is not None:
             raise body_error
 

@@ -108,7 +108,7 @@ class StepFinished:
     step_id: int
     sampled: tuple[SampledToken, ...]
     compute_s: float
-    """Seconds the forward pass and sampling took (on the worker thread or simulated)."""
+    """Seconds the forward pass and sampling took (on the device thread or simulated)."""
     stall_s: float = 0.0
     """Seconds the step waited for swaps first: synchronous swap-ins, and swap-outs still
     reading blocks this step writes (conflicts)."""

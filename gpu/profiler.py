@@ -17,6 +17,7 @@ from engine.cost_model import BatchShape
 from engine.messages import BlockUpdate, ExecuteStep, RequestSetup, SeqWork
 from engine.params import SamplingParams
 from gpu.config import ModelConfig
+from gpu.device_thread import call_on_own_thread
 
 Batch = Sequence[tuple[int, int]]
 """(cached tokens, new tokens) per sequence; one new token is a decode."""
@@ -93,7 +94,13 @@ class StepTimer:
 
 def measure(config: EngineConfig, grid: Sequence[Batch] | None = None, *, repeats: int = 3,
             on_row: Callable[[int, int], None] | None = None) -> list[tuple[BatchShape, float]]:
-    """(shape, median ms) for every batch of the grid, on the model `config` names."""
+    """(shape, median ms) for every batch of the grid, on the model `config` names. Runs on a
+    thread of its own, as the engine's steps do (gpu/device_thread.py)."""
+    return call_on_own_thread(_measure, config, grid, repeats, on_row)
+
+
+def _measure(config: EngineConfig, grid: Sequence[Batch] | None, repeats: int,
+             on_row: Callable[[int, int], None] | None) -> list[tuple[BatchShape, float]]:
     model = ModelConfig.from_dir(config.model)
     grid = list(grid or default_grid(model.max_position_embeddings, config.max_batched_tokens))
     bs = config.block_size
@@ -111,6 +118,10 @@ def measure(config: EngineConfig, grid: Sequence[Batch] | None = None, *, repeat
 def measure_copy(device: str = "cpu", big_mib: int = 64, small_kib: int = 16,
                  calls: int = 200) -> tuple[float, float]:
     """(GB/s of one large device -> host copy, us per small copy call) on this machine."""
+    return call_on_own_thread(_measure_copy, device, big_mib, small_kib, calls)
+
+
+def _measure_copy(device: str, big_mib: int, small_kib: int, calls: int) -> tuple[float, float]:
     import torch
 
     from gpu.runner import resolve_device
@@ -178,7 +189,7 @@ def calibrate_in_engine(config: EngineConfig, cost, *, batches: int = 3,
     """(k, overhead ms, overhead ms per sequence): how a step measured alone compares with the same step inside a running
     engine. Serves a few closed-loop batches on the real engine, recording every step's
     `execute` time and the gap until the next step starts (scheduling, messages, the hop to
-    the worker thread). k is the median of in-engine time over the fitted prediction; the
+    the device thread). k is the median of in-engine time over the fitted prediction; the
     overhead the median gap between back-to-back steps. The sim has no such costs (its actors
     take no virtual time), so a profile for this machine's engine folds them in."""
     import anyio

@@ -7,7 +7,6 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-import anyio
 import attrs
 import torch
 
@@ -15,6 +14,7 @@ from engine.config import EngineConfig
 from engine.messages import ExecuteStep, RequestSetup, SampledToken, SeqWork, StepFinished
 from engine.params import SamplingParams
 from gpu.config import ModelConfig
+from gpu.device_thread import DeviceThread
 from gpu.metadata import StepInputs, build_step_inputs
 from gpu.sampler import make_generator, sample
 
@@ -46,7 +46,9 @@ class _DeviceSeq:
 
 
 class TorchRunner:
-    """Runs steps for real; `execute` is called on a worker thread so the event loop stays free."""
+    """Runs steps for real. Every torch call (loading, the swap space, each step) runs on the
+    runner's own `DeviceThread`, so the event loop stays free and OpenMP keeps one thread pool
+    (see gpu/device_thread.py for what a second pool costs)."""
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
         self._config = config
@@ -56,20 +58,26 @@ class TorchRunner:
         self._dtype = resolve_dtype(config.dtype, model_config, self._device)
         self._seqs: dict[int, _DeviceSeq] = {}
         self._model = None
+        self._thread = DeviceThread()
         self.swapper = None
         """The swap pool's copier (`gpu.swap.TorchSwapper`) once `make_swapper` made it."""
 
-    def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
+    async def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
         """A host swap space of `num_host_blocks` blocks next to the arena (pinned on CUDA),
         with the worker threads that copy between them (FastSwitch §3.2)."""
         from gpu.swap import TorchSwapper
 
-        self.swapper = TorchSwapper(self._model.arena.kv, num_host_blocks, **options)
+        self.swapper = await self._thread.run(
+            lambda: TorchSwapper(self._model.arena.kv, num_host_blocks, **options))
         return self.swapper
 
     async def start(self) -> range:
-        """Load the weights into the arena (on a worker thread); returns the KV block ids."""
-        return await anyio.to_thread.run_sync(self._load)
+        """Load the weights into the arena (on the device thread); returns the KV block ids."""
+        return await self._thread.run(self._load)
+
+    def close(self) -> None:
+        """End the device thread (the engine calls this after the swapper has stopped)."""
+        self._thread.close()
 
     def _load(self) -> range:
         from gpu.model import CausalLM
@@ -87,7 +95,7 @@ class TorchRunner:
         return self._model.arena.kv_block_ids
 
     async def step(self, step: ExecuteStep) -> StepFinished:
-        return await anyio.to_thread.run_sync(self.execute, step)
+        return await self._thread.run(self.execute, step)
 
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()

@@ -69,7 +69,10 @@ class TorchSwapper:
                                    pin_memory=cuda)
         self.block_nbytes = device_kv[0].numel() * device_kv.element_size()
         self._stream = torch.cuda.Stream(device=device_kv.device) if cuda else None
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shunter-swap")
+        # one intra-op thread each: a copy worker that entered OpenMP would start a second
+        # thread pool and slow every step (gpu/device_thread.py)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="shunter-swap",
+                                        initializer=torch.set_num_threads, initargs=(1,))
         self._lock = threading.Lock()
         self._tickets: dict[int, _Ticket] = {}
         self._device_busy: dict[int, _Ticket] = {}

@@ -34,7 +34,7 @@ class SimRunner:
     async def start(self) -> range:
         return range(self.num_blocks)
 
-    def make_swapper(self, num_host_blocks: int) -> SimSwapper:
+    async def make_swapper(self, num_host_blocks: int) -> SimSwapper:
         if self._link is None or self._model is None:
             raise RuntimeError("this simulated runner has no copy link to swap over")
         self.swapper = SimSwapper(self._link, block_nbytes=self._model.block_bytes(self._block_size),
