@@ -11,9 +11,11 @@ strided views into the arena (not contiguous: a block holds every layer, see gpu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import attrs
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -110,62 +112,89 @@ DECODE_BUCKET = 16
 group's longest, not the whole batch to the batch's longest."""
 
 
+@attrs.frozen
+class DecodeGroup:
+    """Sequences of similar length that the torch decode path attends for together."""
+
+    rows: torch.Tensor
+    """int64 [b]: the group's sequences, as rows of the decode batch."""
+    blocks: torch.Tensor
+    """int64 [b, S]: the block of each slot a sequence reads, S the group's longest length."""
+    offsets: torch.Tensor
+    """int64 [b, S]: the slot's offset in that block."""
+    valid: torch.Tensor
+    """bool [b, 1, 1, S]: slots within the sequence's length."""
+
+
+@attrs.frozen
+class DecodePlan:
+    """Which cache slots each decoding sequence reads, worked out once per step for every layer
+    (the torch path). A slot past a sequence's length points at the sequence's own first token,
+    which is written and finite, so the gather never touches another request's data (stale KV,
+    maybe NaN) and the mask alone takes the padding out of the softmax."""
+
+    groups: tuple[DecodeGroup, ...]
+
+
+def plan_decode(block_tables: torch.Tensor, seq_lens_host: Sequence[int], block_size: int,
+                bucket: int = DECODE_BUCKET) -> DecodePlan:
+    """block_tables: [B, max_blocks] (entries past a sequence's blocks are ignored);
+    seq_lens_host: B lengths, each at least 1."""
+    device = block_tables.device
+    tables = block_tables.cpu().numpy()
+    lens = np.asarray(seq_lens_host, dtype=np.int64)
+    order = np.argsort(lens, kind="stable")
+    groups = []
+    for first in range(0, len(order), bucket):
+        rows = order[first:first + bucket]
+        length = int(lens[rows].max())
+        pos = np.arange(length)
+        valid = pos[None, :] < lens[rows, None]  # [b, S]
+        own = tables[rows]
+        blocks = np.where(valid, own[:, pos // block_size], own[:, :1]).astype(np.int64)
+        offsets = np.where(valid, pos % block_size, 0)
+        groups.append(DecodeGroup(
+            rows=torch.from_numpy(rows.astype(np.int64)).to(device),
+            blocks=torch.from_numpy(blocks).to(device),
+            offsets=torch.from_numpy(offsets).to(device),
+            valid=torch.from_numpy(valid).to(device).view(len(rows), 1, 1, length)))
+    return DecodePlan(groups=tuple(groups))
+
+
 def decode_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-    seq_lens_host: tuple[int, ...] | None = None,
+    seq_lens_host: Sequence[int] | None = None, plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """One query per sequence over its whole cached context, batched with a length mask.
+    """One query per sequence over its whole cached context.
 
-    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, Hq, D]. With
-    `seq_lens_host`, sequences of similar length are batched together, so a few long contexts
-    do not make every short one read (and mask) as many slots.
+    q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, Hq, D]. Sequences of
+    similar length are batched together (`plan_decode`), so a few long contexts do not make
+    every short one read as many slots. A step's layers share one `plan`.
     """
-    batch = q.shape[0]
-    if seq_lens_host is None or batch <= DECODE_BUCKET:
-        return _decode_group(q, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale)
+    if plan is None:
+        lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
+        plan = plan_decode(block_tables, lens, k_cache.shape[1])
+    num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
-    order = sorted(range(batch), key=seq_lens_host.__getitem__)
-    for i in range(0, batch, DECODE_BUCKET):
-        rows = order[i:i + DECODE_BUCKET]
-        idx = torch.tensor(rows, device=q.device)
-        out[idx] = _decode_group(q[idx], k_cache, v_cache, block_tables[idx], seq_lens[idx],
-                                 seq_lens_host[rows[-1]], scale)
+    for g in plan.groups:
+        b = g.blocks.shape[0]
+        k = k_cache[g.blocks, g.offsets]  # [b, S, Hkv, D]
+        v = v_cache[g.blocks, g.offsets]
+        o = F.scaled_dot_product_attention(
+            q[g.rows].view(b, num_heads, 1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=g.valid, scale=scale, enable_gqa=True)  # [b, Hq, 1, D]
+        out[g.rows] = o.view(b, num_heads, head_dim)
     return out
-
-
-def _decode_group(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int, scale: float,
-) -> torch.Tensor:
-    batch, block_size = q.shape[0], k_cache.shape[1]
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    num_blocks = -(-max_seq_len // block_size)
-    slots = num_blocks * block_size
-    # table entries past a sequence's blocks are padding of any value: read block 0 instead
-    starts = torch.arange(num_blocks, device=q.device) * block_size  # [nb]
-    table = block_tables[:, :num_blocks].long()
-    table = torch.where(starts.unsqueeze(0) < seq_lens.unsqueeze(1), table, 0)  # [B, nb]
-    k = k_cache[table].view(batch, slots, num_kv_heads, head_dim)  # [B, S, Hkv, D]
-    v = v_cache[table].view(batch, slots, num_kv_heads, head_dim)
-    valid = torch.arange(slots, device=q.device).unsqueeze(0) < seq_lens.unsqueeze(1)  # [B, S]
-    # grouped-query attention: the query heads of one KV head side by side
-    qg = q.view(batch, num_kv_heads, -1, head_dim)  # [B, Hkv, G, D]
-    scores = torch.einsum("bhgd,bshd->bhgs", qg.float(), k.float()) * scale
-    # slots past a sequence's length hold stale data, maybe NaN/inf (an empty arena): the fill
-    # replaces their scores whatever they were, and V is zeroed there, since 0 * NaN is NaN
-    scores.masked_fill_(~valid.view(batch, 1, 1, slots), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    v = v.float().masked_fill(~valid.view(batch, slots, 1, 1), 0.0)
-    out = torch.einsum("bhgs,bshd->bhgd", probs, v)  # [B, Hkv, G, D]
-    return out.reshape(batch, -1, head_dim).to(q.dtype)
 
 
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, backend: AttentionBackend = "torch",
+    decode_plan: DecodePlan | None = None,
 ) -> torch.Tensor:
-    """Attention for a whole step. q: [T, Hq, D] -> [T, Hq, D]."""
+    """Attention for a whole step. q: [T, Hq, D] -> [T, Hq, D]. The torch path takes the
+    step's `decode_plan` (built once for all layers) or builds one."""
     out = torch.empty_like(q)
     npt, nd = meta.num_prefill_tokens, meta.num_decodes
     if backend == "triton":
@@ -183,5 +212,5 @@ def paged_attention(
         if backend == "triton":
             out[npt:] = decode(*args)
         else:
-            out[npt:] = decode(*args, seq_lens_host=meta.seq_lens_host[s:])
+            out[npt:] = decode(*args, seq_lens_host=meta.seq_lens_host[s:], plan=decode_plan)
     return out

@@ -19,7 +19,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gpu.arena import DeviceArena
-from gpu.attention import AttentionBackend, AttentionMetadata, paged_attention, write_kv
+from gpu.attention import (AttentionBackend, AttentionMetadata, paged_attention, plan_decode,
+                           write_kv)
 from gpu.config import DTYPES, ModelConfig
 from gpu.loader import check_model_dir, check_weights, copy_weights
 from gpu.rope import RotaryEmbedding, apply_rope
@@ -218,12 +219,18 @@ class CausalLM(nn.Module):
             raise RuntimeError("the paged forward needs a model loaded with from_pretrained "
                                "(init_random models have no KV cache; use forward_dense)")
 
+        plan = None
+        if self.attention_backend == "torch" and meta.num_decodes:
+            s = meta.num_prefills
+            plan = plan_decode(meta.block_tables[s:], meta.seq_lens_host[s:],
+                               self.arena.block_size)
+
         def attend(layer: int, q: torch.Tensor, k: torch.Tensor,
                    v: torch.Tensor) -> torch.Tensor:
             k_cache, v_cache = self._kv[layer]  # [num_blocks, block_size, Hkv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             return paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                   self.attention_backend)
+                                   self.attention_backend, decode_plan=plan)
 
         h = self._hidden(input_ids, positions, attend)  # [T, hidden]
         return self._logits(h[logits_indices])

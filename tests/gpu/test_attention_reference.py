@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from gpu.attention import (
     decode_attention_torch,
     paged_attention,
+    plan_decode,
     prefill_attention_torch,
     write_kv,
 )
@@ -81,6 +84,34 @@ def test_decode_ignores_padding_slots_and_table_entries() -> None:
     out = decode_attention_torch(*decode_args(batch))
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=40),
+       block_size=st.sampled_from([4, 16]), bucket=st.integers(1, 17), seed=st.integers(0, 99))
+def test_decode_plan_reads_only_each_sequences_own_slots(
+        lens: list[int], block_size: int, bucket: int, seed: int) -> None:
+    # tables padded with blocks of other sequences: a plan that read a slot past a length, or a
+    # table entry past a sequence's blocks, would name a block or offset it does not own
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block_size) for n in lens) + 2
+    tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    plan = plan_decode(tables.int(), lens, block_size, bucket=bucket)
+    seen = []
+    for g in plan.groups:
+        assert g.blocks.shape[0] <= bucket
+        for i, row in enumerate(g.rows.tolist()):
+            n = lens[row]
+            owned = {(int(tables[row, p // block_size]), p % block_size) for p in range(n)}
+            read = set(zip(g.blocks[i].tolist(), g.offsets[i].tolist()))
+            assert read <= owned
+            valid = g.valid[i].flatten()
+            assert valid.sum() == n and valid[:n].all()
+            for p in range(n):  # the valid slots are the sequence's tokens, in order
+                assert (int(g.blocks[i, p]), int(g.offsets[i, p])) == \
+                    (int(tables[row, p // block_size]), p % block_size)
+            seen.append(row)
+    assert sorted(seen) == list(range(len(lens)))
 
 
 def test_write_kv_stores_each_token_at_its_slot() -> None:
