@@ -27,6 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from engine.backends import build_backend  # noqa: E402
 from engine.config import EngineConfig, default_model_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
@@ -63,14 +64,31 @@ def run_hf(model_dir: Path, prompts: list[list[int]], lengths: list[int], batch:
 async def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[int],
                      threads: int) -> tuple[float, dict]:
     config = EngineConfig(model=model_dir, threads=threads, max_num_seqs=64, max_batched_tokens=512)
-    async with Engine.start(config) as engine:
+    backend = build_backend(config)
+    step_s: list[float] = []
+    execute = backend.runner.execute
+
+    def timed(step):  # the step itself, on the device thread
+        began = time.perf_counter()
+        out = execute(step)
+        step_s.append(time.perf_counter() - began)
+        return out
+
+    backend.runner.execute = timed
+    async with Engine.start(config, backend=backend) as engine:
+        step_s.clear()  # start-up work is not the workload's
         began = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for p, n in zip(prompts, lengths):
                 tg.start_soon(engine.complete, p, SamplingParams(max_tokens=n, ignore_eos=True))
         wall = time.perf_counter() - began
         snap = await engine.inspect()
-    return wall, {"iterations": snap.scheduler.iteration}
+    iterations = snap.scheduler.iteration
+    # what an iteration costs beyond its step: scheduling, the messages, the hop to the device
+    # thread and back, streaming the outputs
+    overhead_ms = (wall - sum(step_s)) / max(iterations, 1) * 1000.0
+    return wall, {"iterations": iterations, "step_s": sum(step_s),
+                  "overhead_ms_per_iteration": overhead_ms}
 
 
 def main() -> None:
@@ -101,6 +119,9 @@ def main() -> None:
         "output_tokens": tokens, "repeats": args.repeats,
         "engine_tokens_per_s": tokens / engine_s, "hf_tokens_per_s": tokens / hf_s,
         "speedup": hf_s / engine_s, "engine_iterations": sides["engine"]["iterations"],
+        "engine_overhead_ms_per_iteration": sides["engine"]["overhead_ms_per_iteration"],
+        "engine_step_ms_per_iteration":
+            sides["engine"]["step_s"] / sides["engine"]["iterations"] * 1000.0,
         "engine_runs_s": sides["engine"]["runs_s"], "hf_runs_s": sides["hf"]["runs_s"],
         "torch": torch.__version__,
     }
@@ -115,15 +136,15 @@ def run_side(args: argparse.Namespace) -> dict:
     vocab = json.loads((args.model / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args.prompts, vocab, seed=0)
     lengths = output_lengths(args.prompts, args.max_tokens, args.mixed_outputs, seed=0)
-    runs, info = [], {}
+    runs: list[tuple[float, dict]] = []
     for _ in range(args.repeats):
         if args.side == "engine":
-            seconds, info = anyio.run(run_engine, args.model, prompts, lengths, args.threads)
+            runs.append(anyio.run(run_engine, args.model, prompts, lengths, args.threads))
         else:
-            seconds = run_hf(args.model, prompts, lengths, args.hf_batch)
-        runs.append(seconds)
-    return {"runs_s": runs, "median_s": statistics.median(runs), "output_tokens": sum(lengths),
-            **info}
+            runs.append((run_hf(args.model, prompts, lengths, args.hf_batch), {}))
+    median_s, info = sorted(runs, key=lambda r: r[0])[len(runs) // 2]
+    return {"runs_s": [s for s, _ in runs], "median_s": median_s,
+            "output_tokens": sum(lengths), **info}
 
 
 def measure_side(side: str, argv: list[str]) -> dict:

@@ -28,12 +28,16 @@ T = TypeVar("T")
 
 
 class DeviceThread:
-    """Runs callables one at a time, in submission order, on a single long-lived thread."""
+    """Runs callables one at a time, in submission order, on a single long-lived thread (made
+    on first use, and made again after `close`, so a runner can serve one engine after another)."""
 
     def __init__(self, name: str = "shunter-device") -> None:
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._name = name
+        self._pool: ThreadPoolExecutor | None = None
 
     def submit(self, fn: Callable[..., T], *args: object) -> Future[T]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=self._name)
         return self._pool.submit(fn, *args)
 
     def call(self, fn: Callable[..., T], *args: object) -> T:
@@ -67,7 +71,9 @@ class DeviceThread:
 
     def close(self) -> None:
         """Finish what was submitted, then end the thread."""
-        self._pool.shutdown(wait=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
 
 def call_on_own_thread(fn: Callable[..., T], *args: object) -> T:
