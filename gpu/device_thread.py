@@ -22,7 +22,12 @@ from typing import TypeVar
 
 import anyio
 import anyio.from_thread
-import anyio.lowlevel
+import anyio.to_thread
+
+try:
+    from anyio.lowlevel import current_token
+except ImportError:  # anyio < 4.11: wait for the future on one of anyio's worker threads
+    current_token = None
 
 T = TypeVar("T")
 
@@ -50,7 +55,9 @@ class DeviceThread:
         Like `anyio.to_thread.run_sync`, the wait is shielded: a cancelled caller still waits
         for the call to finish, so the runner's state never changes behind the caller's back.
         """
-        token = anyio.lowlevel.current_token()
+        if current_token is None:
+            return await anyio.to_thread.run_sync(self.submit(fn, *args).result)
+        token = current_token()
         loop_thread = threading.get_ident()
         done = anyio.Event()
 

@@ -14,8 +14,20 @@ from engine.params import SamplingParams
 from gpu.device_thread import DeviceThread, call_on_own_thread
 
 
+@pytest.fixture(params=["token", "worker-thread wait"])
+def wake_by(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways `run` learns that a call finished: a loop token (anyio >= 4.11), or waiting on
+    one of anyio's worker threads (older anyio)."""
+    if request.param != "token":
+        import gpu.device_thread
+
+        monkeypatch.setattr(gpu.device_thread, "current_token", None)
+    return request.param
+
+
 @pytest.mark.anyio
-async def test_calls_run_one_at_a_time_on_one_thread_that_is_not_the_loops() -> None:
+async def test_calls_run_one_at_a_time_on_one_thread_that_is_not_the_loops(
+        wake_by: str) -> None:
     thread = DeviceThread()
     active, most, ids = [0], [0], set()
 
@@ -37,7 +49,7 @@ async def test_calls_run_one_at_a_time_on_one_thread_that_is_not_the_loops() -> 
 
 
 @pytest.mark.anyio
-async def test_errors_reach_the_caller_and_the_thread_serves_on() -> None:
+async def test_errors_reach_the_caller_and_the_thread_serves_on(wake_by: str) -> None:
     thread = DeviceThread()
 
     def fail() -> None:
@@ -52,7 +64,7 @@ async def test_errors_reach_the_caller_and_the_thread_serves_on() -> None:
 
 
 @pytest.mark.anyio
-async def test_a_cancelled_caller_still_waits_for_its_call_to_finish() -> None:
+async def test_a_cancelled_caller_still_waits_for_its_call_to_finish(wake_by: str) -> None:
     thread = DeviceThread()
     finished = threading.Event()
 
