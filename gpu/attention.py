@@ -82,22 +82,33 @@ def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> t
 def prefill_attention_torch(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float,
+    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each prefill chunk over its cached prefix and itself.
 
-    q: [num_prefill_tokens, Hq, D] -> [num_prefill_tokens, Hq, D].
+    q: [num_prefill_tokens, Hq, D] -> [num_prefill_tokens, Hq, D]. With this step's keys and
+    values (`k_new`, `v_new`: [num_prefill_tokens, Hkv, D]), a chunk with no cached prefix
+    attends to them directly, causal, without reading the cache back.
     """
     out = torch.empty_like(q)
     start = 0
     for i in range(meta.num_prefills):
         qlen, kvlen = meta.query_lens_host[i], meta.seq_lens_host[i]
         prefix = kvlen - qlen
+        qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
+        if prefix == 0 and k_new is not None and v_new is not None:
+            o = F.scaled_dot_product_attention(
+                qi, k_new[start:start + qlen].transpose(0, 1).unsqueeze(0),
+                v_new[start:start + qlen].transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=scale, enable_gqa=True)
+            out[start:start + qlen] = o[0].transpose(0, 1)
+            start += qlen
+            continue
         k = _gather_kv(k_cache, meta.block_tables[i], kvlen)  # [S, Hkv, D]
         v = _gather_kv(v_cache, meta.block_tables[i], kvlen)
         # query j sits at position prefix + j and sees keys 0 ..= prefix + j
         rows = torch.arange(qlen, device=q.device).unsqueeze(1) + prefix
         mask = torch.arange(kvlen, device=q.device).unsqueeze(0) <= rows  # [L, S]
-        qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
         o = F.scaled_dot_product_attention(
             qi, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask, scale=scale, enable_gqa=True,
@@ -192,9 +203,11 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     meta: AttentionMetadata, scale: float, backend: AttentionBackend = "torch",
     decode_plan: DecodePlan | None = None,
+    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention for a whole step. q: [T, Hq, D] -> [T, Hq, D]. The torch path takes the
-    step's `decode_plan` (built once for all layers) or builds one."""
+    step's `decode_plan` (built once for all layers) or builds one, and the step's own keys
+    and values (`k_new`, `v_new`: [T, Hkv, D], already in the cache) for fresh prompts."""
     out = torch.empty_like(q)
     npt, nd = meta.num_prefill_tokens, meta.num_decodes
     if backend == "triton":
@@ -203,8 +216,11 @@ def paged_attention(
         prefill, decode = prefill_attention_triton, decode_attention_triton
     else:
         prefill, decode = prefill_attention_torch, decode_attention_torch
-    if meta.num_prefills:
+    if meta.num_prefills and backend == "triton":
         out[:npt] = prefill(q[:npt], k_cache, v_cache, meta, scale)
+    elif meta.num_prefills:
+        fresh = (None, None) if k_new is None or v_new is None else (k_new[:npt], v_new[:npt])
+        out[:npt] = prefill(q[:npt], k_cache, v_cache, meta, scale, *fresh)
     if nd:
         s = meta.num_prefills
         args = (q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],

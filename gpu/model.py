@@ -230,7 +230,7 @@ class CausalLM(nn.Module):
             k_cache, v_cache = self._kv[layer]  # [num_blocks, block_size, Hkv, D]
             write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
             return paged_attention(q, k_cache, v_cache, meta, self.scale,
-                                   self.attention_backend, decode_plan=plan)
+                                   self.attention_backend, decode_plan=plan, k_new=k, v_new=v)
 
         h = self._hidden(input_ids, positions, attend)  # [T, hidden]
         return self._logits(h[logits_indices])

@@ -58,6 +58,26 @@ def test_prefill_matches_naive(block_size: int, num_q_heads: int, num_kv_heads: 
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+def test_prefill_with_the_steps_own_keys_matches_naive() -> None:
+    # fresh prompts take their keys and values from the step, not the cache; the chunk with a
+    # cached prefix still reads the cache. Poison the fresh prompts' cache slots to prove it.
+    batch = make_paged_batch(prefills=[(21, 21), (13, 50), (30, 30)], num_q_heads=6,
+                             num_kv_heads=2, block_size=16, seed=5)
+    meta = batch.meta
+    k_new = torch.cat([keys[sl - ql:sl] for keys, ql, sl in
+                       zip(batch.keys, meta.query_lens_host, meta.seq_lens_host)])
+    v_new = torch.cat([values[sl - ql:sl] for values, ql, sl in
+                       zip(batch.values, meta.query_lens_host, meta.seq_lens_host)])
+    expected = naive_attention(batch)
+    for i in (0, 2):
+        used = meta.block_tables[i, :-(-meta.seq_lens_host[i] // 16)].long()
+        batch.k_cache[used] = float("nan")
+        batch.v_cache[used] = float("nan")
+    out = prefill_attention_torch(batch.q, batch.k_cache, batch.v_cache, meta, SCALE,
+                                  k_new, v_new)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize(("num_q_heads", "num_kv_heads"), [(4, 4), (8, 1)])
 def test_decode_matches_naive(block_size: int, num_q_heads: int, num_kv_heads: int) -> None:
