@@ -97,21 +97,18 @@ def prefill_attention_torch(
         prefix = kvlen - qlen
         qi = q[start:start + qlen].transpose(0, 1).unsqueeze(0)  # [1, Hq, L, D]
         if prefix == 0 and k_new is not None and v_new is not None:
-            o = F.scaled_dot_product_attention(
-                qi, k_new[start:start + qlen].transpose(0, 1).unsqueeze(0),
-                v_new[start:start + qlen].transpose(0, 1).unsqueeze(0),
-                is_causal=True, scale=scale, enable_gqa=True)
-            out[start:start + qlen] = o[0].transpose(0, 1)
-            start += qlen
-            continue
-        k = _gather_kv(k_cache, meta.block_tables[i], kvlen)  # [S, Hkv, D]
-        v = _gather_kv(v_cache, meta.block_tables[i], kvlen)
-        # query j sits at position prefix + j and sees keys 0 ..= prefix + j
-        rows = torch.arange(qlen, device=q.device).unsqueeze(1) + prefix
-        mask = torch.arange(kvlen, device=q.device).unsqueeze(0) <= rows  # [L, S]
+            k, v = k_new[start:start + qlen], v_new[start:start + qlen]
+            mask, causal = None, True
+        else:
+            k = _gather_kv(k_cache, meta.block_tables[i], kvlen)  # [S, Hkv, D]
+            v = _gather_kv(v_cache, meta.block_tables[i], kvlen)
+            # query j sits at position prefix + j and sees keys 0 ..= prefix + j
+            rows = torch.arange(qlen, device=q.device).unsqueeze(1) + prefix
+            mask = torch.arange(kvlen, device=q.device).unsqueeze(0) <= rows  # [L, S]
+            causal = False
         o = F.scaled_dot_product_attention(
             qi, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, scale=scale, enable_gqa=True,
+            attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=True,
         )
         out[start:start + qlen] = o[0].transpose(0, 1)
         start += qlen
@@ -181,7 +178,8 @@ def decode_attention_torch(
 
     q: [B, Hq, D]; block_tables: [B, max_blocks]; seq_lens: [B] -> [B, Hq, D]. Sequences of
     similar length are batched together (`plan_decode`), so a few long contexts do not make
-    every short one read as many slots. A step's layers share one `plan`.
+    every short one read as many slots. A step's layers share one `plan`. `max_seq_len` is
+    not needed here; the argument list is the Triton kernel's, so tests call both alike.
     """
     if plan is None:
         lens = seq_lens_host if seq_lens_host is not None else seq_lens.tolist()
@@ -209,24 +207,21 @@ def paged_attention(
     step's `decode_plan` (built once for all layers) or builds one, and the step's own keys
     and values (`k_new`, `v_new`: [T, Hkv, D], already in the cache) for fresh prompts."""
     out = torch.empty_like(q)
-    npt, nd = meta.num_prefill_tokens, meta.num_decodes
+    npt, s = meta.num_prefill_tokens, meta.num_prefills
+    decode_args = (q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],
+                   max(meta.seq_lens_host[s:], default=0), scale)
     if backend == "triton":
         from gpu.kernels import decode_attention_triton, prefill_attention_triton
 
-        prefill, decode = prefill_attention_triton, decode_attention_triton
-    else:
-        prefill, decode = prefill_attention_torch, decode_attention_torch
-    if meta.num_prefills and backend == "triton":
-        out[:npt] = prefill(q[:npt], k_cache, v_cache, meta, scale)
-    elif meta.num_prefills:
+        if s:
+            out[:npt] = prefill_attention_triton(q[:npt], k_cache, v_cache, meta, scale)
+        if meta.num_decodes:
+            out[npt:] = decode_attention_triton(*decode_args)
+        return out
+    if s:
         fresh = (None, None) if k_new is None or v_new is None else (k_new[:npt], v_new[:npt])
-        out[:npt] = prefill(q[:npt], k_cache, v_cache, meta, scale, *fresh)
-    if nd:
-        s = meta.num_prefills
-        args = (q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],
-                max(meta.seq_lens_host[s:]), scale)
-        if backend == "triton":
-            out[npt:] = decode(*args)
-        else:
-            out[npt:] = decode(*args, seq_lens_host=meta.seq_lens_host[s:], plan=decode_plan)
+        out[:npt] = prefill_attention_torch(q[:npt], k_cache, v_cache, meta, scale, *fresh)
+    if meta.num_decodes:
+        out[npt:] = decode_attention_torch(*decode_args, seq_lens_host=meta.seq_lens_host[s:],
+                                           plan=decode_plan)
     return out
