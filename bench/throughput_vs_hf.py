@@ -31,6 +31,7 @@ from engine.backends import build_backend  # noqa: E402
 from engine.config import EngineConfig, default_model_dir  # noqa: E402
 from engine.engine import Engine  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
+from gpu.profiler import record_steps  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -65,18 +66,9 @@ async def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[in
                      threads: int) -> tuple[float, dict]:
     config = EngineConfig(model=model_dir, threads=threads, max_num_seqs=64, max_batched_tokens=512)
     backend = build_backend(config)
-    step_s: list[float] = []
-    execute = backend.runner.execute
-
-    def timed(step):  # the step itself, on the device thread
-        began = time.perf_counter()
-        out = execute(step)
-        step_s.append(time.perf_counter() - began)
-        return out
-
-    backend.runner.execute = timed
+    steps = record_steps(backend.runner)  # each step itself, on the device thread
     async with Engine.start(config, backend=backend) as engine:
-        step_s.clear()  # start-up work is not the workload's
+        steps.clear()  # start-up work is not the workload's
         began = time.perf_counter()
         async with anyio.create_task_group() as tg:
             for p, n in zip(prompts, lengths):
@@ -84,6 +76,7 @@ async def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[in
         wall = time.perf_counter() - began
         snap = await engine.inspect()
     iterations = snap.scheduler.iteration
+    step_s = [end - began for _, began, end in steps]
     # what an iteration costs beyond its step: scheduling, the messages, the hop to the device
     # thread and back, streaming the outputs
     overhead_ms = (wall - sum(step_s)) / max(iterations, 1) * 1000.0

@@ -184,6 +184,22 @@ def profile_for(config: EngineConfig, *, name: str, fit, kv_cache_mib: float, gb
                    source=source)
 
 
+def record_steps(runner) -> list[tuple[ExecuteStep, float, float]]:
+    """Wrap `runner.execute` so that every step it runs from now on is appended, with its
+    perf_counter start and end, to the list returned."""
+    plain = runner.execute
+    steps: list[tuple[ExecuteStep, float, float]] = []
+
+    def timed(step: ExecuteStep):
+        began = time.perf_counter()
+        out = plain(step)
+        steps.append((step, began, time.perf_counter()))
+        return out
+
+    runner.execute = timed
+    return steps
+
+
 def calibrate_in_engine(config: EngineConfig, cost, *, batches: int = 3,
                         batch_size: int = 16) -> tuple[float, float, float]:
     """(k, overhead ms, overhead ms per sequence): how a step measured alone compares with the same step inside a running
@@ -201,19 +217,7 @@ def calibrate_in_engine(config: EngineConfig, cost, *, batches: int = 3,
     from engine.workloads import BatchSource, Workload
 
     backend = build_backend(config)
-    runner = backend.runner
-    plain = runner.execute
-    steps: list[tuple[BatchShape, float, float, float]] = []
-
-    def timed(step: ExecuteStep):
-        began = time.perf_counter()
-        out = plain(step)
-        end = time.perf_counter()
-        steps.append((BatchShape.of([(w.start, w.num_tokens) for w in step.seqs]),
-                      (end - began) * 1000.0, began, end))
-        return out
-
-    runner.execute = timed
+    timed = record_steps(backend.runner)
     workload = Workload(name="calibration", description="", params={}, requests=(),
                         batches=(BatchSource(batch_size=batch_size, prompt_range=(16, 256),
                                              output_range=(16, 64), max_batches=batches),))
@@ -223,6 +227,8 @@ def calibrate_in_engine(config: EngineConfig, cost, *, batches: int = 3,
             await Driver(engine, workload, vocab=backend.vocab_size, declared_classes=set()).run()
 
     anyio.run(serve)
+    steps = [(BatchShape.of([(w.start, w.num_tokens) for w in step.seqs]),
+              (end - began) * 1000.0, began, end) for step, began, end in timed]
     work = [s for s in steps if s[0].prefill_tokens or s[0].decode_seqs]
     k = statistics.median(ms / cost.predict_ms(shape) for shape, ms, _, _ in work)
     # the gap after a step grows with the sequences it served (outputs, bookkeeping)
