@@ -16,24 +16,22 @@ from __future__ import annotations
 from typing import assert_never
 
 import anyio
-import attrs
 import structlog
 
 from engine.memory.block_groups import BlockGroupManager
 from engine.memory.block_pool import BlockPool
 from engine.messages import (
-    AllocatorMessage, BlockUpdate, ExecuteStep, InspectAllocator, RunStep, SwapOrders, SwapTransfer,
+    AllocatorMessage,
+    BlockUpdate,
+    ExecuteStep,
+    InspectAllocator,
+    RunStep,
+    SwapOrders,
+    SwapTransfer,
 )
+from engine.snapshots import AllocatorSnapshot
 
 log = structlog.get_logger(actor="allocator")
-
-
-@attrs.frozen(kw_only=True)
-class AllocatorSnapshot:
-    free_blocks: int
-    allocated_blocks: int
-    total_blocks: int
-    tables: dict[int, list[int]]
 
 
 class Allocator:

@@ -15,7 +15,15 @@ import attrs
 import structlog
 
 from engine.errors import AdmissionError, InvalidRequestError, PromptTooLongError, QueueFullError
-from engine.messages import AbortRequest, AddRequest, Cancel, FrontendMessage, StepOutputs, Submit, TokenOutput
+from engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Cancel,
+    FrontendMessage,
+    StepOutputs,
+    Submit,
+    TokenOutput,
+)
 from engine.outputs import Admitted, GenerationChunk, Rejected
 
 log = structlog.get_logger(actor="frontend")

@@ -19,7 +19,6 @@ import time
 from typing import assert_never
 
 import anyio
-import attrs
 import structlog
 
 from engine.config import EngineConfig
@@ -27,13 +26,27 @@ from engine.cost_model import CostModel
 from engine.iteration_log import IterationLog, SwapCounters
 from engine.memory.cpu_store import CpuCopyStore, SwapOutPlan
 from engine.messages import (
-    AbortRequest, AddRequest, InspectScheduler, ReplacePolicy, RequestSetup, RunStep, SchedulerMessage,
-    SeqWork, StepFailed, StepFinished, StepOutputs, SwapDone, SwapIn, SwapOut, TakeIterationLog,
+    AbortRequest,
+    AddRequest,
+    InspectScheduler,
+    ReplacePolicy,
+    RequestSetup,
+    RunStep,
+    SchedulerMessage,
+    SeqWork,
+    StepFailed,
+    StepFinished,
+    StepOutputs,
+    SwapDone,
+    SwapIn,
+    SwapOut,
+    TakeIterationLog,
     TokenOutput,
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
 from engine.request import Request
+from engine.snapshots import SchedulerSnapshot
 
 log = structlog.get_logger(actor="scheduler")
 
@@ -47,31 +60,6 @@ stall beats making the request wait an iteration more."""
 
 SWAP_RATE_SMOOTHING = 0.2
 """Weight of the newest measurement in the running mean of seconds per swapped-in block."""
-
-
-@attrs.frozen(kw_only=True)
-class SchedulerSnapshot:
-    iteration: int
-    policy: str
-    waiting: int
-    running: int
-    swapped: int
-    swapping_in: int
-    free_blocks: int
-    total_blocks: int
-    live_requests: tuple[int, ...]
-    preemptions: int
-    iteration_ms: float
-    overload: str | None = None
-    """The overload trigger firing now (`drop`, `restore`) or None (KunServe §4.1, §4.4)."""
-    overload_drops: int = 0
-    """How often the policy's drop trigger started firing."""
-    overload_restores: int = 0
-    """How often its restore trigger started firing."""
-    cpu_free_blocks: int = 0
-    cpu_total_blocks: int = 0
-    cpu_copies: int = 0
-    """CPU KV copies held: swapped-out requests, backups, and ended turns kept for reuse."""
 
 
 class Scheduler:

@@ -18,13 +18,13 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends import Backend  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.engine import Engine  # noqa: E402
 from engine.messages import ExecuteStep, SampledToken, StepFinished  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
 from engine.planner import Budget, plan_iteration  # noqa: E402
 from engine.policy import FcfsPolicy, RequestView, SchedulerView  # noqa: E402
+from shunter.backends import Backend  # noqa: E402
+from shunter.engine import Engine  # noqa: E402
 
 
 class NullRunner:

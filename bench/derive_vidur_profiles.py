@@ -1,6 +1,6 @@
 """Write the shipped sim profiles from the vidur GPU measurements in ../shared/profiles/vidur.
 
-    python bench/derive_vidur_profiles.py [--vidur ../shared/profiles/vidur] [--out engine/sim/profiles]
+    python bench/derive_vidur_profiles.py [--vidur ../shared/profiles/vidur] [--out sim/profiles]
 
 * llama3-8b-a100: the ready fit `fitted_llama3_8b_a100_iteration_model.json` (its variant with
   the prefix-attention term), as `engine.cost_model.LLAMA3_8B_A100`.
@@ -34,8 +34,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cost_model import LLAMA3_8B_A100, BatchShape  # noqa: E402
-from engine.sim.fit import fit_cost_model  # noqa: E402
-from engine.sim.profile import CopyLink, ModelShape, Profile, save_profile  # noqa: E402
+from sim.fit import fit_cost_model  # noqa: E402
+from sim.profile import CopyLink, ModelShape, Profile, save_profile  # noqa: E402
 
 OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
        "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")

@@ -30,12 +30,12 @@ import structlog
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.benchmark.policies import parse_policy  # noqa: E402
-from engine.benchmark.run import RunOutcome, run_all  # noqa: E402
-from engine.commands.bench import finite  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.workloads import load_workload  # noqa: E402
 from policies import policy_path  # noqa: E402
+from shunter.benchmark.policies import parse_policy  # noqa: E402
+from shunter.benchmark.run import RunOutcome, run_all  # noqa: E402
+from shunter.commands.bench import finite  # noqa: E402
+from shunter.workloads import load_workload  # noqa: E402
 
 LADDER = ("vllm_baseline", "groups", "reuse", "fastswitch")
 PATTERNS = {"markov": "markov(stay = 0.8, seed = 7)", "random": "random(seed = 7)"}

@@ -29,7 +29,7 @@ from gpu.kernels import (  # noqa: E402
     decode_attention_triton,
     prefill_attention_triton,
 )
-from gpu.kernels.synthetic import PagedBatch, make_paged_batch  # noqa: E402
+from tests.gpu.paged_batch import PagedBatch, make_paged_batch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 3e-2}

@@ -27,7 +27,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cost_model import LLAMA3_8B_A100  # noqa: E402
 from engine.policy import (  # noqa: E402
-    Decision, FcfsPolicy, IterationOutcome, PolicySettings, RequestView, SchedulerView,
+    Decision,
+    FcfsPolicy,
+    IterationOutcome,
+    PolicySettings,
+    RequestView,
+    SchedulerView,
 )
 from policies import policy_dir, policy_path  # noqa: E402
 from policy_lang import compile_policy, load_policy_file  # noqa: E402

@@ -18,14 +18,15 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.benchmark.policies import parse_policy  # noqa: E402
-from engine.benchmark.run import run_one  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.sim.fit import fit_cost_model  # noqa: E402
-from engine.sim.profile import save_profile  # noqa: E402
-from engine.workloads import load_workload  # noqa: E402
 from gpu.make_model import write_random_model  # noqa: E402
-from gpu.profiler import calibrate_in_engine, calibrated, measure, measure_copy, profile_for  # noqa: E402
+from gpu.profiler import measure, measure_copy  # noqa: E402
+from shunter.benchmark.policies import parse_policy  # noqa: E402
+from shunter.benchmark.run import run_one  # noqa: E402
+from shunter.calibrate import calibrate_in_engine, calibrated, profile_for  # noqa: E402
+from shunter.workloads import load_workload  # noqa: E402
+from sim.fit import fit_cost_model  # noqa: E402
+from sim.profile import save_profile  # noqa: E402
 
 MODEL = dict(arch="llama", layers=4, hidden=256, heads=8, kv_heads=4, vocab=4096, seed=0)
 WORKLOADS = ("sharegpt:requests=60,rate=3,scale_lengths=0.05",

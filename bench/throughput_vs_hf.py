@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -27,11 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.backends import build_backend  # noqa: E402
 from engine.config import EngineConfig, default_model_dir  # noqa: E402
-from engine.engine import Engine  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
-from gpu.profiler import record_steps  # noqa: E402
+from shunter.backends import build_backend  # noqa: E402
+from shunter.engine import Engine  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -66,7 +64,7 @@ async def run_engine(model_dir: Path, prompts: list[list[int]], lengths: list[in
                      threads: int) -> tuple[float, dict]:
     config = EngineConfig(model=model_dir, threads=threads, max_num_seqs=64, max_batched_tokens=512)
     backend = build_backend(config)
-    steps = record_steps(backend.runner)  # each step itself, on the device thread
+    steps = backend.runner.record_steps()  # each step itself, on the device thread
     async with Engine.start(config, backend=backend) as engine:
         steps.clear()  # start-up work is not the workload's
         began = time.perf_counter()

@@ -13,7 +13,7 @@ Backend = Literal["torch", "sim"]
 
 
 def default_model_dir() -> Path:
-    """The small Llama model shipped inside the `gpu` package (trained by `gpu/train_default.py`)."""
+    """The small Llama model shipped inside the `gpu` package (trained by `tools/train_default.py`)."""
     return Path(__file__).resolve().parent.parent / "gpu" / "default_model"
 
 

@@ -11,18 +11,21 @@ finished asynchronous swap-ins to the scheduler with `SwapDone`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import attrs
+from anyio.streams.memory import MemoryObjectSendStream
 
+from engine.iteration_log import IterationLog
+from engine.outputs import ClientOutput
 from engine.params import SamplingParams, SchedulingParams
+from engine.policy import Policy, SwapGranularity
 from engine.reply import Reply
+from engine.snapshots import AllocatorSnapshot, SchedulerSnapshot
+from engine.timeline import RequestTimeline
 
 SwapDirection = Literal["out", "in"]
 """`out`: device -> host (swap out); `in`: host -> device (swap in)."""
-SwapGranularity = Literal["per-block", "groups"]
-"""`per-block`: one copy per block per layer per K/V (vLLM 0.3.3); `groups`: one copy per run
-of blocks consecutive on both sides (FastSwitch §3.1)."""
 
 # ---------------------------------------------------------------------------------- frontend
 
@@ -35,7 +38,7 @@ class Submit:
     prompt_ids: Sequence[int] | None
     sampling: SamplingParams
     scheduling: SchedulingParams
-    outputs: Any
+    outputs: MemoryObjectSendStream[ClientOutput]
     """The send side of the client's unbounded output stream."""
     stream: bool = True
     """Send a chunk per iteration; False sends only the final chunk, holding every token and
@@ -58,8 +61,8 @@ class TokenOutput:
     finish_reason: str | None = None
     """`stop`, `length`, `cancelled` or `error` on the request's last output."""
     error: str | None = None
-    metrics: Any = None
-    """`engine.timeline.RequestTimeline` on the last output."""
+    metrics: RequestTimeline | None = None
+    """The request's timings, on its last output."""
 
 
 @attrs.frozen(kw_only=True)
@@ -141,7 +144,7 @@ class StepFailed:
 class InspectScheduler:
     """Ask for a snapshot of the scheduler's queues (tests, the REPL, `/metrics`)."""
 
-    reply: Reply
+    reply: Reply[SchedulerSnapshot]
 
 
 @attrs.frozen(kw_only=True)
@@ -149,15 +152,15 @@ class TakeIterationLog:
     """Hand over the per-iteration log (an `engine.iteration_log.IterationLog`, or None when
     `record_iterations` is off) and start a new one."""
 
-    reply: Reply
+    reply: Reply[IterationLog | None]
 
 
 @attrs.frozen(kw_only=True)
 class ReplacePolicy:
     """Switch to another compiled policy at the next iteration boundary."""
 
-    policy: Any
-    reply: Reply
+    policy: Policy
+    reply: Reply[None]
 
 
 SchedulerMessage = (
@@ -243,7 +246,9 @@ class RunStep:
 
 @attrs.frozen(kw_only=True)
 class InspectAllocator:
-    reply: Reply
+    """Ask for the allocator's block usage and tables."""
+
+    reply: Reply[AllocatorSnapshot]
 
 
 AllocatorMessage = RunStep | InspectAllocator

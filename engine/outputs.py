@@ -31,3 +31,7 @@ class Admitted:
 @attrs.frozen(kw_only=True)
 class Rejected:
     error: AdmissionError
+
+
+ClientOutput = Admitted | Rejected | GenerationChunk
+"""What a client's output stream carries: the admission answer, then chunks."""

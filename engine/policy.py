@@ -19,11 +19,13 @@ import attrs
 
 from engine.cost_model import CostModel
 from engine.errors import PolicyError
-from engine.messages import SwapGranularity
 
 RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
 PreemptMode = Literal["recompute", "swap", "never"]
 OverloadSignal = Literal["drop", "restore"]
+SwapGranularity = Literal["per-block", "groups"]
+"""`per-block`: one copy per block per layer per K/V (vLLM 0.3.3); `groups`: one copy per run
+of blocks consecutive on both sides (FastSwitch §3.1)."""
 
 
 @attrs.define(slots=True, eq=False)

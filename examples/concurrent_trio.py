@@ -7,8 +7,8 @@ half-way (its KV blocks go back at once), and the engine ends idle with no block
 import trio
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.params import SamplingParams
+from shunter.engine import Engine
 
 PROMPTS = ["import os\n", "class Parser:\n", "def main():\n", "for line in f:\n"] * 4
 

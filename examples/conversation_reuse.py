@@ -7,9 +7,9 @@ turn swaps the history's KV in from host memory instead of prefilling it again (
 import anyio
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.params import SamplingParams, SchedulingParams
 from policies import policy_path
+from shunter.engine import Engine
 
 
 async def main() -> None:

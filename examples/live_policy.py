@@ -7,9 +7,9 @@ that favours the requests clients mark as important, and print the diff the engi
 import anyio
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.errors import PolicyError
 from engine.params import SamplingParams, SchedulingParams
+from shunter.engine import Engine
 
 BY_PRIORITY = """
 policy by_priority {

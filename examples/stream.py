@@ -8,8 +8,8 @@ import sys
 import anyio
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.params import SamplingParams
+from shunter.engine import Engine
 
 
 async def main(prompt: str) -> None:

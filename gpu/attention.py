@@ -19,44 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gpu.metadata import AttentionMetadata
+
 AttentionBackend = Literal["torch", "triton"]
-
-
-@attrs.frozen(kw_only=True)
-class AttentionMetadata:
-    """Where each sequence's queries are and which KV blocks it reads, for one step."""
-
-    num_prefills: int
-    """Sequences [0, num_prefills) are prefill chunks (any number of new tokens, maybe a cached
-    prefix before them)."""
-    num_prefill_tokens: int
-    """Their tokens come first in the flattened batch."""
-    num_decodes: int
-    """Sequences after the prefills, one new token each."""
-    query_start_loc: torch.Tensor
-    """int32 [S+1]: cumulative query lengths; sequence i owns tokens [qsl[i], qsl[i+1])."""
-    seq_lens: torch.Tensor
-    """int32 [S]: KV length of each sequence after this step's tokens are written."""
-    block_tables: torch.Tensor
-    """int32 [S, max_blocks]: arena block ids; entries past a sequence's length are padding."""
-    slot_mapping: torch.Tensor
-    """int64 [T]: block_id * block_size + offset, where each new token's K/V is written."""
-    query_lens_host: tuple[int, ...]
-    """The same query lengths as host ints, so the torch path never synchronises."""
-    seq_lens_host: tuple[int, ...]
-    """The same KV lengths as host ints."""
-
-    @property
-    def num_seqs(self) -> int:
-        return self.num_prefills + self.num_decodes
-
-    @property
-    def max_seq_len(self) -> int:
-        return max(self.seq_lens_host, default=0)
-
-    @property
-    def max_query_len(self) -> int:
-        return max(self.query_lens_host, default=0)
 
 
 def write_kv(
@@ -211,6 +176,8 @@ def paged_attention(
     decode_args = (q[npt:], k_cache, v_cache, meta.block_tables[s:], meta.seq_lens[s:],
                    max(meta.seq_lens_host[s:], default=0), scale)
     if backend == "triton":
+        # imported here, not at the top: triton is a Linux-only dependency the torch path never
+        # needs, and it decides between compiling and interpreting (TRITON_INTERPRET) on import
         from gpu.kernels import decode_attention_triton, prefill_attention_triton
 
         if s:

@@ -13,9 +13,44 @@ import attrs
 import numpy as np
 import torch
 
-from gpu.attention import AttentionMetadata
-
 SeqChunk = tuple[Sequence[int], int, Sequence[int]]
+
+
+@attrs.frozen(kw_only=True)
+class AttentionMetadata:
+    """Where each sequence's queries are and which KV blocks it reads, for one step."""
+
+    num_prefills: int
+    """Sequences [0, num_prefills) are prefill chunks (any number of new tokens, maybe a cached
+    prefix before them)."""
+    num_prefill_tokens: int
+    """Their tokens come first in the flattened batch."""
+    num_decodes: int
+    """Sequences after the prefills, one new token each."""
+    query_start_loc: torch.Tensor
+    """int32 [S+1]: cumulative query lengths; sequence i owns tokens [qsl[i], qsl[i+1])."""
+    seq_lens: torch.Tensor
+    """int32 [S]: KV length of each sequence after this step's tokens are written."""
+    block_tables: torch.Tensor
+    """int32 [S, max_blocks]: arena block ids; entries past a sequence's length are padding."""
+    slot_mapping: torch.Tensor
+    """int64 [T]: block_id * block_size + offset, where each new token's K/V is written."""
+    query_lens_host: tuple[int, ...]
+    """The same query lengths as host ints, so the torch path never synchronises."""
+    seq_lens_host: tuple[int, ...]
+    """The same KV lengths as host ints."""
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_prefills + self.num_decodes
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_host, default=0)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_host, default=0)
 
 
 @attrs.frozen(kw_only=True)

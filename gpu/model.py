@@ -19,10 +19,10 @@ from safetensors.torch import save_file
 from torch import nn
 
 from gpu.arena import DeviceArena
-from gpu.attention import (AttentionBackend, AttentionMetadata, paged_attention, plan_decode,
-                           write_kv)
+from gpu.attention import AttentionBackend, paged_attention, plan_decode, write_kv
 from gpu.config import DTYPES, ModelConfig
 from gpu.loader import check_model_dir, check_weights, copy_weights
+from gpu.metadata import AttentionMetadata
 from gpu.rope import RotaryEmbedding, apply_rope
 
 # (layer, q [*N, Hq, D], k [*N, Hkv, D], v [*N, Hkv, D]) -> o [*N, Hq, D]

@@ -61,6 +61,13 @@ class TorchRunner:
         self._thread = DeviceThread()
         self.swapper = None
         """The swap pool's copier (`gpu.swap.TorchSwapper`) once `make_swapper` made it."""
+        self._step_records: list[tuple[ExecuteStep, float, float]] | None = None
+
+    def record_steps(self) -> list[tuple[ExecuteStep, float, float]]:
+        """From now on append every step `execute` runs, with its perf_counter start and end,
+        to the list returned (the in-engine calibration and the throughput bench read it)."""
+        self._step_records = []
+        return self._step_records
 
     async def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
         """A host swap space of `num_host_blocks` blocks next to the arena (pinned on CUDA),
@@ -114,6 +121,8 @@ class TorchRunner:
             sampled = self._forward_and_sample(step.seqs)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
+        if self._step_records is not None:
+            self._step_records.append((step, began, time.perf_counter()))
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled),
                             compute_s=time.perf_counter() - began - stall, stall_s=stall)
 

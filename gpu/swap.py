@@ -28,7 +28,7 @@ import torch
 from engine.iteration_log import SwapCounters
 from engine.memory.block_groups import coalesce
 from engine.messages import SwapDirection as Direction
-from engine.messages import SwapGranularity as Granularity
+from engine.policy import SwapGranularity as Granularity
 
 __all__ = ["SwapStats", "TorchSwapper", "coalesce"]
 

@@ -14,16 +14,28 @@ from typing import Any
 from engine.policy import ClassSpec, MemorySettings, PolicySettings
 from policy_lang import ast
 from policy_lang.check import (
-    ADAPTIVE, CLASS_SETTINGS, FAIR_SETTINGS, PATTERNS, class_names, default_class, read_args,
+    ADAPTIVE,
+    CLASS_SETTINGS,
+    FAIR_SETTINGS,
+    PATTERNS,
+    class_names,
+    default_class,
+    read_args,
     read_value,
 )
-from policy_lang.exprs import constant, literal_value
 from policy_lang.explain import explain
+from policy_lang.exprs import constant, literal_value
 from policy_lang.fields import FIELDS, Scope, Type
 from policy_lang.loader import RuleSet
 from policy_lang.packing import Env, IterationTimer, PackOrder, Replace, Take
 from policy_lang.runtime import (
-    AlternateOrder, ClassSplit, CompiledPolicy, MergedOrder, Passes, PrecedenceOrder, sorter,
+    AlternateOrder,
+    ClassSplit,
+    CompiledPolicy,
+    MergedOrder,
+    Passes,
+    PrecedenceOrder,
+    sorter,
 )
 from policy_lang.state import AdaptiveBatch, FairCounters, FixedBatch, OverloadTriggers, Rerank
 

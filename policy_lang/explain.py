@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from policy_lang import ast
-from policy_lang.check import ADAPTIVE, CLASS_SETTINGS, FAIR_SETTINGS, PATTERNS, class_names, \
-    default_class, read_args, read_value
+from policy_lang.check import (
+    ADAPTIVE,
+    CLASS_SETTINGS,
+    FAIR_SETTINGS,
+    PATTERNS,
+    class_names,
+    default_class,
+    read_args,
+    read_value,
+)
 from policy_lang.exprs import constant, fmt
 from policy_lang.fields import FIELDS, Type
 from policy_lang.loader import RuleSet

@@ -10,7 +10,15 @@ import attrs
 from policy_lang import ast
 from policy_lang.diagnostics import did_you_mean, one_of
 from policy_lang.fields import (
-    FIELDS, FUNCTIONS, SCOPE_WORDS, UNIT_HINT, UNIT_SCALE, UNIT_TYPES, Scope, Type, fields_in,
+    FIELDS,
+    FUNCTIONS,
+    SCOPE_WORDS,
+    UNIT_HINT,
+    UNIT_SCALE,
+    UNIT_TYPES,
+    Scope,
+    Type,
+    fields_in,
 )
 
 ARITH = ("+", "-", "*", "/")

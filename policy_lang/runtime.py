@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from engine.policy import (
-    Decision, EngineCapabilities, IterationOutcome, PolicySettings, RequestView, SchedulerView,
+    Decision,
+    EngineCapabilities,
+    IterationOutcome,
+    PolicySettings,
+    RequestView,
+    SchedulerView,
 )
 from policy_lang.diagnostics import Diagnostic, Span, check_error
 from policy_lang.packing import Env

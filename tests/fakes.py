@@ -9,8 +9,8 @@ from collections.abc import Sequence
 
 import anyio
 
-from engine.backends import Backend
 from engine.messages import ExecuteStep, SampledToken, StepFinished
+from shunter.backends import Backend
 
 VOCAB = 97
 EOS = 3

@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu.attention import AttentionMetadata
 from gpu.kernels.tiles import LOG2E, dot_precision, load_kv_tile, online_softmax_step
+from gpu.metadata import AttentionMetadata
 
 
 @attrs.frozen(kw_only=True)

@@ -18,7 +18,7 @@ from gpu.attention import (
     prefill_attention_torch,
     write_kv,
 )
-from gpu.kernels.synthetic import PagedBatch, make_paged_batch
+from tests.gpu.paged_batch import PagedBatch, make_paged_batch
 
 SCALE = 0.125
 

@@ -9,9 +9,9 @@ import anyio
 import pytest
 
 from engine.config import EngineConfig
-from engine.engine import Engine
 from engine.params import SamplingParams
 from gpu.device_thread import DeviceThread, call_on_own_thread
+from shunter.engine import Engine
 
 
 @pytest.fixture(params=["token", "worker-thread wait"])
@@ -97,8 +97,8 @@ def test_close_ends_the_thread_and_a_later_call_makes_a_new_one() -> None:
 @pytest.mark.anyio
 async def test_engine_runs_load_swap_space_and_every_step_on_the_device_thread(
         tiny_llama_dir, monkeypatch: pytest.MonkeyPatch) -> None:
-    from engine.backends import build_backend
     from gpu.swap import TorchSwapper
+    from shunter.backends import build_backend
 
     config = EngineConfig(model=tiny_llama_dir, num_blocks=64, cpu_swap_blocks=16)
     backend = build_backend(config)

@@ -25,8 +25,8 @@ from gpu.kernels import (
     decode_attention_triton,
     prefill_attention_triton,
 )
-from gpu.kernels.synthetic import PagedBatch, make_paged_batch
 from tests.conftest import slow_scale
+from tests.gpu.paged_batch import PagedBatch, make_paged_batch
 
 SCALE = 0.17
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.cli import main
 from engine.errors import PolicySyntaxError
 from policies import policy_path
 from policy_lang import ast
 from policy_lang.edit import replace_rule
 from policy_lang.parser import parse
+from shunter.cli import main
 
 BASE = """\
 # a comment that stays

@@ -8,11 +8,11 @@ import math
 import attrs
 import pytest
 
-from engine.cli import main
 from engine.cost_model import CostModel
 from engine.policy import IterationOutcome
 from policies import available, policy_dir, policy_path
 from policy_lang import load_policy_file
+from shunter.cli import main
 from tests.factories import make_scheduler_view, make_view
 
 SHIPPED = ["bros", "fastswitch_markov", "fastswitch_random", "fcfs", "groups_markov",

@@ -1,0 +1,48 @@
+"""Snapshots the actors answer `Inspect*` messages with (tests, the REPL, `/metrics`)."""
+
+from __future__ import annotations
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerSnapshot:
+    iteration: int
+    policy: str
+    waiting: int
+    running: int
+    swapped: int
+    swapping_in: int
+    free_blocks: int
+    total_blocks: int
+    live_requests: tuple[int, ...]
+    preemptions: int
+    iteration_ms: float
+    overload: str | None = None
+    """The overload trigger firing now (`drop`, `restore`) or None (KunServe §4.1, §4.4)."""
+    overload_drops: int = 0
+    """How often the policy's drop trigger started firing."""
+    overload_restores: int = 0
+    """How often its restore trigger started firing."""
+    cpu_free_blocks: int = 0
+    cpu_total_blocks: int = 0
+    cpu_copies: int = 0
+    """CPU KV copies held: swapped-out requests, backups, and ended turns kept for reuse."""
+
+
+@attrs.frozen(kw_only=True)
+class AllocatorSnapshot:
+    free_blocks: int
+    allocated_blocks: int
+    total_blocks: int
+    tables: dict[int, list[int]]
+
+
+@attrs.frozen(kw_only=True)
+class EngineSnapshot:
+    scheduler: SchedulerSnapshot
+    allocator: AllocatorSnapshot
+
+    @property
+    def idle(self) -> bool:
+        return not self.scheduler.live_requests and self.allocator.allocated_blocks == 0

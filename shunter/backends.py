@@ -1,0 +1,90 @@
+"""Backends: what the executor runs on, and what the frontend needs to know about the model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from engine.config import EngineConfig
+from engine.cost_model import CostModel
+from engine.errors import ConfigError
+
+
+@attrs.frozen(kw_only=True)
+class Backend:
+    runner: Any
+    """The executor's step runner (`start()`, `step()`)."""
+    codec: Any
+    """Tokenizer adapter for the frontend, or None when prompts must be token ids."""
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    """Longest sequence (prompt + output) the model takes."""
+    max_prompt_tokens: int
+    cost_model: CostModel | None = None
+    """Iteration-latency model the policies may consult (the simulator's profile)."""
+
+
+class TokenizerCodec:
+    """Adapts `gpu.tokenizer.Tokenizer` to the frontend's encode/detokenizer interface."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def detokenizer(self) -> Any:
+        from gpu.tokenizer import IncrementalDetokenizer
+
+        return IncrementalDetokenizer(self._tok)
+
+
+def build_backend(config: EngineConfig) -> Backend:
+    if config.backend == "torch":
+        return _torch_backend(config)
+    if config.backend == "sim":
+        return _sim_backend(config)
+    raise ConfigError(f"backend {config.backend!r} is not available in this build")
+
+
+def _sim_backend(config: EngineConfig) -> Backend:
+    """No model: steps take the time the profile predicts; prompts must be token ids."""
+    from sim.profile import load_profile
+    from sim.runner import SimRunner
+
+    profile = load_profile(config.profile)
+    num_blocks = config.num_blocks or profile.num_blocks(config.block_size)
+    max_context = profile.model.max_context
+    return Backend(
+        runner=SimRunner(profile.cost, num_blocks, link=profile.link, model=profile.model,
+                         block_size=config.block_size), codec=None,
+        vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
+        max_prompt_tokens=config.max_prompt_tokens or max_context - 1, cost_model=profile.cost,
+    )
+
+
+def _torch_backend(config: EngineConfig) -> Backend:
+    from gpu.arena import blocks_for_bytes
+    from gpu.config import ModelConfig
+    from gpu.runner import TorchRunner, resolve_device, resolve_dtype
+    from gpu.tokenizer import Tokenizer
+
+    model = ModelConfig.from_dir(config.model)
+    tokenizer = Tokenizer.from_dir(config.model)
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, model, device)
+        num_blocks = blocks_for_bytes(model, config.block_size, dtype,
+                                      int(config.kv_cache_mib * 2**20))
+    max_context = model.max_position_embeddings
+    return Backend(
+        runner=TorchRunner(config, model, num_blocks),
+        codec=TokenizerCodec(tokenizer),
+        vocab_size=model.vocab_size,
+        eos_token_ids=tuple(model.eos_token_ids),
+        max_context=max_context,
+        max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
+    )

@@ -1,0 +1,121 @@
+"""Run one workload against each policy in turn: same workload, same seed, same arrivals; a
+fresh engine per run. The sim backend runs under trio with a `MockClock(autojump_threshold=0)`,
+so the engine's clock is virtual and a step costs only the scheduler's own work; the torch
+backend runs in real time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import attrs
+
+from engine.config import EngineConfig
+from engine.errors import ShunterError
+from engine.iteration_log import IterationLog
+from engine.metrics import RunMetrics, run_metrics
+from shunter.benchmark.driver import Driver, DriveResult, expected_requests
+from shunter.benchmark.policies import PolicyChoice
+from shunter.benchmark.progress import Progress
+from shunter.engine import Engine
+from shunter.workloads import Workload
+
+
+@attrs.frozen(kw_only=True)
+class RunOutcome:
+    label: str
+    config: EngineConfig
+    wall_s: float
+    metrics: RunMetrics | None = None
+    drive: DriveResult | None = None
+    log: IterationLog | None = None
+    error: str | None = None
+    """Why the run could not happen (e.g. the policy needs a mechanism this engine lacks)."""
+
+
+async def _serve(config: EngineConfig, choice: PolicyChoice, workload: Workload,
+                 progress: bool) -> tuple[DriveResult, IterationLog | None]:
+    async with Engine.start(config, policy=choice.policy()) as engine:
+        policy = engine.policy
+        bar = Progress(choice.label, expected_requests(workload),
+                       clock=anyio.current_time) if progress else None
+        driver = Driver(engine, workload, vocab=engine.backend.vocab_size,
+                        declared_classes={c.name for c in policy.settings.classes},
+                        on_progress=bar.update if bar else None)
+        result = await driver.run()
+        if bar:
+            bar.close()
+        log = await engine.take_iteration_log()
+    return result, log
+
+
+def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
+            async_backend: str = "asyncio", progress: bool = True) -> RunOutcome:
+    config = attrs.evolve(base, record_iterations=True, policy=choice.path, **choice.overrides)
+    began = time.perf_counter()
+    try:
+        if config.backend == "sim":
+            import trio.testing
+
+            clock = trio.testing.MockClock(autojump_threshold=0)
+            drive, log = anyio.run(_serve, config, choice, workload, progress, backend="trio",
+                                   backend_options={"clock": clock})
+        else:
+            drive, log = anyio.run(_serve, config, choice, workload, progress,
+                                   backend=async_backend)
+    except ShunterError as exc:
+        return RunOutcome(label=choice.label, config=config, wall_s=time.perf_counter() - began,
+                          error=f"{type(exc).__name__}: {exc}")
+    wall = time.perf_counter() - began
+    metrics = run_metrics(drive.timelines, duration_s=drive.finished - drive.started,
+                          goals=drive.goals, failed=drive.failed, log=log)
+    return RunOutcome(label=choice.label, config=config, wall_s=wall, metrics=metrics,
+                      drive=drive, log=log)
+
+
+def run_all(choices: Sequence[PolicyChoice], workload: Workload, base: EngineConfig, *,
+            async_backend: str = "asyncio", progress: bool = True) -> list[RunOutcome]:
+    return [run_one(c, workload, base, async_backend=async_backend, progress=progress)
+            for c in choices]
+
+
+def report_json(workload: Workload, base: EngineConfig, outcomes: Sequence[RunOutcome]) -> dict[str, Any]:
+    """The bench JSON (issue 4's shape, plus configuration, wall time and time series)."""
+    runs = []
+    for o in outcomes:
+        run: dict[str, Any] = {"policy": o.label, "wall_s": o.wall_s,
+                               "engine": _config_dict(o.config)}
+        if o.error is not None:
+            run["error"] = o.error
+        else:
+            run["metrics"] = o.metrics.as_dict()
+            run["errors"] = o.drive.errors
+            if o.log is not None:
+                run["timeseries"] = timeseries(o.log, o.drive.started)
+        runs.append(run)
+    out: dict[str, Any] = {"workload": workload.describe(), "backend": base.backend, "runs": runs}
+    if base.backend == "sim":
+        out["profile"] = base.profile
+    else:
+        out["model"] = str(base.model)
+    return out
+
+
+def _config_dict(c: EngineConfig) -> dict[str, Any]:
+    keys = ("num_blocks", "block_size", "max_num_seqs", "max_batched_tokens",
+            "max_queued_requests", "cpu_swap_blocks")
+    out = {k: getattr(c, k, None) for k in keys}
+    out["policy_file"] = str(c.policy) if c.policy else None
+    return out
+
+
+def timeseries(log: IterationLog, t0: float, points: int = 400) -> dict[str, list[float]]:
+    """The per-iteration log thinned to about `points` samples (for plots from the JSON)."""
+    n = len(log)
+    step = max(1, n // points)
+    idx = range(0, n, step)
+    usage = log.kv_usage()
+    return {"t_s": [log.time[i] - t0 for i in idx], "kv_usage": [usage[i] for i in idx],
+            "queued": [log.queued[i] for i in idx], "batch_seqs": [log.batch_seqs[i] for i in idx]}

@@ -1,0 +1,119 @@
+"""`shunter bench`: replay one workload against one or more policies, the same arrivals for
+each, and compare TTFT/TBT/TPOT, SLO attainment, goodput, throughput, preemptions and swap
+traffic.
+
+The sim backend (default) runs the engine's own actors and policies on a virtual clock with step
+times from a GPU profile; the torch backend runs a real model in real time."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from engine.config import EngineConfig
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from shunter.workloads import help_text
+
+    p = sub.add_parser(
+        "bench", help="replay a trace or synthetic workload against policies and compare them",
+        description=__doc__, epilog=help_text() + _POLICY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", required=True, metavar="SPEC",
+                   help="NAME[:key=value,...] or a .toml file (names and keys below)")
+    p.add_argument("--policy", action="append", metavar="FILE", dest="policies",
+                   help="a .policy file or a policy name, optionally NAME@key=value,... with "
+                        "engine settings for that run; repeat to compare (default: fcfs)")
+    p.add_argument("--backend", choices=("sim", "torch"), default="sim",
+                   help="sim: virtual time, step times from --profile (default); torch: run --model")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--profile", default="llama3-8b-a100",
+                     help="sim profile name (shunter profile list) or JSON file")
+    src.add_argument("--model", type=Path, default=None,
+                     help="torch backend: Hugging Face-format model directory (default: shipped)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="device KV blocks (default: from the profile's GPU memory, or kv_cache_mib)")
+    p.add_argument("--cpu-swap-blocks", type=int, default=None, help="host KV blocks for swapping")
+    p.add_argument("--seed", type=int, default=0, help="workload seed unless the spec sets one")
+    p.add_argument("--traces", type=Path, default=None,
+                   help="folder of the shared traces (default: ../shared/traces from the project)")
+    p.add_argument("--json", type=Path, default=None, metavar="OUT", help="write the results here")
+    p.add_argument("--plot", type=Path, default=None, metavar="DIR",
+                   help="write PNG plots here (needs matplotlib: pip install 'shunter[plot]')")
+    g = p.add_argument_group("engine")
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--max-batched-tokens", type=int, default=512)
+    g.add_argument("--max-queued-requests", type=int, default=100_000,
+                   help="admission limit (default high: a benchmark measures queueing, not refusals)")
+    g.add_argument("--device", default="auto")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
+                   help="torch backend's event loop (sim always uses trio's virtual clock)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(run=run)
+
+
+_POLICY_HELP = """
+
+policies: --policy takes a .policy file, or a name found as policies/NAME.policy (`fcfs` works
+without the policy language); NAME@max_num_seqs=16,max_batched_tokens=1024 runs it with other
+engine settings, to compare engine configurations."""
+
+
+def base_config(args: argparse.Namespace) -> EngineConfig:
+    fields: dict[str, Any] = dict(
+        backend=args.backend, block_size=args.block_size, num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
+        max_queued_requests=args.max_queued_requests, device=args.device, dtype=args.dtype,
+        threads=args.threads, cpu_swap_blocks=args.cpu_swap_blocks, profile=args.profile)
+    if args.model is not None:
+        fields["model"] = args.model
+    return EngineConfig(**fields)
+
+
+def run(args: argparse.Namespace) -> int:
+    from shunter.benchmark.plots import require_matplotlib, write_plots
+    from shunter.benchmark.policies import parse_policy
+    from shunter.benchmark.report import table
+    from shunter.benchmark.run import report_json, run_all
+    from shunter.workloads import load_workload
+
+    if args.plot:
+        require_matplotlib()
+    choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
+    base = base_config(args)
+    workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
+    d = workload.describe()
+    print(f"workload {workload.name}: {d['requests']} requests"
+          f"{' + BE batches' if workload.batches else ''}, {d['duration_s']:.0f} s of arrivals; "
+          f"backend {base.backend}"
+          f" ({base.profile if base.backend == 'sim' else base.model})", file=sys.stderr)
+    outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
+                       progress=not args.quiet)
+    print(table(outcomes))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(finite(report_json(workload, base, outcomes)), indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
+    if args.plot:
+        for path in write_plots(outcomes, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 1 if any(o.error for o in outcomes) else 0
+
+
+def finite(obj: Any) -> Any:
+    """NaN and infinities (a percentile of nothing) become null: the JSON stays standard."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(v) for v in obj]
+    return obj

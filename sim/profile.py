@@ -1,0 +1,140 @@
+"""Named timing profiles: a model's shape, a GPU, an iteration cost model and a copy engine.
+
+A profile is a JSON file in `sim/profiles/` (or any path). Each names its `source`: the
+measurements it was fitted from. `shunter profile list` prints the shipped names;
+`shunter profile fit` writes a new one from measurements on the machine at hand.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from engine.cost_model import CostModel
+from engine.errors import ConfigError
+
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+
+@attrs.frozen(kw_only=True)
+class ModelShape:
+    """What memory sizing and copy sizes depend on (a Llama/Qwen2-family decoder)."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int = 8192
+    tie_word_embeddings: bool = False
+    dtype_bytes: int = 2
+
+    @property
+    def num_params(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        attn = h * self.num_heads * self.head_dim * 2 + h * kv * 2
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        heads = 1 if self.tie_word_embeddings else 2
+        return self.num_layers * layer + heads * self.vocab_size * h + h
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.num_params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token across all layers."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+    def block_bytes(self, block_size: int) -> int:
+        return self.kv_bytes_per_token * block_size
+
+
+@attrs.frozen(kw_only=True)
+class CopyLink:
+    """The host <-> device link a swap goes over (FastSwitch §2, Challenge #1)."""
+
+    bandwidth_gb_per_s: float
+    """Effective bytes per second (1e9) in each direction."""
+    dispatch_us: float
+    """CPU-side cost of issuing one copy call (`cudaMemcpyAsync`): paid per call, so many small
+    per-block copies are slow however fast the link is."""
+
+    def copy_s(self, calls: int, nbytes: int) -> float:
+        return calls * self.dispatch_us * 1e-6 + nbytes / (self.bandwidth_gb_per_s * 1e9)
+
+
+@attrs.frozen(kw_only=True)
+class Profile:
+    name: str
+    model: ModelShape
+    gpu: str
+    gpu_memory_gib: float
+    cost: CostModel
+    link: CopyLink
+    memory_utilization: float = 0.9
+    """Share of device memory the engine may use for weights + KV (vLLM's default)."""
+    source: str = ""
+
+    def num_blocks(self, block_size: int, memory_utilization: float | None = None) -> int:
+        """KV blocks that fit in the device memory left after the weights."""
+        usable = self.gpu_memory_gib * 2**30 * (memory_utilization or self.memory_utilization)
+        free = usable - self.model.weight_bytes
+        n = int(free // self.model.block_bytes(block_size))
+        if n <= 0:
+            raise ConfigError(
+                f"profile {self.name}: the weights ({self.model.weight_bytes / 2**30:.1f} GiB) "
+                f"leave no room for KV blocks in {usable / 2**30:.1f} GiB")
+        return n
+
+    def to_json(self) -> dict[str, Any]:
+        cost = attrs.asdict(self.cost)
+        cost.pop("source")
+        return {"name": self.name, "source": self.source, "gpu": self.gpu,
+                "gpu_memory_gib": self.gpu_memory_gib,
+                "memory_utilization": self.memory_utilization,
+                "model": attrs.asdict(self.model), "cost_model": cost,
+                "copy_link": attrs.asdict(self.link)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], where: str) -> Profile:
+        try:
+            source = data.get("source", "")
+            return cls(
+                name=data["name"], source=source, gpu=data["gpu"],
+                gpu_memory_gib=float(data["gpu_memory_gib"]),
+                memory_utilization=float(data.get("memory_utilization", 0.9)),
+                model=ModelShape(**data["model"]),
+                cost=CostModel(**data["cost_model"], source=f"profile {data['name']}: {source}"),
+                link=CopyLink(**data["copy_link"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: not a valid profile: {type(exc).__name__}: {exc}") from None
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped profiles, sorted."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """A shipped profile by name (`llama3-8b-a100`) or a profile JSON file by path."""
+    text = str(name_or_path)
+    path = Path(text) if text.endswith(".json") or "/" in text else PROFILE_DIR / f"{text}.json"
+    if not path.is_file():
+        known = ", ".join(list_profiles())
+        raise ConfigError(f"no profile {text!r} (no file {path}); shipped profiles: {known}")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{path}: not JSON: {exc.msg} at line {exc.lineno}") from None
+    return Profile.from_json(data, str(path))
+
+
+def save_profile(profile: Profile, path: Path) -> None:
+    path.write_text(json.dumps(profile.to_json(), indent=1) + "\n")

@@ -1,0 +1,89 @@
+"""The simulator's step runner: the `StepRunner` interface of `gpu.runner.TorchRunner`, with no
+tensors. A step sleeps for the time the profile's cost model predicts for its batch (after
+waiting for the swaps it depends on) and samples a fixed token for every sequence that asks."""
+
+from __future__ import annotations
+
+import anyio
+
+from engine.cost_model import BatchShape, CostModel
+from engine.messages import ExecuteStep, SampledToken, StepFinished
+from sim.profile import CopyLink, ModelShape
+from sim.swap import SimSwapper
+
+SIM_TOKEN_ID = 1
+"""What every simulated sample returns (the simulator has no logits)."""
+
+
+class SimRunner:
+    def __init__(self, cost: CostModel, num_blocks: int, *, token_id: int = SIM_TOKEN_ID,
+                 link: CopyLink | None = None, model: ModelShape | None = None,
+                 block_size: int = 16) -> None:
+        self.cost = cost
+        self.num_blocks = num_blocks
+        self.token_id = token_id
+        self.steps = 0
+        self.busy_s = 0.0
+        """Simulated seconds spent in steps (device utilisation = busy_s / elapsed)."""
+        self._link = link
+        self._model = model
+        self._block_size = block_size
+        self._tables: dict[int, list[int]] = {}
+        self.swapper: SimSwapper | None = None
+
+    async def start(self) -> range:
+        return range(self.num_blocks)
+
+    async def make_swapper(self, num_host_blocks: int) -> SimSwapper:
+        if self._link is None or self._model is None:
+            raise RuntimeError("this simulated runner has no copy link to swap over")
+        self.swapper = SimSwapper(self._link, block_nbytes=self._model.block_bytes(self._block_size),
+                                  num_layers=self._model.num_layers)
+        return self.swapper
+
+    async def step(self, step: ExecuteStep) -> StepFinished:
+        stall = 0.0
+        if self.swapper is not None:
+            stall = await self._wait_for_swaps(step)
+        # BatchShape.of, without a generator: this runs once per iteration of a replayed hour
+        pt = psq = ppre = ds = dc = 0
+        sampled = []
+        tok = self.token_id
+        for w in step.seqs:
+            n = w.num_tokens
+            if n == 1:
+                ds += 1
+                dc += w.start + 1
+            else:
+                pt += n
+                psq += n * n
+                ppre += n * w.start
+            if w.sample:
+                sampled.append(SampledToken(request_id=w.request_id, token_id=tok))
+        shape = BatchShape(prefill_tokens=pt, prefill_sq=psq, prefill_prefix=ppre,
+                           decode_seqs=ds, decode_context=dc)
+        seconds = self.cost.predict_ms(shape) / 1000.0 if step.seqs else 0.0
+        if seconds > 0:
+            await anyio.sleep(seconds)
+        self.steps += 1
+        self.busy_s += seconds
+        return StepFinished(step_id=step.step_id, sampled=tuple(sampled), compute_s=seconds,
+                            stall_s=stall)
+
+    async def _wait_for_swaps(self, step: ExecuteStep) -> float:
+        tables = self._tables
+        for rid in step.release:
+            tables.pop(rid, None)
+        for u in step.blocks:
+            table = tables.setdefault(u.request_id, [])
+            if u.reset:
+                table.clear()
+            table.extend(u.append)
+        bs = self._block_size
+        written = [b for w in step.seqs for b in tables.get(w.request_id, [])[w.written(bs)]]
+        now = anyio.current_time()
+        stall = max(0.0, self.swapper.ready_at(step.wait_tickets, written) - now)
+        if stall > 0:
+            self.swapper.add_stall(stall)
+            await anyio.sleep(stall)
+        return stall

@@ -1,0 +1,82 @@
+"""The simulator's swapper: the interface of `gpu.swap.TorchSwapper` over a modelled copy engine.
+
+No bytes move. A ticket's copies take `calls * dispatch + bytes / bandwidth` (sim/
+copy_engine.py) and start once the copy engine is free in their direction and every earlier
+ticket sharing a block with them has ended. A step that writes a block a ticket still uses, or
+that waits for a synchronous swap-in, starts when those tickets end: that wait is the stall.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import anyio
+import attrs
+
+from engine.iteration_log import SwapCounters
+from engine.memory.block_groups import coalesce
+from sim.copy_engine import CopyEngine
+from sim.profile import CopyLink
+
+
+class SimSwapper:
+    def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int) -> None:
+        self.engine = CopyEngine(link)
+        self.block_nbytes = block_nbytes
+        self.num_layers = num_layers
+        self._end: dict[int, float] = {}
+        self._device_busy: dict[int, float] = {}
+        self._host_busy: dict[int, float] = {}
+        self.skip_conflict_waits = False
+
+    def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
+               granularity: str) -> None:
+        now = anyio.current_time()
+        after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
+                    + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
+        calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else len(coalesce(pairs))
+        t = self.engine.submit(after, direction, calls, len(pairs) * self.block_nbytes)  # type: ignore[arg-type]
+        c = self.engine.counters
+        if direction == "out":
+            c.blocks_out += len(pairs)
+        else:
+            c.blocks_in += len(pairs)
+        self._end[ticket_id] = t.end
+        for g, h in pairs:
+            self._device_busy[g] = max(self._device_busy.get(g, 0.0), t.end)
+            self._host_busy[h] = max(self._host_busy.get(h, 0.0), t.end)
+
+    def poll(self) -> list[int]:
+        now = anyio.current_time()
+        done = [tid for tid, end in self._end.items() if end <= now]
+        for tid in done:
+            del self._end[tid]
+        if not self._end:  # nothing in flight: no block is busy any more
+            self._device_busy.clear()
+            self._host_busy.clear()
+        return done
+
+    def take_failures(self) -> dict[int, str]:
+        """Modelled copies never fail."""
+        return {}
+
+    def next_poll_s(self) -> float | None:
+        if not self._end:
+            return None
+        return max(0.0, min(self._end.values()) - anyio.current_time())
+
+    def ready_at(self, tickets: Iterable[int], written_blocks: Iterable[int]) -> float:
+        """When a step that waits for `tickets` and writes `written_blocks` may start."""
+        ready = max([self._end.get(t, 0.0) for t in tickets] + [0.0])
+        if not self.skip_conflict_waits:
+            ready = max([ready] + [self._device_busy.get(g, 0.0) for g in written_blocks])
+        return ready
+
+    def add_stall(self, seconds: float) -> None:
+        self.engine.counters.stall_s += seconds
+
+    def counters(self) -> SwapCounters:
+        return attrs.evolve(self.engine.counters)
+
+    def close(self) -> None:
+        pass

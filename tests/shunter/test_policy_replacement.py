@@ -1,0 +1,174 @@
+"""The engine runs whatever policy is loaded: from the config, replaced while it serves (losing
+no request), refused when broken or unsupported (the old one keeps running), and the overload
+triggers it reports."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+
+import anyio
+import pytest
+import structlog
+
+from engine.config import EngineConfig
+from engine.errors import PolicyCheckError, PolicySyntaxError, RequestFailedError
+from engine.params import SamplingParams, SchedulingParams
+from engine.policy import FcfsPolicy
+from policies import policy_path
+from policy_lang import CompiledPolicy, load_policy_file
+from shunter.engine import Engine
+from tests.fakes import EOS, VOCAB, expected_continuation, fake_backend
+
+pytestmark = pytest.mark.anyio
+
+CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=32)
+
+
+@contextlib.contextmanager
+def captured_logs():
+    """Info-level structlog events, whatever the CLI tests configured before."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.INFO))
+    try:
+        with structlog.testing.capture_logs() as logs:
+            yield logs
+    finally:
+        structlog.configure(**saved)
+
+
+async def wait_iterations(engine: Engine, n: int) -> None:
+    start = (await engine.inspect()).scheduler.iteration
+    while (await engine.inspect()).scheduler.iteration < start + n:
+        await anyio.sleep(0.001)
+
+
+async def test_replacing_the_policy_while_100_requests_stream_loses_none():
+    rng = random.Random(3)
+    prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 24))] for _ in range(100)]
+    results: list = [None] * 100
+    replacements = [policy_path(n).read_text() for n in
+                    ("priority", "fcfs", "vtc", "round_robin_rtbe", "kunserve", "bros")]
+    config = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=32,
+                          policy=policy_path("bros"))
+    with captured_logs() as logs:
+        async with Engine.start(config, backend=fake_backend(40, 4, step_delay=0.0005)) as engine:
+            async def one(i: int) -> None:
+                scheduling = SchedulingParams(request_class="rt" if i % 2 else "be",
+                                              tenant=f"t{i % 3}", priority=i % 4)
+                results[i] = await engine.complete(prompts[i], SamplingParams(max_tokens=12),
+                                                   scheduling=scheduling)
+
+            async with anyio.create_task_group() as tg:
+                for i in range(100):
+                    tg.start_soon(one, i)
+                # every request is in the engine (classes rt and be are bros's; a request
+                # arriving later under a policy without them would be refused by design)
+                while len((await engine.inspect()).scheduler.live_requests) + \
+                        sum(r is not None for r in results) < 100:
+                    await anyio.sleep(0.001)
+                for text in replacements:
+                    await wait_iterations(engine, 5)
+                    assert (await engine.inspect()).scheduler.live_requests
+                    await engine.replace_policy(text)
+                    broken = text.replace(" {\n", " {\n  batch max 0\n", 1)
+                    with pytest.raises(PolicyCheckError, match=r"<replacement>:\d+:\d+: batch"):
+                        await engine.replace_policy(broken)
+            snap = await engine.wait_idle()
+    for p, r in zip(prompts, results):
+        assert list(r.token_ids) == expected_continuation(p, 12, {EOS})
+    assert snap.scheduler.policy == "bros" and snap.allocator.allocated_blocks == 0
+    replaced = [e for e in logs if e["event"] == "policy replaced" and e.get("actor") == "engine"]
+    assert [e["new"] for e in replaced] == ["priority", "fcfs", "vtc", "round_robin_rtbe",
+                                            "kunserve", "bros"]
+    assert "+policy priority {" in replaced[0]["diff"] and "-policy bros {" in replaced[0]["diff"]
+
+
+async def test_a_broken_or_unsupported_replacement_leaves_the_old_policy_running():
+    async with Engine.start(CONFIG, backend=fake_backend(64, 4)) as engine:
+        before = engine.policy
+        with pytest.raises(PolicySyntaxError, match=r"<replacement>:1:29: unexpected character '\$'"):
+            await engine.replace_policy("policy p { priority = slack $ }")
+        with pytest.raises(PolicyCheckError, match="preempt swap is not supported by this engine"):
+            await engine.replace_policy(load_policy_file(policy_path("fastswitch_markov")))
+        with pytest.raises(PolicyCheckError, match=r"<replacement>:9:3: preempt swap is not supported"):
+            await engine.replace_policy(policy_path("vllm_baseline_markov").read_text(),
+                                        base_dir=policy_path("fcfs").parent)
+        assert engine.policy is before
+        assert (await engine.inspect()).scheduler.policy == "fcfs"
+        done = await engine.complete([5, 6, 7], SamplingParams(max_tokens=4))
+    assert list(done.token_ids) == expected_continuation([5, 6, 7], 4, {EOS})
+
+
+async def test_the_engine_starts_with_the_configured_policy_or_fcfs():
+    async with Engine.start(CONFIG, backend=fake_backend(16, 4)) as engine:
+        assert isinstance(engine.policy, CompiledPolicy)
+        assert engine.policy.filename == str(policy_path("fcfs"))
+    config = EngineConfig(block_size=4, policy=policy_path("vtc"))
+    async with Engine.start(config, backend=fake_backend(16, 4)) as engine:
+        assert (await engine.inspect()).scheduler.policy == "vtc"
+    async with Engine.start(CONFIG, policy=FcfsPolicy(), backend=fake_backend(16, 4)) as engine:
+        assert engine.policy.source == "policy fcfs { }\n"
+
+
+async def test_an_engine_refuses_at_start_a_policy_it_cannot_run():
+    config = EngineConfig(block_size=4, policy=policy_path("groups_random"))
+    with pytest.raises(PolicyCheckError) as info:
+        async with Engine.start(config, backend=fake_backend(16, 4)):
+            pass
+    lines = str(info.value).splitlines()
+    assert lines[0] == (f"{policy_path('vllm_baseline_markov')}:9:3: preempt swap is not supported "
+                        "by this engine (it supports: never, recompute)")
+    assert lines[3] == (f"{policy_path('groups_random')}:4:12: swap_granularity groups is not "
+                        "supported by this engine (swap is not built yet)")
+
+
+OVERLOAD = """
+policy o extends "fcfs.policy" {
+  overload drop when kv_usage > 50% for 2 iterations
+  overload restore when kv_usage < 20%
+}
+"""
+
+
+async def test_overload_triggers_are_counted_and_logged_when_they_start_and_stop():
+    with captured_logs() as logs:
+        async with Engine.start(CONFIG, backend=fake_backend(16, 4)) as engine:
+            await engine.replace_policy(OVERLOAD, base_dir=policy_path("fcfs").parent)
+            big = SamplingParams(max_tokens=6, ignore_eos=True)
+            async with anyio.create_task_group() as tg:  # 3 x 16 tokens of 64: 75% used
+                for i in range(3):
+                    tg.start_soon(engine.complete, [5 + i] * 14, big)
+            await engine.complete([9], SamplingParams(max_tokens=3, ignore_eos=True))  # 1 block
+            snap = (await engine.inspect()).scheduler
+    assert (snap.overload_drops, snap.overload_restores) == (1, 1)
+    events = [(e["event"], e["trigger"]) for e in logs if e["event"].startswith("overload")]
+    assert events == [("overload trigger fired", "drop"), ("overload trigger stopped firing", "drop"),
+                      ("overload trigger fired", "restore"),
+                      ("overload trigger stopped firing", "restore")]
+
+
+async def test_a_class_queue_limit_refuses_requests_beyond_it():
+    text = 'policy q extends "fcfs.policy" {\n  class default { max_queued 2 }\n}\n'
+    config = EngineConfig(block_size=4, max_num_seqs=1, max_batched_tokens=8)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    async with Engine.start(config, backend=fake_backend(64, 4, step_delay=0.005)) as engine:
+        await engine.replace_policy(text, base_dir=policy_path("fcfs").parent)
+        running = engine.generate([4], params)
+        await running.__anext__()  # it runs; the next three queue behind it (one seat)
+        outcomes: list[str] = []
+
+        async def queued(i: int) -> None:
+            try:
+                await engine.complete([5 + i], params)
+                outcomes.append("done")
+            except RequestFailedError as exc:
+                outcomes.append(str(exc).split(": ", 1)[1])
+
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(queued, i)
+        await running.aclose()
+    assert sorted(outcomes) == [
+        "class default already has 2 queued requests (max_queued in policy q)", "done", "done"]
