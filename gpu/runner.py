@@ -16,7 +16,9 @@ from engine.params import SamplingParams
 from gpu.config import ModelConfig
 from gpu.device_thread import DeviceThread
 from gpu.metadata import StepInputs, build_step_inputs
+from gpu.model import CausalLM
 from gpu.sampler import make_generator, sample
+from gpu.swap import TorchSwapper
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -72,8 +74,6 @@ class TorchRunner:
     async def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
         """A host swap space of `num_host_blocks` blocks next to the arena (pinned on CUDA),
         with the worker threads that copy between them (FastSwitch §3.2)."""
-        from gpu.swap import TorchSwapper
-
         self.swapper = await self._thread.run(
             lambda: TorchSwapper(self._model.arena.kv, num_host_blocks, **options))
         return self.swapper
@@ -87,8 +87,6 @@ class TorchRunner:
         self._thread.close()
 
     def _load(self) -> range:
-        from gpu.model import CausalLM
-
         if self._config.threads:
             torch.set_num_threads(self._config.threads)
         backend = self._config.attention_backend
