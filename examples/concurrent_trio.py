@@ -6,9 +6,7 @@ half-way (its KV blocks go back at once), and the engine ends idle with no block
 
 import trio
 
-from engine.config import EngineConfig
-from engine.params import SamplingParams
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, SamplingParams
 
 PROMPTS = ["import os\n", "class Parser:\n", "def main():\n", "for line in f:\n"] * 4
 

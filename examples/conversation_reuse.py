@@ -6,10 +6,8 @@ turn swaps the history's KV in from host memory instead of prefilling it again (
 
 import anyio
 
-from engine.config import EngineConfig
-from engine.params import SamplingParams, SchedulingParams
 from policies import policy_path
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
 
 
 async def main() -> None:

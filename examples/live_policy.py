@@ -6,10 +6,7 @@ that favours the requests clients mark as important, and print the diff the engi
 
 import anyio
 
-from engine.config import EngineConfig
-from engine.errors import PolicyError
-from engine.params import SamplingParams, SchedulingParams
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, PolicyError, SamplingParams, SchedulingParams
 
 BY_PRIORITY = """
 policy by_priority {

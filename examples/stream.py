@@ -7,9 +7,7 @@ import sys
 
 import anyio
 
-from engine.config import EngineConfig
-from engine.params import SamplingParams
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, SamplingParams
 
 
 async def main(prompt: str) -> None:
