@@ -186,32 +186,45 @@ class IterationOutcome:
 
 @attrs.frozen(kw_only=True)
 class EngineCapabilities:
-    """The mechanisms the running engine has built. A policy that needs another is refused when
-    it is loaded, naming the setting (FastSwitch's swap, block groups, async swap-in and KV reuse
-    flip these on when they land)."""
+    """The mechanisms the running engine has. A policy that needs another is refused when it is
+    loaded, naming the setting and what the engine was started with."""
 
     preempt_modes: frozenset[str] = frozenset({"recompute", "never"})
     swap_granularities: frozenset[str] = frozenset()
-    """`per-block` and/or `groups`; empty while there is no swap at all."""
+    """`per-block` and/or `groups`; empty when the engine cannot swap."""
     swap_in_modes: frozenset[str] = frozenset()
-    """`sync`, `async`, `adaptive`; empty while there is no swap at all."""
+    """`sync`, `async`, `adaptive`; empty when the engine cannot swap."""
     kv_reuse: bool = False
+    no_swap: str = "it has no swap space"
+    """Why the engine cannot swap, said in the errors of a policy that needs swap (what the
+    engine was started with)."""
+    allocator: SwapGranularity | None = None
+    """The granularity of the device allocator once the engine has chosen it (from the policy
+    it starts with): a later policy that swaps, or writes `swap_granularity`, must match it."""
 
     @property
     def swap(self) -> bool:
         return "swap" in self.preempt_modes
 
+    def running(self, settings: PolicySettings) -> EngineCapabilities:
+        """These capabilities once the device allocator follows `settings` (the policy the
+        engine starts with)."""
+        return attrs.evolve(self, allocator=settings.memory.swap_granularity)
+
     def unsupported(self, settings: PolicySettings,
                     written: Collection[str] = ()) -> list[tuple[str, str]]:
         """(setting, why) for each setting this engine cannot honour. A memory setting counts
-        when the policy swaps (and swap is built), when it is `written` explicitly, or when it
+        when the policy swaps (and the engine can), when it is `written` explicitly, or when it
         differs from the default."""
         m, default = settings.memory, MemorySettings()
-        swaps = settings.preempt_mode == "swap" and "swap" in self.preempt_modes
+        swaps = settings.preempt_mode == "swap" and self.swap
         out = []
         if settings.preempt_mode not in self.preempt_modes:
+            why = f"it supports: {', '.join(sorted(self.preempt_modes))}"
+            if settings.preempt_mode == "swap":
+                why = f"{why}; {self.no_swap}"
             out.append(("preempt", f"preempt {settings.preempt_mode} is not supported by this "
-                                   f"engine (it supports: {', '.join(sorted(self.preempt_modes))})"))
+                                   f"engine ({why})"))
 
         def needed(name: str) -> bool:
             return swaps or name in written or getattr(m, name) != getattr(default, name)
@@ -219,11 +232,17 @@ class EngineCapabilities:
         for name, value, have in (("swap_granularity", m.swap_granularity, self.swap_granularities),
                                   ("swap_in", m.swap_in, self.swap_in_modes)):
             if needed(name) and value not in have:
-                built = f"it supports: {', '.join(sorted(have))}" if have else "swap is not built yet"
+                built = f"it supports: {', '.join(sorted(have))}" if have else self.no_swap
                 out.append((name, f"{name} {value} is not supported by this engine ({built})"))
+        if (needed("swap_granularity") and m.swap_granularity in self.swap_granularities
+                and self.allocator not in (None, m.swap_granularity)):
+            out.append(("swap_granularity", f"swap_granularity {m.swap_granularity} does not "
+                        f"match this engine's device allocator, which runs {self.allocator} (it "
+                        f"follows the policy the engine started with; restart the engine to "
+                        f"change it)"))
         if m.kv_reuse and not self.kv_reuse:
-            out.append(("kv_reuse", "kv_reuse on is not supported by this engine (multi-turn KV "
-                                    "reuse is not built yet)"))
+            why = "it keeps no CPU copies across turns" if self.swap else self.no_swap
+            out.append(("kv_reuse", f"kv_reuse on is not supported by this engine ({why})"))
         return out
 
 

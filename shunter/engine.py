@@ -72,9 +72,11 @@ class Engine:
                  backend: Backend | None = None) -> None:
         self.config = config
         self.backend = backend or build_backend(config)
-        self.capabilities = engine_capabilities(config, self.backend)
-        """The mechanisms this engine has built; policies needing others are refused."""
-        self._policy = initial_policy(config, policy, self.capabilities)
+        capabilities = engine_capabilities(config, self.backend)
+        self._policy = initial_policy(config, policy, capabilities)
+        self.capabilities = capabilities.running(self._policy.settings)
+        """The mechanisms this engine has, its device allocator included; policies needing
+        others are refused."""
         self.swapper: Any = None
         """The swap pool's copier, when the engine can swap (made once the model is loaded)."""
         self._swap_taken = SwapCounters()
@@ -136,7 +138,7 @@ class Engine:
             eos_token_ids=b.eos_token_ids)
         # The device allocator follows the swap granularity of the policy the engine starts
         # with: block groups make a request's KV a few contiguous runs (FastSwitch §3.1).
-        groups = self._policy.settings.memory.swap_granularity == "groups"
+        groups = self.capabilities.allocator == "groups"
         pool = BlockGroupManager(block_ids) if groups else BlockPool(block_ids)
         swapping = self.swapper is not None
         actors = [
@@ -214,8 +216,9 @@ class Engine:
 
     async def replace_policy(self, policy: Policy | str, *, base_dir: Path | None = None) -> Policy:
         """Run `policy` (a policy, or policy text compiled for this engine) from the next
-        iteration on, and return it. A policy that fails to compile, or needs a mechanism this
-        engine lacks, raises PolicyError and the running one stays."""
+        iteration on, and return it. A policy that fails to compile, needs a mechanism this
+        engine lacks, or swaps at another granularity than the device allocator runs (chosen
+        from the policy the engine started with) raises PolicyError and the running one stays."""
         self._check_alive()
         new = replacement(policy, self._policy, self.capabilities, base_dir)
         reply = Reply[None]()

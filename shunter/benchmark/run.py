@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import attrs
+import trio.testing
 
 from engine.config import EngineConfig
 from engine.errors import ShunterError
@@ -37,7 +38,7 @@ class RunOutcome:
 
 async def _serve(config: EngineConfig, choice: PolicyChoice, workload: Workload,
                  progress: bool) -> tuple[DriveResult, IterationLog | None]:
-    async with Engine.start(config, policy=choice.policy()) as engine:
+    async with Engine.start(config) as engine:  # config.policy is the choice's file
         policy = engine.policy
         bar = Progress(choice.label, expected_requests(workload),
                        clock=anyio.current_time) if progress else None
@@ -57,8 +58,6 @@ def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
     began = time.perf_counter()
     try:
         if config.backend == "sim":
-            import trio.testing
-
             clock = trio.testing.MockClock(autojump_threshold=0)
             drive, log = anyio.run(_serve, config, choice, workload, progress, backend="trio",
                                    backend_options={"clock": clock})

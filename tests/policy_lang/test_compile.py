@@ -147,11 +147,10 @@ def test_a_policy_needing_a_mechanism_the_engine_lacks_is_refused_where_it_says_
         compile_policy(text, filename="s.policy", capabilities=EngineCapabilities())
     assert str(info.value) == (
         "s.policy:2:3: preempt swap is not supported by this engine (it supports: never, "
-        "recompute)\n"
+        "recompute; it has no swap space)\n"
         "    preempt swap displace\n"
         "    ^~~~~~~~~~~~~~~~~~~~~\n"
-        "s.policy:3:12: kv_reuse on is not supported by this engine (multi-turn KV reuse is not "
-        "built yet)\n"
+        "s.policy:3:12: kv_reuse on is not supported by this engine (it has no swap space)\n"
         "    memory { kv_reuse on }\n"
         "             ^~~~~~~~~~~")
     later = EngineCapabilities(preempt_modes=frozenset({"recompute", "swap", "never"}),

@@ -8,6 +8,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import PolicyError
+from policies import policy_path
 from shunter.benchmark.policies import parse_policy
 from shunter.benchmark.run import report_json, run_one
 from shunter.cli import main
@@ -15,6 +16,7 @@ from shunter.workloads import load_workload
 from tests.shunter.test_workloads import traces  # noqa: F401  (fixture)
 
 SIM = EngineConfig(backend="sim", record_iterations=True)
+NO_SWAP_SPACE = "this engine was started with --cpu-swap-blocks 0, so it has no swap space"
 
 
 def test_the_sim_replays_deterministically(traces):  # noqa: F811
@@ -57,11 +59,15 @@ def test_be_batches_run_in_a_closed_loop(traces):  # noqa: F811
 
 
 def test_a_policy_the_engine_refuses_is_a_failed_run_not_a_crash(traces):  # noqa: F811
-    pytest.importorskip("policy_lang.api")
     # FastSwitch's baseline preempts by swap, which an engine without host swap space lacks
     w = load_workload("sharegpt:requests=3", traces_dir=traces)
     o = run_one(parse_policy("vllm_baseline_markov@cpu_swap_blocks=0"), w, SIM, progress=False)
-    assert "vllm_baseline_markov.policy:9:3: preempt swap is not supported by this engine" in o.error
+    where, no_swap = policy_path("vllm_baseline_markov"), NO_SWAP_SPACE
+    assert o.error.splitlines()[::3] == [
+        (f"PolicyCheckError: {where}:9:3: preempt swap is not supported by this engine (it "
+         f"supports: never, recompute; {no_swap})"),
+        f"{where}:10:12: swap_granularity per-block is not supported by this engine ({no_swap})",
+        f"{where}:10:40: swap_in sync is not supported by this engine ({no_swap})"]
     assert o.metrics is None
     assert report_json(w, SIM, [o])["runs"][0]["error"] == o.error
 

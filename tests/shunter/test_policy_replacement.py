@@ -9,6 +9,7 @@ import logging
 import random
 
 import anyio
+import attrs
 import pytest
 import structlog
 
@@ -119,9 +120,65 @@ async def test_an_engine_refuses_at_start_a_policy_it_cannot_run():
             pass
     lines = str(info.value).splitlines()
     assert lines[0] == (f"{policy_path('vllm_baseline_markov')}:9:3: preempt swap is not supported "
-                        "by this engine (it supports: never, recompute)")
+                        "by this engine (it supports: never, recompute; this engine was started "
+                        "with a backend that cannot swap)")
     assert lines[3] == (f"{policy_path('groups_random')}:4:12: swap_granularity groups is not "
-                        "supported by this engine (swap is not built yet)")
+                        "supported by this engine (this engine was started with a backend that "
+                        "cannot swap)")
+
+
+SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=64, cpu_swap_blocks=64)
+MISMATCH = ("swap_granularity {} does not match this engine's device allocator, which runs {} (it "
+            "follows the policy the engine started with; restart the engine to change it)")
+
+
+async def test_a_replacement_swapping_at_another_granularity_than_the_allocator_is_refused():
+    config = attrs.evolve(SIM, policy=policy_path("groups_markov"))
+    async with Engine.start(config) as engine:
+        before = engine.policy
+        assert engine.capabilities.allocator == "groups"
+        with pytest.raises(PolicyCheckError) as info:  # swaps, per-block by inheritance
+            await engine.replace_policy(load_policy_file(policy_path("vllm_baseline_random")))
+        assert str(info.value) == (
+            f"{policy_path('vllm_baseline_markov')}:10:12: {MISMATCH.format('per-block', 'groups')}\n"
+            "    memory { swap_granularity per-block; swap_in sync; kv_reuse off }\n"
+            "             ^~~~~~~~~~~~~~~~~~~~~~~~~~")
+        swaps_by_default = 'policy d extends "fcfs.policy" {\n  preempt swap\n}\n'
+        with pytest.raises(PolicyCheckError) as info:  # swaps, per-block by default
+            await engine.replace_policy(swaps_by_default, base_dir=policy_path("fcfs").parent)
+        assert str(info.value) == (
+            f"<replacement>:1:8: {MISMATCH.format('per-block', 'groups')}\n"
+            '  policy d extends "fcfs.policy" {\n'
+            "         ^")
+        assert engine.policy is before
+        assert (await engine.inspect()).scheduler.policy == "groups_markov"
+        done = await engine.complete([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        assert len(done.token_ids) == 3
+        # a policy that neither swaps nor names a granularity runs on either allocator
+        fcfs = await engine.replace_policy(policy_path("fcfs").read_text(),
+                                           base_dir=policy_path("fcfs").parent)
+        assert engine.policy is fcfs and fcfs.settings.memory.swap_granularity == "per-block"
+
+
+async def test_a_replacement_naming_another_granularity_is_refused_even_without_swap():
+    async with Engine.start(SIM) as engine:  # the shipped fcfs: the per-block allocator
+        before = engine.policy
+        assert engine.capabilities.allocator == "per-block"
+        text = 'policy g extends "fcfs.policy" {\n  memory { swap_granularity groups }\n}\n'
+        with pytest.raises(PolicyCheckError) as info:
+            await engine.replace_policy(text, base_dir=policy_path("fcfs").parent)
+        assert str(info.value) == (
+            f"<replacement>:2:12: {MISMATCH.format('groups', 'per-block')}\n"
+            "    memory { swap_granularity groups }\n"
+            "             ^~~~~~~~~~~~~~~~~~~~~~~")
+        with pytest.raises(PolicyCheckError) as info:  # swaps, groups by inheritance
+            await engine.replace_policy(load_policy_file(policy_path("fastswitch_random")))
+        assert str(info.value).splitlines()[0] == (
+            f"{policy_path('groups_random')}:4:12: {MISMATCH.format('groups', 'per-block')}")
+        assert engine.policy is before
+        assert (await engine.inspect()).scheduler.policy == "fcfs"
+        baseline = await engine.replace_policy(load_policy_file(policy_path("vllm_baseline_random")))
+        assert engine.policy is baseline
 
 
 OVERLOAD = """
