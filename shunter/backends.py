@@ -1,4 +1,8 @@
-"""Backends: what the executor runs on, and what the frontend needs to know about the model."""
+"""Backends: what the executor runs on, and what the frontend needs to know about the model.
+
+The torch backend's modules are imported when an engine builds one (`_torch_backend`): they
+import torch, which takes seconds, and `import shunter`, `shunter --help` and the sim backend
+need none of it."""
 
 from __future__ import annotations
 
@@ -9,6 +13,9 @@ import attrs
 from engine.config import EngineConfig
 from engine.cost_model import CostModel
 from engine.errors import ConfigError
+from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
+from sim.profile import load_profile
+from sim.runner import SimRunner
 
 
 @attrs.frozen(kw_only=True)
@@ -29,15 +36,13 @@ class Backend:
 class TokenizerCodec:
     """Adapts `gpu.tokenizer.Tokenizer` to the frontend's encode/detokenizer interface."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self._tok = tokenizer
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
 
-    def detokenizer(self) -> Any:
-        from gpu.tokenizer import IncrementalDetokenizer
-
+    def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok)
 
 
@@ -51,9 +56,6 @@ def build_backend(config: EngineConfig) -> Backend:
 
 def _sim_backend(config: EngineConfig) -> Backend:
     """No model: steps take the time the profile predicts; prompts must be token ids."""
-    from sim.profile import load_profile
-    from sim.runner import SimRunner
-
     profile = load_profile(config.profile)
     num_blocks = config.num_blocks or profile.num_blocks(config.block_size)
     max_context = profile.model.max_context
@@ -66,10 +68,10 @@ def _sim_backend(config: EngineConfig) -> Backend:
 
 
 def _torch_backend(config: EngineConfig) -> Backend:
+    # torch loads here, not when shunter is imported (see the module docstring)
     from gpu.arena import blocks_for_bytes
     from gpu.config import ModelConfig
     from gpu.runner import TorchRunner, resolve_device, resolve_dtype
-    from gpu.tokenizer import Tokenizer
 
     model = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)

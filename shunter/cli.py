@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 
 from engine.errors import ShunterError
+from engine.logs import configure
 
 COMMANDS = ("make_model", "generate", "demo", "policy", "repl", "bench", "profile")
 
@@ -23,10 +25,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(verbose: bool) -> None:
-    import logging
-
-    from engine.logs import configure
-
     configure(logging.INFO if verbose else logging.WARNING)
 
 

@@ -217,8 +217,8 @@ class Engine:
     async def replace_policy(self, policy: Policy | str, *, base_dir: Path | None = None) -> Policy:
         """Run `policy` (a policy, or policy text compiled for this engine) from the next
         iteration on, and return it. A policy that fails to compile, needs a mechanism this
-        engine lacks, or swaps at another granularity than the device allocator runs (chosen
-        from the policy the engine started with) raises PolicyError and the running one stays."""
+        engine lacks, or swaps at another granularity than the device allocator runs (the one
+        the engine started with) raises PolicyError, and the running one stays."""
         self._check_alive()
         new = replacement(policy, self._policy, self.capabilities, base_dir)
         reply = Reply[None]()

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from engine.errors import ShunterError
+from engine.metrics import request_metrics
 from shunter.benchmark.run import RunOutcome
 
 
@@ -44,8 +45,6 @@ def _cdf(ax, values: Sequence[float], label: str) -> None:
 def write_plots(outcomes: Sequence[RunOutcome], out_dir: Path) -> list[Path]:
     """Write latency_cdf.png and timeline.png; returns their paths."""
     plt = _pyplot()
-    from engine.metrics import request_metrics
-
     out_dir.mkdir(parents=True, exist_ok=True)
     ok = [o for o in outcomes if o.metrics is not None]
     per = {o.label: [request_metrics(t, o.drive.goals.get(t.request_id)) for t in o.drive.timelines]

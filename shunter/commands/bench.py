@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from shunter.workloads import help_text, load_workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from shunter.workloads import help_text
-
     p = sub.add_parser(
         "bench", help="replay a trace or synthetic workload against policies and compare them",
         description=__doc__, epilog=help_text() + _POLICY_HELP,
@@ -83,7 +82,6 @@ def run(args: argparse.Namespace) -> int:
     from shunter.benchmark.policies import parse_policy
     from shunter.benchmark.report import table
     from shunter.benchmark.run import report_json, run_all
-    from shunter.workloads import load_workload
 
     if args.plot:
         require_matplotlib()

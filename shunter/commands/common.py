@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from engine.config import EngineConfig
+from policies import policy_dir
 
 
 def add_engine_options(p: argparse.ArgumentParser) -> None:
@@ -34,8 +35,6 @@ def resolve_policy(path: Path) -> Path:
     """A policy file as given, else a shipped policy of that name."""
     if path.exists() or len(path.parts) > 1 or path.suffix:
         return path
-    from policies import policy_dir
-
     shipped = policy_dir() / f"{path.name}.policy"
     return shipped if shipped.exists() else path
 

@@ -12,6 +12,7 @@ import anyio
 
 from engine.params import SamplingParams
 from shunter.commands.common import add_engine_options, engine_config
+from shunter.engine import Engine
 
 PROMPTS = (
     "def fibonacci(n):", "import os\n", "class Stack:\n    def __init__(self", "for i in range(",
@@ -56,8 +57,7 @@ class Panel:
 
 
 async def serve(args: argparse.Namespace) -> None:
-    from engine.metrics import summarize
-    from shunter.engine import Engine
+    from engine.metrics import summarize  # numpy: only once the demo runs
 
     rng = random.Random(args.seed)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.requests)]

@@ -12,6 +12,7 @@ import anyio
 from engine.errors import InvalidRequestError, ShunterError
 from engine.params import SamplingParams
 from shunter.commands.common import add_engine_options, engine_config
+from shunter.engine import Engine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,8 +63,6 @@ def read_prompts(path: Path) -> list[str | list[int]]:
 
 
 async def generate_all(config, prompts, params_for) -> list[dict]:
-    from shunter.engine import Engine
-
     results: list[dict] = [{} for _ in prompts]
 
     async def one(engine: Engine, i: int) -> None:

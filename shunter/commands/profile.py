@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+from engine.config import EngineConfig
+from sim.profile import list_profiles, load_profile, save_profile
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="list, show or fit sim backend timing profiles",
@@ -44,26 +47,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_list(args: argparse.Namespace) -> int:
-    from sim.profile import list_profiles
-
     for name in list_profiles():
         print(name)
     return 0
 
 
 def run_show(args: argparse.Namespace) -> int:
-    from sim.profile import load_profile
-
     print(json.dumps(load_profile(args.name).to_json(), indent=1))
     return 0
 
 
 def run_fit(args: argparse.Namespace) -> int:
-    from engine.config import EngineConfig
     from gpu.profiler import measure, measure_copy
     from shunter.calibrate import calibrate_in_engine, calibrated, profile_for
     from sim.fit import fit_cost_model
-    from sim.profile import save_profile
 
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                           threads=args.threads, block_size=args.block_size,

@@ -18,7 +18,11 @@ import anyio.from_thread
 from engine.config import EngineConfig
 from engine.errors import ShunterError
 from engine.policy import Policy
+from policies import policy_dir, policy_path
+from policy_lang.api import compile_policy, load_policy_file
 from policy_lang.diagnostics import did_you_mean
+from policy_lang.edit import replace_rule
+from shunter.engine import Engine
 from shunter.policy_source import source_diff
 from shunter.repl.stats import class_stats, table
 from shunter.repl.workload import Workload
@@ -110,24 +114,16 @@ class ReplSession:
         return explain().rstrip()
 
     def _load(self, arg: str) -> str:
-        from policy_lang import load_policy_file
-
         if not arg:
             return "usage: load FILE | NAME"
         path = Path(arg)
         if not path.exists() and "/" not in arg and not arg.endswith(".policy"):
-            from policies import policy_path
-
             path = policy_path(arg)
         new = load_policy_file(path, capabilities=self.engine.capabilities)
         old = self._switch(new)
         return f"running {new.settings.name} from {path} (was {old.settings.name})"
 
     def _edit(self, rule: str) -> str:
-        from policies import policy_dir
-        from policy_lang import compile_policy
-        from policy_lang.edit import replace_rule
-
         if not rule:
             return "usage: edit RULE   e.g. edit priority rt = slack asc"
         current = self.engine.policy
@@ -190,8 +186,6 @@ def open_session(config: EngineConfig, *, backend: Any = None, policy: Policy | 
                  rate: float = 4.0, seed: int = 0, max_in_flight: int = 32,
                  async_backend: str = "asyncio") -> Iterator[ReplSession]:
     """Start an engine and the workload on a background event loop; stop both on exit."""
-    from shunter.engine import Engine
-
     with anyio.from_thread.start_blocking_portal(backend=async_backend) as portal:
         started = Engine.start(config, policy=policy, backend=backend)
         with portal.wrap_async_context_manager(started) as engine:

@@ -4,10 +4,13 @@ commands, shipped policy names, policy keywords, field names and the running pol
 from __future__ import annotations
 
 import glob
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from policies import available
+from policy_lang.fields import FIELDS
 from shunter.repl.session import COMMANDS, ReplSession
 
 PROMPT = "shunter> "
@@ -36,19 +39,15 @@ class Completer:
         if command == "workload":
             return ["pause", "resume", "rate"]
         if command == "load":
-            from policies import available
-
             return available()
         if command == "edit":
-            from policy_lang.fields import FIELDS
-
             classes = [c.name for c in self.session.engine.policy.settings.classes]
             return sorted(set(EDIT_WORDS) | set(FIELDS) | set(classes))
         return []
 
     def complete(self, text: str, state: int) -> str | None:
         if state == 0:
-            import readline
+            import readline  # optional; only readline itself calls this, so it is there
 
             line = readline.get_line_buffer()[:readline.get_begidx()]
             words = self.words(line)
@@ -62,8 +61,6 @@ class Completer:
 def run_terminal(session: ReplSession, *, history: Path | None,
                  read: Callable[[str], str] = input, out: TextIO | None = None) -> None:
     """Read commands until `quit` or end of input, printing each command's answer."""
-    import sys
-
     out = out or sys.stdout
     readline = _setup_readline(session, history)
     print("shunter repl: type help for the commands, quit to leave", file=out)

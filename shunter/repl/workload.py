@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from typing import TYPE_CHECKING
 
 import anyio
 import attrs
@@ -14,9 +13,7 @@ import attrs
 from engine.errors import ShunterError
 from engine.params import SamplingParams, SchedulingParams
 from engine.timeline import RequestTimeline
-
-if TYPE_CHECKING:
-    from shunter.engine import Engine
+from shunter.engine import Engine
 
 RT_SLO_MS = (400.0, 200.0)
 """TTFT and TPOT deadlines of RT requests when the policy declares no `rt` class (BROS §7.1)."""
