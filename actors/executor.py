@@ -10,8 +10,15 @@ from typing import Protocol
 
 import anyio
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.messages import ExecuteStep, StepFailed, StepFinished
+from engine.messages import (
+    ExecuteStep,
+    ExecutorMessage,
+    SchedulerMessage,
+    StepFailed,
+    StepFinished,
+)
 
 log = structlog.get_logger(actor="executor")
 
@@ -26,8 +33,8 @@ class StepRunner(Protocol):
 class Executor:
     name = "executor"
 
-    def __init__(self, *, runner: StepRunner, inbox: anyio.abc.ObjectReceiveStream,
-                 scheduler: anyio.abc.ObjectSendStream) -> None:
+    def __init__(self, *, runner: StepRunner, inbox: MemoryObjectReceiveStream[ExecutorMessage],
+                 scheduler: MemoryObjectSendStream[SchedulerMessage]) -> None:
         self._runner = runner
         self._inbox = inbox
         self._scheduler = scheduler

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any, Protocol, assert_never
+from typing import Protocol, assert_never
 
 import anyio
 import attrs
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.errors import AdmissionError, InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.messages import (
@@ -20,20 +21,30 @@ from engine.messages import (
     AddRequest,
     Cancel,
     FrontendMessage,
+    SchedulerMessage,
     StepOutputs,
     Submit,
     TokenOutput,
 )
-from engine.outputs import Admitted, GenerationChunk, Rejected
+from engine.outputs import Admitted, ClientOutput, GenerationChunk, Rejected
 
 log = structlog.get_logger(actor="frontend")
+
+
+class Detokenizer(Protocol):
+    """One request's incremental detokenizer."""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """The new text these tokens complete."""
+
+    def finish(self) -> str:
+        """The text still held back, at the request's end."""
 
 
 class TextCodec(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
-    def detokenizer(self) -> Any:
-        """An object with `add(token_ids) -> str` (new text) and `finish() -> str` (the rest)."""
+    def detokenizer(self) -> Detokenizer: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -47,8 +58,8 @@ class Limits:
 
 @attrs.define(eq=False)
 class _ClientStream:
-    send: Any
-    detok: Any
+    send: MemoryObjectSendStream[ClientOutput]
+    detok: Detokenizer | None
     stop: tuple[str, ...]
     text: str = ""
     emitted: int = 0
@@ -68,7 +79,8 @@ class Frontend:
     name = "frontend"
 
     def __init__(self, *, codec: TextCodec | None, limits: Limits,
-                 inbox: anyio.abc.ObjectReceiveStream, scheduler: anyio.abc.ObjectSendStream) -> None:
+                 inbox: MemoryObjectReceiveStream[FrontendMessage],
+                 scheduler: MemoryObjectSendStream[SchedulerMessage]) -> None:
         self._codec = codec
         self._limits = limits
         self._inbox = inbox

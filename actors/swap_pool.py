@@ -6,26 +6,41 @@ It receives one `SwapOrders` per iteration that swaps, hands every transfer to t
 which returns at once, and forwards the step to the executor with the tickets of its synchronous
 swap-ins. Asynchronous swap-ins run on while the following steps compute; the pool polls the
 swapper while any is pending and tells the scheduler which finished (`SwapDone`), so the
-scheduler can return them to the running batch at the start of its next iteration.
+scheduler can return them to the running batch at the start of its next iteration. The pool
+alone reads the swapper's traffic counters, and hands them out on `TakeSwapCounters`.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Protocol
+from collections.abc import Sequence
+from typing import Protocol, assert_never
 
 import anyio
 import attrs
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.iteration_log import SwapCounters
-from engine.messages import SwapDone, SwapOrders
+from engine.messages import (
+    ExecutorMessage,
+    SchedulerMessage,
+    SwapDirection,
+    SwapDone,
+    SwapOrders,
+    SwapPoolMessage,
+    TakeSwapCounters,
+)
+from engine.policy import SwapGranularity
 
 log = structlog.get_logger(actor="swap_pool")
 
 
 class Swapper(Protocol):
-    def submit(self, ticket_id: int, direction: str, pairs: Any, granularity: str) -> None: ...
+    """The copier the pool drives: `gpu.swap.TorchSwapper`, or the simulator's `SimSwapper`."""
+
+    def submit(self, ticket_id: int, direction: SwapDirection,
+               pairs: Sequence[tuple[int, int]], granularity: SwapGranularity) -> None: ...
 
     def poll(self) -> list[int]:
         """Tickets finished since the last poll, failed ones included."""
@@ -36,7 +51,11 @@ class Swapper(Protocol):
     def next_poll_s(self) -> float | None:
         """Seconds until polling again is worthwhile; None when nothing is pending."""
 
-    def counters(self) -> SwapCounters: ...
+    def counters(self) -> SwapCounters:
+        """Traffic since the swapper was made."""
+
+    def close(self) -> None:
+        """Stop the copy workers (the Engine calls it once the actors have stopped)."""
 
 
 @attrs.define(slots=True)
@@ -51,15 +70,17 @@ class _Pending:
 class SwapPool:
     name = "swap_pool"
 
-    def __init__(self, *, swapper: Swapper, inbox: anyio.abc.ObjectReceiveStream,
-                 executor: anyio.abc.ObjectSendStream,
-                 scheduler: anyio.abc.ObjectSendStream) -> None:
+    def __init__(self, *, swapper: Swapper, inbox: MemoryObjectReceiveStream[SwapPoolMessage],
+                 executor: MemoryObjectSendStream[ExecutorMessage],
+                 scheduler: MemoryObjectSendStream[SchedulerMessage]) -> None:
         self.swapper = swapper
         self._inbox = inbox
         self._executor = executor
         self._scheduler = scheduler
         self._tickets = itertools.count(1)
         self._pending: dict[int, _Pending] = {}
+        self._counted = SwapCounters()
+        """The swapper's counters at the last `TakeSwapCounters`."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -72,8 +93,19 @@ class SwapPool:
                 with anyio.move_on_after(wait):
                     msg = await self._inbox.receive()
             if msg is not None:
-                await self._dispatch(msg)
+                await self._handle(msg)
             await self._report()
+
+    async def _handle(self, msg: SwapPoolMessage) -> None:
+        match msg:
+            case SwapOrders():
+                await self._dispatch(msg)
+            case TakeSwapCounters(reply=reply):
+                now = self.swapper.counters()
+                reply.send(now.minus(self._counted))
+                self._counted = now
+            case _:
+                assert_never(msg)
 
     async def _dispatch(self, msg: SwapOrders) -> None:
         now = anyio.current_time()

@@ -16,7 +16,7 @@ from typing import Literal
 import attrs
 from anyio.streams.memory import MemoryObjectSendStream
 
-from engine.iteration_log import IterationLog
+from engine.iteration_log import IterationLog, SwapCounters
 from engine.outputs import ClientOutput
 from engine.params import SamplingParams, SchedulingParams
 from engine.policy import Policy, SwapGranularity
@@ -304,4 +304,12 @@ class SwapOrders:
     step: ExecuteStep
 
 
-SwapPoolMessage = SwapOrders
+@attrs.frozen(kw_only=True)
+class TakeSwapCounters:
+    """Hand over the swap traffic (copies, bytes, blocks, stall) since the last take and start
+    counting afresh; the Engine adds it to the iteration log it takes from the scheduler."""
+
+    reply: Reply[SwapCounters]
+
+
+SwapPoolMessage = SwapOrders | TakeSwapCounters

@@ -14,16 +14,17 @@ import contextlib
 import math
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
 import anyio
 import structlog
+from anyio.streams.memory import MemoryObjectSendStream
 
 from actors.allocator import Allocator
 from actors.executor import Executor
 from actors.frontend import Frontend, Limits
 from actors.scheduler import Scheduler
-from actors.swap_pool import SwapPool
+from actors.swap_pool import Swapper, SwapPool
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.iteration_log import IterationLog, SwapCounters
@@ -31,12 +32,18 @@ from engine.logs import configure_default
 from engine.memory.block_groups import BlockGroupManager
 from engine.memory.block_pool import BlockPool
 from engine.messages import (
+    AllocatorMessage,
     Cancel,
+    ExecutorMessage,
+    FrontendMessage,
     InspectAllocator,
     InspectScheduler,
     ReplacePolicy,
+    SchedulerMessage,
     Submit,
+    SwapPoolMessage,
     TakeIterationLog,
+    TakeSwapCounters,
 )
 from engine.params import SamplingParams, SchedulingParams
 from engine.policy import Policy
@@ -55,6 +62,14 @@ from shunter.policy_source import (
 log = structlog.get_logger(actor="engine")
 
 
+class Actor(Protocol):
+    """What the Engine supervises: every actor under actors/."""
+
+    name: str
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None: ...
+
+
 class _Started:
     """Wraps a task status so the supervisor knows whether an actor got through start-up."""
 
@@ -62,7 +77,7 @@ class _Started:
         self._status = status
         self.done = False
 
-    def started(self, value: Any = None) -> None:
+    def started(self, value: object = None) -> None:
         self.done = True
         self._status.started(value)
 
@@ -77,14 +92,15 @@ class Engine:
         self.capabilities = capabilities.running(self._policy.settings)
         """The mechanisms this engine has, its device allocator included; policies needing
         others are refused."""
-        self.swapper: Any = None
-        """The swap pool's copier, when the engine can swap (made once the model is loaded)."""
-        self._swap_taken = SwapCounters()
+        self.swapper: Swapper | None = None
+        """The swap pool's copier, when the engine can swap (made once the model is loaded,
+        closed when the actors have stopped); only the swap pool actor reads it."""
         self._failure: str | None = None
         self._closed = False
-        self._frontend_send: anyio.abc.ObjectSendStream | None = None
-        self._scheduler_send: anyio.abc.ObjectSendStream | None = None
-        self._allocator_send: anyio.abc.ObjectSendStream | None = None
+        self._frontend_send: MemoryObjectSendStream[FrontendMessage] | None = None
+        self._scheduler_send: MemoryObjectSendStream[SchedulerMessage] | None = None
+        self._allocator_send: MemoryObjectSendStream[AllocatorMessage] | None = None
+        self._swap_pool_send: MemoryObjectSendStream[SwapPoolMessage] | None = None
         self._actor_scope = anyio.CancelScope()
 
     @classmethod
@@ -124,11 +140,11 @@ class Engine:
     async def _run_actors(self, block_ids: range, *,
                           task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         c, b = self.config, self.backend
-        front_send, front_recv = anyio.create_memory_object_stream[Any](math.inf)
-        sched_send, sched_recv = anyio.create_memory_object_stream[Any](c.inbox_size)
-        alloc_send, alloc_recv = anyio.create_memory_object_stream[Any](c.inbox_size)
-        exec_send, exec_recv = anyio.create_memory_object_stream[Any](c.inbox_size)
-        swap_send, swap_recv = anyio.create_memory_object_stream[Any](c.inbox_size)
+        front_send, front_recv = anyio.create_memory_object_stream[FrontendMessage](math.inf)
+        sched_send, sched_recv = anyio.create_memory_object_stream[SchedulerMessage](c.inbox_size)
+        alloc_send, alloc_recv = anyio.create_memory_object_stream[AllocatorMessage](c.inbox_size)
+        exec_send, exec_recv = anyio.create_memory_object_stream[ExecutorMessage](c.inbox_size)
+        swap_send, swap_recv = anyio.create_memory_object_stream[SwapPoolMessage](c.inbox_size)
         # The frontend's inbox is unbounded so that the scheduler never blocks on it: the
         # frontend -> scheduler -> frontend cycle cannot deadlock. Admission bounds its size.
         pool_tokens = len(block_ids) * c.block_size
@@ -141,7 +157,7 @@ class Engine:
         groups = self.capabilities.allocator == "groups"
         pool = BlockGroupManager(block_ids) if groups else BlockPool(block_ids)
         swapping = self.swapper is not None
-        actors = [
+        actors: list[Actor] = [
             Executor(runner=b.runner, inbox=exec_recv, scheduler=sched_send),
             Allocator(pool=pool, inbox=alloc_recv, executor=exec_send, block_size=c.block_size,
                       swap_pool=swap_send if swapping else None),
@@ -151,9 +167,10 @@ class Engine:
                       cpu_blocks=cpu_swap_blocks(c, block_ids) if swapping else 0),
             Frontend(codec=b.codec, limits=limits, inbox=front_recv, scheduler=sched_send),
         ]
-        if swapping:
+        if self.swapper is not None:
             actors.append(SwapPool(swapper=self.swapper, inbox=swap_recv, executor=exec_send,
                                    scheduler=sched_send))
+            self._swap_pool_send = swap_send
         self._frontend_send, self._scheduler_send, self._allocator_send = front_send, sched_send, alloc_send
         with self._actor_scope:
             async with anyio.create_task_group() as tg:
@@ -161,7 +178,7 @@ class Engine:
                     await tg.start(self._supervise, actor)
                 task_status.started()
 
-    async def _supervise(self, actor: Any, *,
+    async def _supervise(self, actor: Actor, *,
                          task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         status = _Started(task_status)
         try:
@@ -202,10 +219,10 @@ class Engine:
         reply = Reply[IterationLog | None]()
         await self._scheduler_send.send(TakeIterationLog(reply=reply))
         taken = await reply.wait()
-        if taken is not None and self.swapper is not None:
-            now = self.swapper.counters()
-            taken.swap = taken.swap.plus(now.minus(self._swap_taken))
-            self._swap_taken = now
+        if taken is not None and self._swap_pool_send is not None:
+            swapped = Reply[SwapCounters]()
+            await self._swap_pool_send.send(TakeSwapCounters(reply=swapped))
+            taken.swap = taken.swap.plus(await swapped.wait())
         return taken
 
     async def wait_idle(self, poll_s: float = 0.01) -> EngineSnapshot:
