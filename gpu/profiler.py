@@ -74,8 +74,8 @@ class StepTimer:
             blocks.append(BlockUpdate(request_id=rid, reset=False,
                                       append=tuple(range(next_block, next_block + need))))
             next_block += need
-        if next_block > self.runner._num_blocks:
-            raise ValueError(f"batch needs {next_block} KV blocks, the arena has {self.runner._num_blocks}")
+        if next_block > self.runner.num_blocks:
+            raise ValueError(f"batch needs {next_block} KV blocks, the arena has {self.runner.num_blocks}")
         prefix = [SeqWork(request_id=r, start=0, num_tokens=s, sample=False)
                   for r, (s, _) in zip(rids, batch) if s]
         self._run(setups=tuple(setups), blocks=tuple(blocks), seqs=tuple(prefix))

@@ -4,8 +4,7 @@ the device side, and turns one `ExecuteStep` into one forward pass and one sampl
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import attrs
 import torch
@@ -19,6 +18,9 @@ from gpu.metadata import StepInputs, build_step_inputs
 from gpu.model import CausalLM
 from gpu.sampler import make_generator, sample
 from gpu.swap import TorchSwapper
+
+SwapperFactory = Callable[[torch.Tensor, int], TorchSwapper]
+"""Makes the swap copier from the arena's KV ([blocks, L, 2, bs, H, D]) and a host block count."""
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,16 +54,19 @@ class TorchRunner:
     runner's own `DeviceThread`, so the event loop stays free and OpenMP keeps one thread pool
     (see gpu/device_thread.py for what a second pool costs)."""
 
-    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, num_blocks: int, *,
+                 swapper_factory: SwapperFactory = TorchSwapper) -> None:
         self._config = config
         self._model_config = model_config
-        self._num_blocks = num_blocks
+        self.num_blocks = num_blocks
+        """KV blocks the arena holds."""
+        self._swapper_factory = swapper_factory
         self._device = resolve_device(config.device)
         self._dtype = resolve_dtype(config.dtype, model_config, self._device)
         self._seqs: dict[int, _DeviceSeq] = {}
         self._model = None
         self._thread = DeviceThread()
-        self.swapper = None
+        self.swapper: TorchSwapper | None = None
         """The swap pool's copier (`gpu.swap.TorchSwapper`) once `make_swapper` made it."""
         self._step_records: list[tuple[ExecuteStep, float, float]] | None = None
 
@@ -71,11 +76,11 @@ class TorchRunner:
         self._step_records = []
         return self._step_records
 
-    async def make_swapper(self, num_host_blocks: int, **options: Any) -> Any:
+    async def make_swapper(self, num_host_blocks: int) -> TorchSwapper:
         """A host swap space of `num_host_blocks` blocks next to the arena (pinned on CUDA),
         with the worker threads that copy between them (FastSwitch §3.2)."""
         self.swapper = await self._thread.run(
-            lambda: TorchSwapper(self._model.arena.kv, num_host_blocks, **options))
+            self._swapper_factory, self._model.arena.kv, num_host_blocks)
         return self.swapper
 
     async def start(self) -> range:
@@ -94,7 +99,7 @@ class TorchRunner:
             backend = "triton" if self._device.type == "cuda" else "torch"
         self._model = CausalLM.from_pretrained(
             self._config.model, device=self._device, dtype=self._dtype,
-            num_kv_blocks=self._num_blocks, block_size=self._config.block_size,
+            num_kv_blocks=self.num_blocks, block_size=self._config.block_size,
             attention_backend=backend,
         )
         return self._model.arena.kv_block_ids

@@ -18,7 +18,6 @@ waits (`wait_blocks`) for exactly the tickets still using it.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -62,7 +61,7 @@ class TorchSwapper:
     """Real copies between `device_kv` ([blocks, L, 2, bs, H, D]) and a host buffer like it."""
 
     def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, *, workers: int = 2,
-                 yield_every: int = 256, copy_delay_s: float = 0.0) -> None:
+                 yield_every: int = 256) -> None:
         self.device_kv = device_kv
         cuda = device_kv.is_cuda
         self.host_kv = torch.zeros((num_host_blocks, *device_kv.shape[1:]), dtype=device_kv.dtype,
@@ -85,11 +84,6 @@ class TorchSwapper:
         self._failed_ids: dict[int, str] = {}
         """Every ticket that failed (few), so a late `wait` for one still raises."""
         self._stall_s = 0.0
-        self.copy_delay_s = copy_delay_s
-        """Each ticket waits this long before copying: a slow link, so that tests can make
-        copies outlast the steps that race them."""
-        self.skip_conflict_waits = False
-        """Tests set this to plant the bug FastSwitch's conflict handling exists to prevent."""
 
     # ---------------------------------------------------------------------------- dispatch
 
@@ -118,8 +112,6 @@ class TorchSwapper:
                 self._wait_done(dep)
             for dep in needs:
                 self._wait_ticket(dep)
-            if self.copy_delay_s:
-                time.sleep(self.copy_delay_s)
             if self._stream is not None:
                 with torch.cuda.stream(self._stream):
                     self._copy(direction, pairs, granularity)
@@ -228,7 +220,7 @@ class TorchSwapper:
         with self._lock:
             involved = {self._device_busy[g] for g in device_blocks if g in self._device_busy}
         involved = {t for t in involved if not t.done()}
-        if self.skip_conflict_waits or not involved:
+        if not involved:
             return 0
         for t in involved:
             # dispatched (on the CPU: copied); a failed copy no longer uses the block, and its

@@ -27,7 +27,6 @@ class SimSwapper:
         self._end: dict[int, float] = {}
         self._device_busy: dict[int, float] = {}
         self._host_busy: dict[int, float] = {}
-        self.skip_conflict_waits = False
 
     def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
                granularity: str) -> None:
@@ -67,10 +66,8 @@ class SimSwapper:
 
     def ready_at(self, tickets: Iterable[int], written_blocks: Iterable[int]) -> float:
         """When a step that waits for `tickets` and writes `written_blocks` may start."""
-        ready = max([self._end.get(t, 0.0) for t in tickets] + [0.0])
-        if not self.skip_conflict_waits:
-            ready = max([ready] + [self._device_busy.get(g, 0.0) for g in written_blocks])
-        return ready
+        return max([self._end.get(t, 0.0) for t in tickets]
+                   + [self._device_busy.get(g, 0.0) for g in written_blocks] + [0.0])
 
     def add_stall(self, seconds: float) -> None:
         self.engine.counters.stall_s += seconds

@@ -7,6 +7,7 @@ import threading
 import torch
 
 from gpu.swap import TorchSwapper, coalesce
+from tests.gpu.swap_doubles import ConflictBlindSwapper, GatedSwapper
 
 LAYERS = 3
 
@@ -40,20 +41,11 @@ def test_round_trip_and_copy_counts_per_granularity():
 
 def test_tickets_sharing_a_block_run_in_submission_order():
     dev = arena()
-    sw = TorchSwapper(dev, 4, workers=4)
-    gate = threading.Event()
-    original = sw._copy
-
-    def slow_copy(direction, pairs, granularity):
-        if pairs[0] == (0, 0):
-            gate.wait(5)
-        original(direction, pairs, granularity)
-
-    sw._copy = slow_copy
+    sw = GatedSwapper(dev, 4, workers=4, held=lambda pairs: pairs[0] == (0, 0))
     sw.submit(1, "out", [(0, 0)], "groups")     # block 0 -> host 0, held back by the gate
     sw.submit(2, "in", [(7, 0)], "groups")      # reads host 0: must wait for ticket 1
     assert not sw.done(2)
-    gate.set()
+    sw.gate.set()
     sw.wait([2])
     assert torch.equal(dev[7], dev[0])
     sw.close()
@@ -61,24 +53,30 @@ def test_tickets_sharing_a_block_run_in_submission_order():
 
 def test_wait_blocks_waits_for_exactly_the_tickets_using_them():
     dev = arena()
-    sw = TorchSwapper(dev, 4, workers=2)
-    gate = threading.Event()
-    original = sw._copy
-
-    def slow_copy(direction, pairs, granularity):
-        if pairs[0][0] == 2:
-            gate.wait(5)
-        original(direction, pairs, granularity)
-
-    sw._copy = slow_copy
+    sw = GatedSwapper(dev, 4, workers=2, held=lambda pairs: pairs[0][0] == 2)
     want = dev[2].clone()
     sw.submit(1, "out", [(2, 1)], "groups")
     sw.submit(2, "out", [(5, 2)], "groups")
     sw.wait([2])
     assert sw.wait_blocks([5, 6]) == 0          # ticket 2 is done; nothing touches block 6
-    threading.Timer(0.05, gate.set).start()
+    threading.Timer(0.05, sw.gate.set).start()
     assert sw.wait_blocks([2]) == 1             # the step may now overwrite block 2
     dev[2] = 0
     sw.wait([1])
     assert torch.equal(sw.host_kv[1], want)
+    sw.close()
+
+
+def test_the_conflict_blind_double_lets_a_step_write_blocks_still_being_copied():
+    """The planted bug of tests/shunter/test_fastswitch.py, seen directly: with conflict waits
+    skipped, a step overwrites block 2 before its swap-out copied it, and the host copy is wrong."""
+    dev = arena()
+    sw = ConflictBlindSwapper(dev, 4, copy_delay_s=0.05)
+    want = dev[2].clone()
+    sw.submit(1, "out", [(2, 1)], "groups")
+    assert sw.wait_blocks([2]) == 0             # no wait: the copy is still sleeping
+    dev[2] = 0
+    sw.wait([1])
+    assert not torch.equal(sw.host_kv[1], want)
+    assert torch.equal(sw.host_kv[1], torch.zeros_like(want))
     sw.close()

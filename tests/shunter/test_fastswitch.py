@@ -9,6 +9,7 @@ that race them; with the conflict waits skipped (a planted bug) the outputs must
 
 from __future__ import annotations
 
+import functools
 import random
 
 import anyio
@@ -20,6 +21,7 @@ from engine.params import SamplingParams, SchedulingParams
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter.engine import Engine
+from tests.gpu.swap_doubles import ConflictBlindSwapper, FailingSwapper, SlowSwapper, torch_backend
 from tests.reference import TIE_GAP, hf_greedy, load_reference_model
 
 pytestmark = pytest.mark.anyio
@@ -59,10 +61,9 @@ async def serve(model_dir, granularity: str, *, plant_bug: bool = False, seed: i
                   for _ in range(CONVERSATIONS)]
     params = SamplingParams(max_tokens=MAX_TOKENS)
 
-    async with Engine.start(config, policy=policy) as engine:
-        engine.swapper.copy_delay_s = COPY_DELAY_S
-        engine.swapper.skip_conflict_waits = plant_bug
-
+    swapper = ConflictBlindSwapper if plant_bug else SlowSwapper
+    backend = torch_backend(config, functools.partial(swapper, copy_delay_s=COPY_DELAY_S))
+    async with Engine.start(config, policy=policy, backend=backend) as engine:
         async def single(i: int) -> None:
             r = await engine.complete(singles[i], params)
             served.append((singles[i], r.token_ids, f"single {i}"))
@@ -148,17 +149,9 @@ async def test_a_failed_copy_fails_only_the_requests_it_touched(tiny_llama_dir, 
     rng = random.Random(5)
     prompts = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([9, 17, 30]))] for _ in range(24)]
     served, failed = [], []
-    async with Engine.start(config, policy=policy) as engine:
-        copy, calls = engine.swapper._copy, [0]
-
-        def sometimes_failing_copy(*args):
-            calls[0] += 1
-            if calls[0] in (3, 4):
-                raise OSError("injected copy failure")
-            return copy(*args)
-
-        engine.swapper._copy = sometimes_failing_copy
-
+    backend = torch_backend(config, functools.partial(
+        FailingSwapper, fail_calls=frozenset({3, 4}), error=OSError("injected copy failure")))
+    async with Engine.start(config, policy=policy, backend=backend) as engine:
         async def client(p: list[int]) -> None:
             try:
                 r = await engine.complete(p, SamplingParams(max_tokens=MAX_TOKENS))
@@ -172,7 +165,7 @@ async def test_a_failed_copy_fails_only_the_requests_it_touched(tiny_llama_dir, 
                 tg.start_soon(client, p)
         after = await engine.complete(prompts[0], SamplingParams(max_tokens=4))
         snap = await engine.wait_idle()
-    assert calls[0] > 4, "the pool was meant to swap more than the two failing copies"
+    assert backend.runner.swapper.calls > 4, "the pool was meant to swap more than two copies"
     assert failed and all("injected copy failure" in e for e in failed), failed
     assert len(failed) + len(served) == len(prompts) and len(failed) <= 4
     assert mismatches(reference_model, served) == []
