@@ -5,7 +5,8 @@ or in) into block ids and passes the step on with only the table changes, so one
 one message here. Steps with swaps go through the swap pool, which dispatches the copies before
 the executor sees the step.
 
-Two allocators, chosen by the swap granularity of the policy the engine starts with:
+Two allocators, chosen by the swap granularity of the policy the engine starts with, both
+behind one protocol (`engine.memory.device_blocks.DeviceBlocks`):
 - `per-block` (vLLM): a free stack of single blocks (`BlockPool`);
 - `groups` (FastSwitch §3.1): block groups (`BlockGroupManager`), so a request's KV is a few
   contiguous runs and a swap of it is a few copies.
@@ -17,16 +18,18 @@ from typing import assert_never
 
 import anyio
 import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.memory.block_groups import BlockGroupManager
-from engine.memory.block_pool import BlockPool
+from engine.memory.device_blocks import DeviceBlocks
 from engine.messages import (
     AllocatorMessage,
     BlockUpdate,
     ExecuteStep,
+    ExecutorMessage,
     InspectAllocator,
     RunStep,
     SwapOrders,
+    SwapPoolMessage,
     SwapTransfer,
 )
 from engine.snapshots import AllocatorSnapshot
@@ -37,9 +40,9 @@ log = structlog.get_logger(actor="allocator")
 class Allocator:
     name = "allocator"
 
-    def __init__(self, *, pool: BlockPool | BlockGroupManager, inbox: anyio.abc.ObjectReceiveStream,
-                 executor: anyio.abc.ObjectSendStream, block_size: int = 16,
-                 swap_pool: anyio.abc.ObjectSendStream | None = None) -> None:
+    def __init__(self, *, pool: DeviceBlocks, inbox: MemoryObjectReceiveStream[AllocatorMessage],
+                 executor: MemoryObjectSendStream[ExecutorMessage], block_size: int = 16,
+                 swap_pool: MemoryObjectSendStream[SwapPoolMessage] | None = None) -> None:
         self._pool = pool
         self._block_size = block_size
         self._inbox = inbox
@@ -75,10 +78,9 @@ class Allocator:
         so blocks released by this plan can serve it (the swap pool and the executor wait
         for the copies still reading them)."""
         pool = self._pool
-        if isinstance(pool, BlockGroupManager):  # size new requests' first groups to fit them
-            for s in plan.setups:
-                tokens = len(s.prompt_ids) + s.sampling.max_tokens
-                pool.expect(s.request_id, -(-tokens // self._block_size))
+        for s in plan.setups:  # block groups size new requests' first groups to fit them
+            tokens = len(s.prompt_ids) + s.sampling.max_tokens
+            pool.expect(s.request_id, -(-tokens // self._block_size))
         transfers: list[SwapTransfer] = []
         for o in plan.swap_out:
             table = pool.table(o.request_id)
@@ -104,7 +106,7 @@ class Allocator:
                                           pairs=tuple(zip(got, i.cpu_blocks)), sync=i.sync))
             updates[i.request_id] = BlockUpdate(request_id=i.request_id, reset=True,
                                                 append=tuple(got))
-        for rid, target in plan.grow:
+        for rid, target in plan.block_targets:
             have = len(pool.table(rid))
             if target > have:
                 new = tuple(pool.allocate(rid, target - have))

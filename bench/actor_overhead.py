@@ -22,7 +22,8 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.messages import ExecuteStep, SampledToken, StepFinished  # noqa: E402
 from engine.params import SamplingParams  # noqa: E402
 from engine.planner import Budget, plan_iteration  # noqa: E402
-from engine.policy import FcfsPolicy, RequestView, SchedulerView  # noqa: E402
+from engine.policy import FcfsPolicy, SchedulerView  # noqa: E402
+from engine.request import Request  # noqa: E402
 from shunter.backends import Backend  # noqa: E402
 from shunter.engine import Engine  # noqa: E402
 
@@ -58,16 +59,17 @@ async def engine_run(requests: int, tokens: int) -> tuple[float, int]:
 
 def planner_only(requests: int, repeats: int) -> float:
     policy = FcfsPolicy()
-    views = [RequestView(id=i, request_class="default", priority=0, tenant="t", conversation_id=None,
-                         turn=1, arrival=float(i), prompt_tokens=16, max_tokens=1000, ttft_ms=None,
-                         tpot_ms=None, state="running", output_tokens=5, computed_tokens=20, blocks=2)
-             for i in range(requests)]
+    live = [Request(id=i, request_class="default", priority=0, tenant="t", conversation_id=None,
+                    turn=1, arrival=float(i), ttft_ms=None, tpot_ms=None, prompt_ids=[5] * 16,
+                    sampling=SamplingParams(max_tokens=1000), stop_ids=frozenset(),
+                    eos_token_ids=(), state="running", output_ids=[7] * 5, computed_tokens=20,
+                    blocks=2)
+            for i in range(requests)]
     budget = Budget(free_blocks=10_000, total_blocks=100_000, block_size=16,
                     max_num_seqs=requests, max_batched_tokens=max(512, requests * 16))
     began = time.perf_counter()
     for it in range(repeats):
-        for v in views:
-            v.refresh(float(it))
+        views = [r.view(float(it)) for r in live]  # frozen, built every iteration
         view = SchedulerView(now=float(it), iteration=it, requests=views, free_blocks=10_000,
                              total_blocks=100_000, block_size=16, max_num_seqs=requests,
                              max_batched_tokens=512)

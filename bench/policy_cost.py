@@ -23,6 +23,8 @@ import sys
 import timeit
 from pathlib import Path
 
+import attrs
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cost_model import LLAMA3_8B_A100  # noqa: E402
@@ -111,9 +113,9 @@ def make_view(n: int, seed: int = 0) -> SchedulerView:
             arrival=rng.uniform(0, 100), prompt_tokens=rng.randint(16, 512), max_tokens=128,
             ttft_ms=400.0 if rt else None, tpot_ms=200.0 if rt else None, state=state,
             output_tokens=rng.randint(0, 64), checkpointed_blocks=rng.randint(0, 8))
-        r.computed_tokens = r.context_tokens - 1 if state == "running" else 0
-        r.slack_ms = rng.uniform(-50, 400) if rt else float("inf")
-        requests.append(r)
+        requests.append(attrs.evolve(  # views are frozen: the derived fields go in a copy
+            r, computed_tokens=r.context_tokens - 1 if state == "running" else 0,
+            slack_ms=rng.uniform(-50, 400) if rt else float("inf")))
     return SchedulerView(now=100.0, iteration=1, requests=requests, free_blocks=1000,
                          total_blocks=4096, block_size=16, max_num_seqs=256,
                          max_batched_tokens=2048, cost=LLAMA3_8B_A100)

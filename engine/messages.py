@@ -222,8 +222,8 @@ class SwapIn:
 class RunStep:
     """The scheduler's whole plan for one iteration, sent to the allocator.
 
-    The allocator first frees, then grows every request in `grow` to the given number of device
-    blocks, then forwards an `ExecuteStep` carrying the new block ids.
+    The allocator first frees, then gives every request in `block_targets` device blocks up to
+    the given count, then forwards an `ExecuteStep` carrying the new block ids.
     """
 
     step_id: int
@@ -231,15 +231,16 @@ class RunStep:
     """Requests that end: their blocks go back, and the executor forgets them."""
     preempt: tuple[int, ...]
     """Requests preempted by recompute: their blocks go back; they keep their tokens."""
-    grow: tuple[tuple[int, int], ...]
-    """(request_id, device blocks it must hold after this step)."""
+    block_targets: tuple[tuple[int, int], ...]
+    """(request_id, device blocks it must hold after this step): a target count, not a
+    growth; a request already holding as many gets none."""
     setups: tuple[RequestSetup, ...]
     seqs: tuple[SeqWork, ...]
     swap_out: tuple[SwapOut, ...] = ()
     """Done before anything is freed: preempted requests (listed in `preempt` too) and ended
     conversation turns whose KV is kept (listed in `release`)."""
     swap_in: tuple[SwapIn, ...] = ()
-    """Done after freeing, before growing."""
+    """Done after freeing, before the block targets are met."""
     granularity: SwapGranularity = "per-block"
     """How the swap pool copies."""
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
-from engine.policy import Decision, RequestView
+from engine.policy import Decision, PolicySettings, RequestView, SchedulerView
 
 
 def blocks_for(tokens: int, block_size: int) -> int:
@@ -37,24 +37,39 @@ class Budget:
     async_swap_in: bool = False
     """Swapped requests admitted now are swapped in asynchronously (no work this iteration)."""
 
+    @classmethod
+    def for_view(cls, view: SchedulerView, settings: PolicySettings, *,
+                 async_swap_in: bool = False) -> Budget:
+        """The budgets of the iteration `view` shows, under the running policy's limits."""
+        return cls(
+            free_blocks=view.free_blocks, total_blocks=view.total_blocks,
+            block_size=view.block_size, max_num_seqs=view.max_num_seqs,
+            max_batched_tokens=view.max_batched_tokens,
+            can_preempt=settings.preempt_mode != "never",
+            max_running={k.name: k.max_running for k in settings.classes
+                         if k.max_running is not None},
+            async_swap_in=async_swap_in)
+
 
 @attrs.define
 class IterationPlan:
     work: dict[int, int] = attrs.field(factory=dict)
     """request id -> tokens to compute this iteration, in scheduling order."""
-    grow: dict[int, int] = attrs.field(factory=dict)
-    """request id -> device blocks it must hold after this iteration."""
+    block_targets: dict[int, int] = attrs.field(factory=dict)
+    """request id -> device blocks it must hold after this iteration (a count, not a growth)."""
     admitted: list[RequestView] = attrs.field(factory=list)
+    """Waiting or swapped requests that join this iteration, in order."""
     swapped_in: list[RequestView] = attrs.field(factory=list)
     """Swapped requests whose KV comes back this iteration (also in `work` when synchronous)."""
     preempted: list[RequestView] = attrs.field(factory=list)
+    """Running requests that lose their device blocks this iteration."""
     forced: bool = False
     """A preemption happened although the policy forbids it (everything else was stuck)."""
 
 
 class _Planner:
     def __init__(self, decision: Decision, requests: Sequence[RequestView], budget: Budget) -> None:
-        self.b = budget
+        self.budget = budget
         self.free = budget.free_blocks
         self.tokens = budget.max_batched_tokens
         self.seq_limit = min(budget.max_num_seqs, decision.max_batch or budget.max_num_seqs)
@@ -70,25 +85,26 @@ class _Planner:
             if r.state == "running":
                 self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
         self.plan = IterationPlan()
-        self.gone: set[int] = set()
-        self.stuck = False
+        self.preempted_ids: set[int] = set()
+        self.blocked_without_preemption = False
+        """A running request could not get its blocks and the policy forbids preemption."""
 
     def full(self) -> bool:
         return len(self.plan.work) >= self.seq_limit or self.tokens <= 0
 
     def need(self, r: RequestView, n: int) -> int:
-        return blocks_for(r.computed_tokens + n, self.b.block_size) - r.blocks
+        return blocks_for(r.computed_tokens + n, self.budget.block_size) - r.blocks
 
     def commit(self, r: RequestView, n: int, need: int) -> None:
         self.free -= need
         self.tokens -= n
         self.plan.work[r.id] = n
-        self.plan.grow[r.id] = r.blocks + need
+        self.plan.block_targets[r.id] = r.blocks + need
 
     def preempt(self, v: RequestView) -> None:
-        self.free += self.plan.grow.pop(v.id, v.blocks)
+        self.free += self.plan.block_targets.pop(v.id, v.blocks)
         self.tokens += self.plan.work.pop(v.id, 0)
-        self.gone.add(v.id)
+        self.preempted_ids.add(v.id)
         self.plan.preempted.append(v)
         self.per_class[v.request_class] -= 1
 
@@ -96,7 +112,7 @@ class _Planner:
         """The least deserving running request that deserves less than r, if any."""
         last = len(self.rank)
         mine = self.rank.get(r.id, last)
-        while self.victims and self.victims[0].id in self.gone:
+        while self.victims and self.victims[0].id in self.preempted_ids:
             self.victims.popleft()
         if not self.victims:
             return None
@@ -106,7 +122,7 @@ class _Planner:
         return self.victims.popleft()
 
     def make_room(self, r: RequestView, need: int) -> None:
-        while need > self.free and self.b.can_preempt:
+        while need > self.free and self.budget.can_preempt:
             victim = self.victim_below(r)
             if victim is None:
                 return
@@ -114,7 +130,7 @@ class _Planner:
 
     def running_pass(self) -> None:
         for r in self.running:
-            if r.id in self.gone or r.id in self.plan.work:
+            if r.id in self.preempted_ids or r.id in self.plan.work:
                 continue
             if self.full():
                 return
@@ -123,21 +139,21 @@ class _Planner:
             self.make_room(r, need)
             if need <= self.free:
                 self.commit(r, n, need)
-            elif self.b.can_preempt:
+            elif self.budget.can_preempt:
                 self.preempt(r)
             else:
-                self.stuck = True
+                self.blocked_without_preemption = True
 
     def admission_pass(self) -> None:
-        limits = self.b.max_running
+        limits = self.budget.max_running
         for r in self.order:
-            if r.state not in ("waiting", "swapped") or r.id in self.gone:
+            if r.state not in ("waiting", "swapped") or r.id in self.preempted_ids:
                 continue
             if self.full():
                 return
             if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
                 continue
-            swap_only = r.state == "swapped" and self.b.async_swap_in
+            swap_only = r.state == "swapped" and self.budget.async_swap_in
             n = 0 if swap_only else min(r.remaining_tokens, self.tokens)
             need = self.need(r, n)
             if self.displace:
@@ -146,7 +162,7 @@ class _Planner:
                 return
             if swap_only:
                 self.free -= need
-                self.plan.grow[r.id] = need
+                self.plan.block_targets[r.id] = need
             else:
                 self.commit(r, n, need)
             if r.state == "swapped":
@@ -157,7 +173,7 @@ class _Planner:
     def break_deadlock(self) -> None:
         """Nothing could run, yet running requests hold memory (they all wait for blocks and
         the policy forbids preemption): preempt the least deserving one anyway."""
-        while self.victims and self.victims[0].id in self.gone:
+        while self.victims and self.victims[0].id in self.preempted_ids:
             self.victims.popleft()
         if self.victims:
             self.preempt(self.victims.popleft())
@@ -170,7 +186,7 @@ def plan_iteration(decision: Decision, requests: Sequence[RequestView], budget: 
     p = _Planner(decision, requests, budget)
     p.running_pass()
     p.admission_pass()
-    if p.stuck and not p.plan.work:
+    if p.blocked_without_preemption and not p.plan.work:
         p.break_deadlock()
         p.running_pass()
         p.admission_pass()

@@ -28,10 +28,21 @@ SwapGranularity = Literal["per-block", "groups"]
 of blocks consecutive on both sides (FastSwitch §3.1)."""
 
 
-@attrs.define(slots=True, eq=False)
+def token_deadline(*, arrival: float, ttft_ms: float | None, tpot_ms: float | None,
+                   first_token_at: float | None, output_tokens: int) -> float:
+    """When a request's next token is due (engine clock, seconds); inf without a deadline."""
+    if first_token_at is None:
+        return math.inf if ttft_ms is None else arrival + ttft_ms / 1000.0
+    if tpot_ms is None:
+        return math.inf
+    return first_token_at + output_tokens * tpot_ms / 1000.0
+
+
+@attrs.frozen(slots=True, eq=False)
 class RequestView:
-    """One live request as a policy sees it. The scheduler updates these records in place
-    between iterations; a policy must treat them as read-only."""
+    """One live request as a policy sees it at the start of one iteration: a frozen record,
+    built afresh every iteration from the scheduler's `engine.request.Request`. Compared by
+    identity, so a policy may hand back the very records it was given."""
 
     id: int
     request_class: str
@@ -62,10 +73,10 @@ class RequestView:
     last_token_at: float | None = None
     last_scheduled_at: float | None = None
     waited_s: float = 0.0
-    """Seconds since the request was last served (or arrived); refreshed every iteration."""
+    """Seconds since the request was last served (or arrived), at the view's `now`."""
     slack_ms: float = math.inf
-    """Milliseconds left until its next token is due; inf without a deadline. Refreshed every
-    iteration."""
+    """Milliseconds left until its next token is due, at the view's `now`; inf without a
+    deadline."""
 
     @property
     def context_tokens(self) -> int:
@@ -76,17 +87,11 @@ class RequestView:
         """Tokens still to compute before the next sample."""
         return self.context_tokens - self.computed_tokens
 
-    def refresh(self, now: float) -> None:
-        self.waited_s = now - (self.last_scheduled_at or self.arrival)
-        self.slack_ms = (self.next_deadline() - now) * 1000.0
-
     def next_deadline(self) -> float:
         """When the next token is due (engine clock, seconds); inf without a deadline."""
-        if self.first_token_at is None:
-            return math.inf if self.ttft_ms is None else self.arrival + self.ttft_ms / 1000.0
-        if self.tpot_ms is None:
-            return math.inf
-        return self.first_token_at + self.output_tokens * self.tpot_ms / 1000.0
+        return token_deadline(arrival=self.arrival, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms,
+                              first_token_at=self.first_token_at,
+                              output_tokens=self.output_tokens)
 
 
 @attrs.frozen(kw_only=True)

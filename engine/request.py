@@ -1,31 +1,62 @@
-"""The scheduler's record of one live request: the view policies read, plus what only the
-scheduler needs (tokens, stop conditions, timings)."""
+"""The scheduler's record of one live request: everything about it that changes (state, tokens,
+blocks, timings) and what only the scheduler needs (stop conditions, the executor's setup).
+Policies never see it: each iteration `view(now)` freezes it into a `RequestView`."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import attrs
 
+from engine.messages import AddRequest
 from engine.params import SamplingParams
-from engine.policy import RequestView
+from engine.policy import PolicySettings, RequestState, RequestView, token_deadline
 from engine.timeline import RequestTimeline
 
 
-@attrs.define(slots=True, eq=False)
+@attrs.define(slots=True, eq=False, kw_only=True)
 class Request:
-    view: RequestView
+    id: int
+    request_class: str
+    priority: int
+    """Client-given priority (larger is more important)."""
+    tenant: str
+    conversation_id: str | None
+    turn: int
+    """1 for a conversation's first request, 2 for the next, ..."""
+    arrival: float
+    """Engine clock, seconds."""
+    ttft_ms: float | None
+    """Effective time-to-first-token deadline (request's own, else its class's)."""
+    tpot_ms: float | None
     prompt_ids: Sequence[int]
     sampling: SamplingParams
     stop_ids: frozenset[int]
+    """Token ids that end generation with `stop` (the client's, plus EOS unless ignored)."""
     eos_token_ids: tuple[int, ...]
+    state: RequestState = "waiting"
+    computed_tokens: int = 0
+    """Tokens whose KV is on the device (or, while swapped, on the host)."""
+    blocks: int = 0
+    """Device KV blocks held: the scheduler's free count is the total minus these."""
+    swapped_blocks: int = 0
+    """KV blocks held in host swap space, to be swapped in."""
+    checkpointed_blocks: int = 0
+    preemptions: int = 0
     output_ids: list[int] = attrs.field(factory=list)
     token_times: list[float] = attrs.field(factory=list)
+    """Engine clock when each output token was delivered."""
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    last_scheduled_at: float | None = None
+    """When a step it was in last finished."""
     first_scheduled: float | None = None
+    """When it was first put in a step."""
     known_to_executor: bool = False
-    in_flight: int = 0
+    """Its `RequestSetup` went out in an earlier step."""
+    in_flight_tokens: int = 0
     """Tokens being computed by the step in flight (0 when not in it)."""
-    aborted: str | None = None
+    abort_reason: str | None = None
     """Finish reason asked for while the request was in a step in flight."""
     swap_stall_s: float = 0.0
     """Seconds this request waited on swap-ins: steps it was in that stalled for synchronous
@@ -33,9 +64,100 @@ class Request:
     swap_started: float = 0.0
     """When its asynchronous swap-in was ordered."""
 
+    @classmethod
+    def admit(cls, msg: AddRequest, settings: PolicySettings, turn: int) -> Request:
+        """A new waiting request; deadlines it leaves out come from its class in `settings`."""
+        sched = msg.scheduling
+        spec = settings.class_spec(sched.request_class)
+        stop = set(msg.sampling.stop_token_ids)
+        if not msg.sampling.ignore_eos:
+            stop.update(msg.eos_token_ids)
+        return cls(
+            id=msg.request_id, request_class=spec.name if spec else str(sched.request_class),
+            priority=sched.priority, tenant=sched.tenant, conversation_id=sched.conversation_id,
+            turn=turn, arrival=msg.arrival,
+            ttft_ms=sched.ttft_ms or (spec.ttft_ms if spec else None),
+            tpot_ms=sched.tpot_ms or (spec.tpot_ms if spec else None),
+            prompt_ids=msg.prompt_ids, sampling=msg.sampling, stop_ids=frozenset(stop),
+            eos_token_ids=msg.eos_token_ids)
+
     @property
-    def id(self) -> int:
-        return self.view.id
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def context_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def next_deadline(self) -> float:
+        """When the next token is due (engine clock, seconds); inf without a deadline."""
+        return token_deadline(arrival=self.arrival, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms,
+                              first_token_at=self.first_token_at,
+                              output_tokens=len(self.output_ids))
+
+    def view(self, now: float) -> RequestView:
+        """The frozen record a policy reads this iteration."""
+        return RequestView(
+            id=self.id, request_class=self.request_class, priority=self.priority,
+            tenant=self.tenant, conversation_id=self.conversation_id, turn=self.turn,
+            arrival=self.arrival, prompt_tokens=len(self.prompt_ids),
+            max_tokens=self.sampling.max_tokens, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms,
+            state=self.state, output_tokens=len(self.output_ids),
+            computed_tokens=self.computed_tokens, blocks=self.blocks,
+            swapped_blocks=self.swapped_blocks, checkpointed_blocks=self.checkpointed_blocks,
+            preemptions=self.preemptions, first_token_at=self.first_token_at,
+            last_token_at=self.last_token_at, last_scheduled_at=self.last_scheduled_at,
+            waited_s=now - (self.last_scheduled_at or self.arrival),
+            slack_ms=(self.next_deadline() - now) * 1000.0)
+
+    # ------------------------------------------------------------------------ transitions
+
+    def schedule(self, tokens: int, blocks: int, now: float) -> None:
+        """It computes `tokens` tokens in the step going out, holding `blocks` device blocks."""
+        self.blocks, self.state = blocks, "running"
+        self.in_flight_tokens = tokens
+        self.first_scheduled = self.first_scheduled or now
+
+    def start_swap_in(self, blocks: int, now: float) -> None:
+        """Its KV comes back asynchronously into `blocks` device blocks (FastSwitch §3.2)."""
+        self.swapped_blocks = 0
+        self.blocks, self.state = blocks, "swapping_in"
+        self.swap_started = now
+
+    def swap_in_done(self, now: float) -> None:
+        """Its asynchronous swap-in finished: it joins the running batch."""
+        self.state = "running"
+        self.swap_stall_s += now - self.swap_started
+
+    def swapped_out(self, swapped_blocks: int) -> None:
+        """Preempted by swap: its KV is on the host, its device blocks are given back."""
+        self.swapped_blocks = swapped_blocks
+        self.blocks, self.state = 0, "swapped"
+
+    def recompute(self) -> None:
+        """Preempted by recompute: the KV is dropped, the tokens kept to be prefilled again."""
+        self.blocks, self.computed_tokens, self.state = 0, 0, "waiting"
+
+    def resume_from_host(self, tokens: int, blocks: int) -> None:
+        """A conversation's next turn starts with `tokens` of its prompt already on the host."""
+        self.state, self.computed_tokens, self.swapped_blocks = "swapped", tokens, blocks
+
+    def step_done(self, stall_s: float, now: float) -> None:
+        """The step it was in finished (its tokens' KV is written)."""
+        self.computed_tokens += self.in_flight_tokens
+        self.in_flight_tokens = 0
+        self.swap_stall_s += stall_s
+        self.last_scheduled_at = now
+
+    def add_token(self, token_id: int, now: float) -> None:
+        self.output_ids.append(token_id)
+        self.token_times.append(now)
+        self.first_token_at = self.first_token_at or now
+        self.last_token_at = now
 
     def stop_reason(self, token_id: int, max_context: int) -> str | None:
         """Why generation ends after `token_id` was appended, or None to go on."""
@@ -43,17 +165,33 @@ class Request:
             return "stop"
         if len(self.output_ids) >= self.sampling.max_tokens:
             return "length"
-        if self.view.context_tokens >= max_context:
+        if self.context_tokens >= max_context:
             return "length"
         return None
 
     def timeline(self, finished_at: float, reason: str) -> RequestTimeline:
-        v = self.view
         return RequestTimeline(
-            request_id=v.id, request_class=v.request_class, tenant=v.tenant,
-            conversation_id=v.conversation_id, prompt_tokens=v.prompt_tokens,
-            arrival=v.arrival, first_scheduled=self.first_scheduled,
+            request_id=self.id, request_class=self.request_class, tenant=self.tenant,
+            conversation_id=self.conversation_id, prompt_tokens=len(self.prompt_ids),
+            arrival=self.arrival, first_scheduled=self.first_scheduled,
             token_times=tuple(self.token_times), finished_at=finished_at, finish_reason=reason,
-            preemptions=v.preemptions, swap_stall_s=self.swap_stall_s,
-            ttft_slo_ms=v.ttft_ms, tpot_slo_ms=v.tpot_ms,
+            preemptions=self.preemptions, swap_stall_s=self.swap_stall_s,
+            ttft_slo_ms=self.ttft_ms, tpot_slo_ms=self.tpot_ms,
         )
+
+
+def refusal(msg: AddRequest, settings: PolicySettings, live: Iterable[Request]) -> str | None:
+    """Why the policy turns a new request away, or None: an unknown class, or one with more
+    than `max_queued` `live` requests not running (the new one among them)."""
+    spec = settings.class_spec(msg.scheduling.request_class)
+    if spec is None:
+        declared = ", ".join(c.name for c in settings.classes)
+        return (f"unknown request class {msg.scheduling.request_class!r} "
+                f"(policy {settings.name} declares: {declared})")
+    if spec.max_queued is None:
+        return None
+    queued = sum(1 for r in live if r.request_class == spec.name and r.state != "running")
+    if queued > spec.max_queued:
+        return (f"class {spec.name} already has {spec.max_queued} queued "
+                f"requests (max_queued in policy {settings.name})")
+    return None

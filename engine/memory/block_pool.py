@@ -36,6 +36,9 @@ class BlockPool:
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
 
+    def expect(self, request_id: int, blocks: int) -> None:
+        """A size hint block groups use (`DeviceBlocks`); any free block will do here."""
+
     def table(self, request_id: int) -> list[int]:
         """The request's blocks, in token order (empty if it holds none)."""
         return self._tables.get(request_id, [])

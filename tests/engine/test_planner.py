@@ -15,7 +15,7 @@ def test_waiting_requests_admitted_in_order_with_prefill_chunked_to_budget():
     a, b, c = make_view(prompt_tokens=40), make_view(prompt_tokens=40), make_view(prompt_tokens=8)
     plan = plan_iteration(fcfs(a, b, c), [a, b, c], make_budget(max_batched_tokens=64))
     assert plan.work == {a.id: 40, b.id: 24}
-    assert plan.grow == {a.id: 10, b.id: 6}
+    assert plan.block_targets == {a.id: 10, b.id: 6}
     assert [v.id for v in plan.admitted] == [a.id, b.id]
 
 
@@ -24,7 +24,7 @@ def test_decode_takes_one_token_and_grows_a_block_only_at_a_boundary():
     boundary = running(blocks=2, computed=8, prompt_tokens=8)   # token 9 needs block 3
     plan = plan_iteration(fcfs(inside, boundary), [inside, boundary], make_budget())
     assert plan.work == {inside.id: 1, boundary.id: 1}
-    assert plan.grow == {inside.id: 2, boundary.id: 3}
+    assert plan.block_targets == {inside.id: 2, boundary.id: 3}
 
 
 def test_out_of_blocks_preempts_the_least_deserving_running_request():
@@ -32,7 +32,7 @@ def test_out_of_blocks_preempts_the_least_deserving_running_request():
     young = running(blocks=2, computed=8, prompt_tokens=8)
     plan = plan_iteration(fcfs(old, young), [old, young], make_budget(free_blocks=0, total_blocks=4))
     assert plan.work == {old.id: 1}
-    assert plan.grow == {old.id: 3}
+    assert plan.block_targets == {old.id: 3}
     assert [v.id for v in plan.preempted] == [young.id]
 
 

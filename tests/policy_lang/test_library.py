@@ -197,8 +197,8 @@ def rerank_run(policy, iterations: int = 60) -> list[list[int]]:
     for it in range(iterations):
         d = policy.decide(make_scheduler_view(requests, iteration=it))
         out.append(ids(d))
-        for rank, r in enumerate(d.order):  # the top 4 run
-            r.state = "running" if rank < 4 else "waiting"
+        states = {r.id: "running" if rank < 4 else "waiting" for rank, r in enumerate(d.order)}
+        requests = [attrs.evolve(r, state=states.get(r.id, r.state)) for r in requests]  # top 4 run
     return out
 
 
