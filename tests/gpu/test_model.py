@@ -15,6 +15,7 @@ import torch
 from gpu.config import ModelConfig, RopeScaling
 from gpu.metadata import build_step_inputs
 from gpu.model import CausalLM
+from tests.reference import reference_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,10 +62,6 @@ def model_dirs(tiny_llama_dir: Path, tiny_qwen2_dir: Path,
 
 ALL = ["llama", "qwen2", "llama-tied-mha-bias", "qwen2-tied-mqa", "llama-rope-llama3",
        "llama-rope-linear"]
-
-
-def _hf(model_dir: Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
 
 
 def _sequences(vocab: int, seed: int) -> dict[str, list[int]]:
@@ -115,7 +112,7 @@ def test_dense_forward_matches_transformers(model_dirs: dict[str, Path], variant
                            .manual_seed(0))
     with torch.inference_mode():
         ours = model.forward_dense(tokens)
-        ref = _hf(d)(tokens).logits.float()
+        ref = reference_model(d)(tokens).logits.float()
     assert ours.shape == (3, 17, model.config.vocab_size) and ours.dtype == torch.float32
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
@@ -125,7 +122,7 @@ def test_paged_forward_matches_transformers(model_dirs: dict[str, Path], variant
     d = model_dirs[variant]
     model = CausalLM.from_pretrained(d, num_kv_blocks=40, block_size=BLOCK_SIZE)
     seqs = _sequences(model.config.vocab_size, seed=1)
-    hf = _hf(d)
+    hf = reference_model(d)
     ref = {n: _hf_logits(hf, t) for n, t in seqs.items()}
     results = _run_schedule(model, seqs, _shuffled_tables(model, SEQ_LENS, seed=2))
     assert {(n, e) for n, _, e, _ in results} >= {(n, ln) for n, ln in SEQ_LENS.items()}
@@ -140,7 +137,7 @@ def test_triton_backend_matches_transformers(model_dirs: dict[str, Path]) -> Non
     model = CausalLM.from_pretrained(d, num_kv_blocks=40, block_size=BLOCK_SIZE,
                                      attention_backend="triton")
     seqs = _sequences(model.config.vocab_size, seed=5)
-    hf = _hf(d)
+    hf = reference_model(d)
     ref = {n: _hf_logits(hf, t) for n, t in seqs.items()}
     for n, s, e, logits in _run_schedule(model, seqs, _shuffled_tables(model, SEQ_LENS, 6)):
         torch.testing.assert_close(logits, ref[n][s:e], atol=1e-4, rtol=1e-4)
@@ -155,7 +152,7 @@ def test_cuda_checkpoint_dtype_matches_transformers(model_dirs: dict[str, Path],
                                      attention_backend=backend)  # type: ignore[arg-type]
     assert model.arena.dtype == torch.float32  # dtype None: the checkpoint's on CUDA
     seqs = _sequences(model.config.vocab_size, seed=7)
-    hf = _hf(d)
+    hf = reference_model(d)
     ref = {n: _hf_logits(hf, t) for n, t in seqs.items()}
     for n, s, e, logits in _run_schedule(model, seqs, _shuffled_tables(model, SEQ_LENS, 8)):
         torch.testing.assert_close(logits, ref[n][s:e], atol=2e-3, rtol=2e-3)
@@ -168,7 +165,7 @@ def test_bf16_matches_transformers(model_dirs: dict[str, Path], variant: str) ->
                                      block_size=BLOCK_SIZE)
     assert model.arena.dtype == torch.bfloat16
     seqs = _sequences(model.config.vocab_size, seed=3)
-    hf = _hf(d, torch.bfloat16)
+    hf = reference_model(d, torch.bfloat16)
     ref = {n: _hf_logits(hf, t) for n, t in seqs.items()}
     with torch.inference_mode():
         dense = model.forward_dense(torch.tensor([seqs["a"]]))[0]
@@ -197,7 +194,7 @@ def _greedy(model: CausalLM, prompt: list[int], max_new: int, eos: int) -> list[
 def test_greedy_matches_transformers_generate(model_dirs: dict[str, Path], variant: str) -> None:
     d = model_dirs[variant]
     model = CausalLM.from_pretrained(d, num_kv_blocks=32, block_size=BLOCK_SIZE)
-    hf = _hf(d)
+    hf = reference_model(d)
     for prompt in ([5, 17, 99, 200, 3], [42], list(range(2, 30))):
         ours = _greedy(model, prompt, max_new=12, eos=1)
         with torch.inference_mode():

@@ -11,7 +11,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from shunter.engine import Engine
-from tests.reference import assert_matches, hf_greedy, load_reference_model
+from tests.reference import assert_matches, greedy_reference
 
 pytestmark = pytest.mark.anyio
 
@@ -23,20 +23,16 @@ def mixed_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(2, vocab) for _ in range(rng.choice([1, 3, 9, 17, 33, 60]))] for _ in range(n)]
 
 
-@pytest.fixture(scope="module")
-def references(tiny_llama_dir, tiny_qwen2_dir):
-    cache = {}
-    for name, d in (("llama", tiny_llama_dir), ("qwen2", tiny_qwen2_dir)):
-        model = load_reference_model(d)
-        prompts = mixed_prompts(16, 320, seed=hash(name) % 1000)
-        cache[name] = (d, prompts, [hf_greedy(model, p, MAX_TOKENS) for p in prompts])
-    return cache
+@pytest.fixture
+def model_dirs(tiny_llama_dir, tiny_qwen2_dir):
+    return {"llama": tiny_llama_dir, "qwen2": tiny_qwen2_dir}
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("num_blocks", [256, 12])
-async def test_greedy_matches_transformers(references, arch, num_blocks):
-    model_dir, prompts, refs = references[arch]
+async def test_greedy_matches_transformers(model_dirs, arch, num_blocks):
+    model_dir = model_dirs[arch]
+    prompts = mixed_prompts(16, 320, seed={"llama": 1, "qwen2": 2}[arch])
     config = EngineConfig(model=model_dir, num_blocks=num_blocks, max_batched_tokens=64,
                           max_num_seqs=16)
     results: list = [None] * len(prompts)
@@ -48,8 +44,9 @@ async def test_greedy_matches_transformers(references, arch, num_blocks):
             for i in range(len(prompts)):
                 tg.start_soon(one, i)
         snap = await engine.wait_idle()
-    for i, (r, ref) in enumerate(zip(results, refs)):
-        assert_matches(r.token_ids, ref, f"{arch} prompt {i} (len {len(prompts[i])})")
+    for i, (r, prompt) in enumerate(zip(results, prompts)):
+        ref = greedy_reference(model_dir, prompt, MAX_TOKENS)
+        assert_matches(r.token_ids, ref, f"{arch} prompt {i} (len {len(prompt)})")
     assert snap.allocator.allocated_blocks == 0
     if num_blocks == 12:
         assert snap.scheduler.preemptions > 0, "the small pool was meant to force preemption"
