@@ -81,17 +81,7 @@ class Allocator:
         for s in plan.setups:  # block groups size new requests' first groups to fit them
             tokens = len(s.prompt_ids) + s.sampling.max_tokens
             pool.expect(s.request_id, -(-tokens // self._block_size))
-        transfers: list[SwapTransfer] = []
-        for o in plan.swap_out:
-            table = pool.table(o.request_id)
-            blocks = table[o.first_block:o.first_block + len(o.cpu_blocks)]
-            if len(blocks) != len(o.cpu_blocks):
-                raise RuntimeError(f"request {o.request_id}: swap-out of blocks "
-                                   f"{o.first_block}..{o.first_block + len(o.cpu_blocks)} but it "
-                                   f"holds {len(table)}")
-            if blocks:
-                transfers.append(SwapTransfer(request_id=o.request_id, direction="out",
-                                              pairs=tuple(zip(blocks, o.cpu_blocks))))
+        transfers = self._swap_outs(plan)
         for rid in plan.release:
             pool.free(rid)
         updates: dict[int, BlockUpdate] = {}
@@ -119,3 +109,18 @@ class Allocator:
         step = ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
                            blocks=tuple(updates.values()), seqs=plan.seqs)
         return step, tuple(transfers)
+
+    def _swap_outs(self, plan: RunStep) -> list[SwapTransfer]:
+        """The device -> host copies of the plan, read off the tables before anything is freed."""
+        transfers = []
+        for o in plan.swap_out:
+            table = self._pool.table(o.request_id)
+            blocks = table[o.first_block:o.first_block + len(o.cpu_blocks)]
+            if len(blocks) != len(o.cpu_blocks):
+                raise RuntimeError(f"request {o.request_id}: swap-out of blocks "
+                                   f"{o.first_block}..{o.first_block + len(o.cpu_blocks)} but it "
+                                   f"holds {len(table)}")
+            if blocks:
+                transfers.append(SwapTransfer(request_id=o.request_id, direction="out",
+                                              pairs=tuple(zip(blocks, o.cpu_blocks))))
+        return transfers

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from typing import assert_never
 
 import anyio
@@ -39,7 +40,7 @@ from engine.messages import (
     TokenOutput,
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
-from engine.policy import IterationOutcome, Policy, SchedulerView
+from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
 from engine.request import Request, refusal
 from engine.scheduler_stats import SchedulerStats
 from engine.step_plan import build_run_step, finish_step, start_step
@@ -58,8 +59,7 @@ class Scheduler:
                  allocator: MemoryObjectSendStream[AllocatorMessage],
                  frontend: MemoryObjectSendStream[FrontendMessage], cost: CostModel | None = None,
                  cpu_blocks: int = 0) -> None:
-        self._config = config
-        self._cost = cost
+        self._config, self._cost = config, cost
         self._total_blocks = num_blocks
         # a sequence longer than the whole KV pool could never be scheduled again: it ends
         # with `length` there, as at the model's context limit
@@ -67,6 +67,7 @@ class Scheduler:
         self._inbox, self._allocator, self._frontend = inbox, allocator, frontend
         self._live: dict[int, Request] = {}
         self._in_flight: dict[int, Request] = {}
+        self._step_views: Sequence[RequestView] = ()  # what the policy saw for the step
         self._release: list[int] = []
         self._outputs: list[TokenOutput] = []
         self._turns: Counter[str] = Counter()  # conversation -> turns seen
@@ -218,7 +219,7 @@ class Scheduler:
         orders = self._copies is not None and self._copies.has_orders()
         if not (plan.work or plan.swapped_in or plan.preempted or self._release or orders):
             return None
-        step = self._start_step(plan, now, rank)
+        step = self._start_step(plan, view, rank)
         self._stats.record_iteration(
             now=now, scheduler_s=time.perf_counter() - began, batch_seqs=len(plan.work),
             batch_tokens=sum(plan.work.values()), queued=len(self._live) - len(plan.work),
@@ -241,7 +242,7 @@ class Scheduler:
             req.recompute()
         log.debug("preempted", request_id=req.id, mode="swap" if plan else "recompute")
 
-    def _start_step(self, plan: IterationPlan, now: float, rank: dict[int, int]) -> RunStep:
+    def _start_step(self, plan: IterationPlan, view: SchedulerView, rank: dict[int, int]) -> RunStep:
         self._iteration += 1
         copies, live = self._copies, self._live
         swap_in_blocks = {v.id: copies.swap_in(v.id, v.swapped_blocks,
@@ -254,13 +255,14 @@ class Scheduler:
             granularity=self._policy.settings.memory.swap_granularity)
         self._release = []
         self._profiler.count(step.swap_in)
-        self._in_flight = start_step(plan, step, live, now)
-        self._step_started = now
+        self._in_flight = start_step(plan, step, live, view.now)
+        self._step_started, self._step_views = view.now, view.requests
         return step
 
     def _on_step_finished(self, msg: StepFinished) -> None:
         now = anyio.current_time()
-        result = finish_step(msg, self._in_flight, now, max_context=self._max_context)
+        result = finish_step(msg, self._in_flight, self._step_views, now,
+                             max_context=self._max_context)
         for req, token, reason in result.events:
             if token is not None:
                 self._outputs.append(TokenOutput(request_id=req.id, token_ids=(token,)))
@@ -268,7 +270,6 @@ class Scheduler:
                 self._finish(req, reason)
         self._in_flight = {}
         self._last_iteration_ms = (now - self._step_started) * 1000.0
-        self._step_started = 0.0
         self._policy.observe(IterationOutcome(
             iteration=self._iteration, duration_ms=self._last_iteration_ms,
             served=result.served, deadline_misses=result.deadline_misses))
@@ -294,7 +295,5 @@ class Scheduler:
     def _on_step_failed(self, msg: StepFailed) -> None:
         log.error("step failed", step_id=msg.step_id, error=msg.error)
         for req in self._in_flight.values():
-            req.in_flight_tokens = 0
             self._finish(req, "error", f"the model step failed: {msg.error}")
         self._in_flight = {}
-        self._step_started = 0.0

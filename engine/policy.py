@@ -61,6 +61,7 @@ class RequestView:
     tpot_ms: float | None
     state: RequestState = "waiting"
     output_tokens: int = 0
+    """Tokens generated so far."""
     computed_tokens: int = 0
     """Tokens whose KV is on the device."""
     blocks: int = 0
@@ -68,10 +69,14 @@ class RequestView:
     swapped_blocks: int = 0
     """KV blocks held in host swap space."""
     checkpointed_blocks: int = 0
+    """Blocks checkpointed on the host (BROS's lazy checkpointing; 0 until it exists)."""
     preemptions: int = 0
+    """Times it lost its device blocks (by swap or recompute)."""
     first_token_at: float | None = None
+    """Engine clock when its first token was delivered."""
     last_token_at: float | None = None
     last_scheduled_at: float | None = None
+    """Engine clock when a step it was in last finished."""
     waited_s: float = 0.0
     """Seconds since the request was last served (or arrived), at the view's `now`."""
     slack_ms: float = math.inf
@@ -184,7 +189,8 @@ class IterationOutcome:
     iteration: int
     duration_ms: float
     served: Sequence[tuple[RequestView, int, int]]
-    """(request, prompt tokens computed, output tokens produced) for each request served."""
+    """(request, prompt tokens computed, output tokens produced) for each request served; the
+    request as the policy saw it when it decided the iteration (views are frozen)."""
     deadline_misses: int
     """Tokens delivered after their deadline in this iteration."""
 

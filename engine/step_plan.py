@@ -72,7 +72,8 @@ def start_step(plan: IterationPlan, step: RunStep, requests: Mapping[int, Reques
 @attrs.frozen(kw_only=True)
 class StepResult:
     served: list[tuple[RequestView, int, int]]
-    """(request, prompt tokens computed, output tokens produced), for the policy."""
+    """(request as the policy saw it when it planned the step, prompt tokens computed, output
+    tokens produced), for the policy."""
     deadline_misses: int
     """Tokens delivered after their deadline."""
     events: list[tuple[Request, int | None, str | None]]
@@ -80,10 +81,12 @@ class StepResult:
     request that got a token or ends (aborted while in flight)."""
 
 
-def finish_step(msg: StepFinished, in_flight: Mapping[int, Request], now: float, *,
-                max_context: int) -> StepResult:
-    """Land a finished step on the requests that were in it."""
+def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
+                views: Sequence[RequestView], now: float, *, max_context: int) -> StepResult:
+    """Land a finished step on the requests that were in it; `views` are those the policy was
+    given when it planned the step (what `served` reports)."""
     sampled = {s.request_id: s.token_id for s in msg.sampled}
+    seen = {v.id: v for v in views if v.id in in_flight}
     served: list[tuple[RequestView, int, int]] = []
     events: list[tuple[Request, int | None, str | None]] = []
     misses = 0
@@ -94,10 +97,10 @@ def finish_step(msg: StepFinished, in_flight: Mapping[int, Request], now: float,
         if req.abort_reason is not None:
             events.append((req, None, req.abort_reason))
         elif token is None:
-            served.append((req.view(now), n, 0))
+            served.append((seen[rid], n, 0))
         else:
             misses += now > req.next_deadline()
             req.add_token(token, now)
-            served.append((req.view(now), n - 1, 1))
+            served.append((seen[rid], n - 1, 1))
             events.append((req, token, req.stop_reason(token, max_context)))
     return StepResult(served=served, deadline_misses=misses, events=events)
