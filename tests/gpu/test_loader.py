@@ -146,9 +146,13 @@ def test_missing_tensor_names_it_and_the_files_searched(model_dir: Path) -> None
         "model-00002-of-00002.safetensors)")
 
 
-def test_harmless_extras_are_ignored(model_dir: Path) -> None:
+def test_harmless_extras_are_ignored(model_dir: Path, tiny_llama_dir: Path) -> None:
     _rewrite(model_dir, {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)})
-    _load(model_dir)
+    assert _load(model_dir).config == ModelConfig.from_dir(tiny_llama_dir)
+    loaded, original = _weights(model_dir), _weights(tiny_llama_dir)
+    assert loaded.keys() == original.keys()  # the extra is not among them
+    for name, tensor in original.items():
+        assert torch.equal(loaded[name], tensor), name
 
 
 def test_unexpected_tensor_is_an_error(model_dir: Path) -> None:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import PolicySyntaxError
+from engine.errors import PolicyCheckError, PolicySyntaxError
+from engine.policy import EngineCapabilities
 from policies import policy_path
-from policy_lang import ast
+from policy_lang import ast, load_policy_file
 from policy_lang.edit import replace_rule
 from policy_lang.parser import parse
 from shunter.cli import main
@@ -84,6 +85,13 @@ def test_policy_check_prints_ok_or_each_error_and_exits_0_or_2(tmp_path, capsys)
 def test_policy_check_checks_the_language_not_the_engine(capsys):
     path = policy_path("fastswitch_markov")
     assert main(["policy", "check", str(path)]) == 0
+    assert capsys.readouterr().out == f"{path}: ok\n"
+    # the same file on an engine without swap is refused: `check` did not ask the engine
+    with pytest.raises(PolicyCheckError) as info:
+        load_policy_file(path, capabilities=EngineCapabilities())
+    assert str(info.value).splitlines()[0] == (
+        f"{policy_path('vllm_baseline_markov')}:9:3: preempt swap is not supported by this "
+        "engine (it supports: never, recompute; it has no swap space)")
 
 
 def test_policy_explain_prints_plain_words(capsys):

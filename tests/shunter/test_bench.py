@@ -126,7 +126,10 @@ def test_plots_without_matplotlib_say_how_to_get_it(traces, tmp_path, monkeypatc
     rc = main(["bench", "--workload", "sharegpt:requests=2", "--traces", str(traces),
                "--plot", str(tmp_path), "--quiet"])
     assert rc == 2
-    assert "--plot needs matplotlib, which is not installed: pip install 'shunter[plot]'" in capsys.readouterr().err
+    # refused before the run: not even the workload line that opens a run is printed
+    assert capsys.readouterr().err == (
+        "shunter bench: --plot needs matplotlib, which is not installed: pip install "
+        "'shunter[plot]' (or pip install matplotlib)\n")
 
 
 def test_shunter_profile_list_prints_one_name_a_line(capsys):

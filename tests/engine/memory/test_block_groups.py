@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from engine.memory.block_groups import BlockGroupManager, FreeRuns
 from engine.memory.block_pool import BlockPoolError
+from tests.conftest import slow_scale
 
 
 def check_invariants(m: BlockGroupManager, ids: range) -> None:
@@ -75,7 +76,7 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "expect"]),
                          st.integers(0, 7), st.integers(0, 30)), max_size=80)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=slow_scale(1500, 300), deadline=None)
 @given(ops, st.integers(1, 70))
 def test_no_block_owned_twice_none_lost_free_space_merged(seq, expected):
     ids = range(1000, 1128)
