@@ -23,7 +23,6 @@ import sys
 import timeit
 from pathlib import Path
 
-import attrs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -113,8 +112,8 @@ def make_view(n: int, seed: int = 0) -> SchedulerView:
             arrival=rng.uniform(0, 100), prompt_tokens=rng.randint(16, 512), max_tokens=128,
             ttft_ms=400.0 if rt else None, tpot_ms=200.0 if rt else None, state=state,
             output_tokens=rng.randint(0, 64), checkpointed_blocks=rng.randint(0, 8))
-        requests.append(attrs.evolve(  # views are frozen: the derived fields go in a copy
-            r, computed_tokens=r.context_tokens - 1 if state == "running" else 0,
+        requests.append(r._replace(  # views are frozen: the derived fields go in a copy
+            computed_tokens=r.context_tokens - 1 if state == "running" else 0,
             slack_ms=rng.uniform(-50, 400) if rt else float("inf")))
     return SchedulerView(now=100.0, iteration=1, requests=requests, free_blocks=1000,
                          total_blocks=4096, block_size=16, max_num_seqs=256,
