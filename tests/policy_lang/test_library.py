@@ -221,7 +221,7 @@ def rerank_run(policy, iterations: int = 60) -> list[list[int]]:
         d = policy.decide(make_scheduler_view(requests, iteration=it))
         out.append(ids(d))
         states = {r.id: "running" if rank < 4 else "waiting" for rank, r in enumerate(d.order)}
-        requests = [attrs.evolve(r, state=states.get(r.id, r.state)) for r in requests]  # top 4 run
+        requests = [r._replace(state=states.get(r.id, r.state)) for r in requests]  # top 4 run
     return out
 
 
