@@ -18,14 +18,12 @@ import anyio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig  # noqa: E402
 from engine.messages import ExecuteStep, SampledToken, StepFinished  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
 from engine.planner import Budget, plan_iteration  # noqa: E402
 from engine.policy import FcfsPolicy, SchedulerView  # noqa: E402
 from engine.request import Request  # noqa: E402
+from shunter import Engine, EngineConfig, SamplingParams
 from shunter.backends import Backend  # noqa: E402
-from shunter.engine import Engine  # noqa: E402
 
 
 class NullRunner:

@@ -30,8 +30,8 @@ import structlog
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from engine.config import EngineConfig  # noqa: E402
 from policies import policy_path  # noqa: E402
+from shunter import EngineConfig
 from shunter.benchmark.policies import parse_policy  # noqa: E402
 from shunter.benchmark.run import RunOutcome, run_all  # noqa: E402
 from shunter.commands.bench import finite  # noqa: E402

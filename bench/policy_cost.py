@@ -23,7 +23,6 @@ import sys
 import timeit
 from pathlib import Path
 
-
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cost_model import LLAMA3_8B_A100  # noqa: E402

@@ -18,9 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig  # noqa: E402
 from gpu.make_model import write_random_model  # noqa: E402
 from gpu.profiler import measure, measure_copy  # noqa: E402
+from shunter import EngineConfig
 from shunter.benchmark.policies import parse_policy  # noqa: E402
 from shunter.benchmark.run import run_one  # noqa: E402
 from shunter.calibrate import calibrate_in_engine, calibrated, profile_for  # noqa: E402

@@ -26,10 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.config import EngineConfig, default_model_dir  # noqa: E402
-from engine.params import SamplingParams  # noqa: E402
+from engine.config import default_model_dir
+from shunter import Engine, EngineConfig, SamplingParams
 from shunter.backends import build_backend  # noqa: E402
-from shunter.engine import Engine  # noqa: E402
 
 
 def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:

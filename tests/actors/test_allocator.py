@@ -27,9 +27,9 @@ from engine.messages import (
     SwapOut,
     SwapPoolMessage,
 )
-from engine.params import SamplingParams
 from engine.reply import Reply
 from engine.snapshots import AllocatorSnapshot
+from shunter import SamplingParams
 from tests.actors.inbox import nothing_waiting, receive
 
 pytestmark = pytest.mark.trio

@@ -21,7 +21,7 @@ from engine.messages import (
     StepFailed,
     StepFinished,
 )
-from engine.params import SamplingParams
+from shunter import SamplingParams
 from tests.actors.inbox import receive
 from tests.fakes import KVCheckingRunner, StepFailingRunner, next_token
 

@@ -10,7 +10,6 @@ import trio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.frontend import Frontend, Limits, TextCodec
-from engine.errors import InvalidRequestError, PromptTooLongError, QueueFullError
 from engine.messages import (
     AbortRequest,
     AddRequest,
@@ -21,9 +20,16 @@ from engine.messages import (
     Submit,
     TokenOutput,
 )
-from engine.outputs import Admitted, ClientOutput, GenerationChunk, Rejected
-from engine.params import SamplingParams, SchedulingParams
-from engine.timeline import RequestTimeline
+from engine.outputs import Admitted, ClientOutput, Rejected
+from shunter import (
+    GenerationChunk,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestTimeline,
+    SamplingParams,
+    SchedulingParams,
+)
 from tests.actors.inbox import nothing_waiting, receive
 from tests.fakes import CharCodec
 

@@ -14,7 +14,6 @@ import trio.testing
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.scheduler import Scheduler
-from engine.config import EngineConfig
 from engine.messages import (
     AbortRequest,
     AddRequest,
@@ -34,7 +33,6 @@ from engine.messages import (
     TakeIterationLog,
     TokenOutput,
 )
-from engine.params import SamplingParams, SchedulingParams
 from engine.policy import (
     ClassSpec,
     Decision,
@@ -45,6 +43,7 @@ from engine.policy import (
 )
 from engine.reply import Reply
 from engine.snapshots import SchedulerSnapshot
+from shunter import EngineConfig, SamplingParams, SchedulingParams
 from tests.actors.inbox import nothing_waiting, receive
 
 pytestmark = pytest.mark.trio

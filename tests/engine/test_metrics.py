@@ -8,7 +8,7 @@ import pytest
 
 from engine.iteration_log import IterationLog
 from engine.metrics import Goal, Percentiles, percentile, request_metrics, run_metrics, summarize
-from engine.timeline import RequestTimeline
+from shunter import RequestTimeline
 
 
 def make_timeline(**overrides: object) -> RequestTimeline:

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from engine.messages import AddRequest
-from engine.params import SamplingParams, SchedulingParams
 from engine.policy import ClassSpec, PolicySettings, RequestView
 from engine.request import Request, refusal
+from shunter import SamplingParams, SchedulingParams
 
 SETTINGS = PolicySettings(name="p", classes=(ClassSpec(name="rt", ttft_ms=500.0, tpot_ms=50.0,
                                                        max_queued=1),

@@ -14,11 +14,11 @@ from engine.messages import (
     SwapIn,
     SwapOut,
 )
-from engine.params import SamplingParams, SchedulingParams
 from engine.planner import IterationPlan
 from engine.policy import PolicySettings
 from engine.request import Request
 from engine.step_plan import build_run_step, finish_step, start_step
+from shunter import SamplingParams, SchedulingParams
 
 SETTINGS = PolicySettings(name="p")
 

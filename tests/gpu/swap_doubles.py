@@ -12,12 +12,12 @@ from collections.abc import Callable, Iterable
 import attrs
 import torch
 
-from engine.config import EngineConfig
 from engine.messages import SwapDirection
 from engine.policy import SwapGranularity
 from gpu.config import ModelConfig
 from gpu.runner import SwapperFactory, TorchRunner
 from gpu.swap import TorchSwapper
+from shunter import EngineConfig
 from shunter.backends import Backend, build_backend
 
 Pairs = list[tuple[int, int]]

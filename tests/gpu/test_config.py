@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from engine.errors import ModelLoadError
 from gpu.config import ModelConfig, RopeScaling
+from shunter import ModelLoadError
 
 
 def make_hf_dict(**overrides: Any) -> dict[str, Any]:

@@ -8,10 +8,8 @@ import time
 import anyio
 import pytest
 
-from engine.config import EngineConfig
-from engine.params import SamplingParams
 from gpu.device_thread import DeviceThread, call_on_own_thread
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, SamplingParams
 
 
 @pytest.fixture(params=["token", "worker-thread wait"])

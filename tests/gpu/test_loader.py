@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from engine.errors import ModelLoadError
 from gpu.config import ModelConfig
 from gpu.loader import check_model_dir, expected_tensor_shapes, load_weights
 from gpu.model import CausalLM
+from shunter import ModelLoadError
 
 UP_1 = "model.layers.1.mlp.up_proj.weight"
 

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import ModelLoadError
 from gpu.make_model import corpus_texts
 from gpu.tokenizer import IncrementalDetokenizer, Tokenizer, train_byte_level_bpe
+from shunter import ModelLoadError
 
 TEXTS = [
     "def main() -> None:\n    print('hello, world')\n",

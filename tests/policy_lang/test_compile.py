@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.errors import PolicyCheckError
 from engine.policy import EngineCapabilities, FcfsPolicy
 from policies import policy_dir
 from policy_lang import compile_policy
+from shunter import PolicyCheckError
 from tests.factories import make_scheduler_view, make_view
 
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from engine.errors import PolicyCheckError, PolicySyntaxError
 from engine.policy import EngineCapabilities
 from policies import policy_path
 from policy_lang import ast, load_policy_file
 from policy_lang.edit import replace_rule
 from policy_lang.parser import parse
+from shunter import PolicyCheckError, PolicySyntaxError
 from shunter.cli import main
 
 BASE = """\

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from engine.errors import PolicyCheckError, PolicySyntaxError
 from policies import policy_dir
 from policy_lang import compile_policy
+from shunter import PolicyCheckError, PolicySyntaxError
 
 SYNTAX = {
     "wrong token": (

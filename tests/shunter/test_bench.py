@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import PolicyError
 from policies import policy_path
+from shunter import EngineConfig, PolicyError
 from shunter.benchmark.policies import parse_policy
 from shunter.benchmark.run import report_json, run_one
 from shunter.cli import main

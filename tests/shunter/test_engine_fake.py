@@ -7,10 +7,15 @@ import random
 import anyio
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import EngineDeadError, InvalidRequestError, PromptTooLongError, QueueFullError
-from engine.params import SamplingParams
-from shunter.engine import Engine
+from shunter import (
+    Engine,
+    EngineConfig,
+    EngineDeadError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    SamplingParams,
+)
 from tests.fakes import EOS, VOCAB, expected_continuation, fake_backend
 
 pytestmark = pytest.mark.anyio

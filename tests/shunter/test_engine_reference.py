@@ -8,9 +8,7 @@ import random
 import anyio
 import pytest
 
-from engine.config import EngineConfig
-from engine.params import SamplingParams
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, SamplingParams
 from tests.reference import assert_matches, greedy_reference
 
 pytestmark = pytest.mark.anyio

@@ -16,12 +16,9 @@ import random
 import anyio
 import pytest
 
-from engine.config import EngineConfig
-from engine.errors import RequestFailedError
-from engine.params import SamplingParams, SchedulingParams
 from policies import policy_dir
 from policy_lang import compile_policy
-from shunter.engine import Engine
+from shunter import Engine, EngineConfig, RequestFailedError, SamplingParams, SchedulingParams
 from tests.conftest import slow_scale
 from tests.gpu.swap_doubles import ConflictBlindSwapper, FailingSwapper, SlowSwapper, torch_backend
 from tests.reference import TIE_GAP, greedy_reference

@@ -13,13 +13,18 @@ import attrs
 import pytest
 import structlog
 
-from engine.config import EngineConfig
-from engine.errors import PolicyCheckError, PolicySyntaxError, RequestFailedError
-from engine.params import SamplingParams, SchedulingParams
 from engine.policy import FcfsPolicy
 from policies import policy_path
 from policy_lang import CompiledPolicy, load_policy_file
-from shunter.engine import Engine
+from shunter import (
+    Engine,
+    EngineConfig,
+    PolicyCheckError,
+    PolicySyntaxError,
+    RequestFailedError,
+    SamplingParams,
+    SchedulingParams,
+)
 from tests.fakes import EOS, VOCAB, expected_continuation, fake_backend
 
 pytestmark = pytest.mark.anyio

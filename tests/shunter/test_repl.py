@@ -11,8 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from engine.config import EngineConfig
 from policies import policy_path
+from shunter import EngineConfig
 from shunter.repl.session import open_session
 from tests.fakes import fake_backend
 

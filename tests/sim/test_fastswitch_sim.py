@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig
+from shunter import EngineConfig
 from shunter.benchmark.policies import parse_policy
 from shunter.benchmark.run import run_one
 from shunter.workloads import load_workload

@@ -10,13 +10,10 @@ import pytest
 import trio
 import trio.testing
 
-from engine.config import EngineConfig
 from engine.cost_model import BatchShape, CostModel
-from engine.errors import ConfigError
 from engine.messages import ExecuteStep, SeqWork
-from engine.params import SamplingParams
+from shunter import ConfigError, Engine, EngineConfig, SamplingParams
 from shunter.backends import build_backend
-from shunter.engine import Engine
 from sim.copy_engine import CopyEngine
 from sim.fit import fit_cost_model
 from sim.profile import CopyLink, ModelShape, Profile, list_profiles, load_profile, save_profile
