@@ -72,6 +72,7 @@ class Scheduler:
         self._outputs: list[TokenOutput] = []
         self._turns: Counter[str] = Counter()  # conversation -> turns seen
         self._iteration = 0
+        self._policy_version = 1  # +1 per ReplacePolicy: the Engine counts the same way
         self._step_started = 0.0
         self._last_iteration_ms = 0.0
         self._stats = SchedulerStats(total_blocks=num_blocks,
@@ -126,12 +127,15 @@ class Scheduler:
             case InspectScheduler(reply=reply):
                 reply.send(self._stats.snapshot(
                     iteration=self._iteration, policy=self._policy.settings.name,
+                    policy_version=self._policy_version,
                     requests=self._live.values(), free_blocks=self._free_blocks(),
                     iteration_ms=self._last_iteration_ms, copies=self._copies))
             case TakeIterationLog(reply=reply):
                 reply.send(self._stats.take_log(self._profiler, self._copies))
             case ReplacePolicy(policy=policy, reply=reply):
-                log.info("policy replaced", old=self._policy.settings.name, new=policy.settings.name)
+                self._policy_version += 1
+                log.info("policy replaced", old=self._policy.settings.name, new=policy.settings.name,
+                         version=self._policy_version)
                 self._use(policy)
                 reply.send(None)
             case _:

@@ -7,7 +7,8 @@ which returns at once, and forwards the step to the executor with the tickets of
 swap-ins. Asynchronous swap-ins run on while the following steps compute; the pool polls the
 swapper while any is pending and tells the scheduler which finished (`SwapDone`), so the
 scheduler can return them to the running batch at the start of its next iteration. The pool
-alone reads the swapper's traffic counters, and hands them out on `TakeSwapCounters`.
+alone reads the swapper's traffic counters: it hands them out on `TakeSwapCounters`, and their
+totals since the start on `InspectSwapPool`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from engine.messages import (
     ExecutorMessage,
     SchedulerMessage,
     SwapDirection,
+    InspectSwapPool,
     SwapDone,
     SwapOrders,
     SwapPoolMessage,
@@ -104,6 +106,8 @@ class SwapPool:
                 now = self.swapper.counters()
                 reply.send(now.minus(self._counted))
                 self._counted = now
+            case InspectSwapPool(reply=reply):
+                reply.send(self.swapper.counters())
             case _:
                 assert_never(msg)
 

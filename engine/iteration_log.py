@@ -15,6 +15,8 @@ class SwapCounters:
 
     copy_ops: int = 0
     """Copy calls issued (one per block per layer for vLLM's layout, one per group for groups)."""
+    copy_ops_in: int = 0
+    """Of `copy_ops`, those host -> device (swap-ins)."""
     bytes_out: int = 0
     """Device -> host."""
     bytes_in: int = 0

@@ -313,4 +313,12 @@ class TakeSwapCounters:
     reply: Reply[SwapCounters]
 
 
-SwapPoolMessage = SwapOrders | TakeSwapCounters
+@attrs.frozen(kw_only=True)
+class InspectSwapPool:
+    """Ask for the swap traffic since the engine started, without resetting anything
+    (`/metrics` reads it at every scrape; `TakeSwapCounters` keeps its own mark)."""
+
+    reply: Reply[SwapCounters]
+
+
+SwapPoolMessage = SwapOrders | TakeSwapCounters | InspectSwapPool

@@ -66,13 +66,14 @@ class SchedulerStats:
             self._log = IterationLog(total_blocks=self.total_blocks)
         return taken
 
-    def snapshot(self, *, iteration: int, policy: str, requests: Iterable[Request],
+    def snapshot(self, *, iteration: int, policy: str, policy_version: int,
+                 requests: Iterable[Request],
                  free_blocks: int, iteration_ms: float,
                  copies: HostCopies | None) -> SchedulerSnapshot:
         live = list(requests)
         states = [r.state for r in live]
         return SchedulerSnapshot(
-            iteration=iteration, policy=policy,
+            iteration=iteration, policy=policy, policy_version=policy_version,
             waiting=states.count("waiting"), running=states.count("running"),
             swapped=states.count("swapped"), swapping_in=states.count("swapping_in"),
             free_blocks=free_blocks, total_blocks=self.total_blocks,

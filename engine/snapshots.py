@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import attrs
 
+from engine.iteration_log import SwapCounters
+
 
 @attrs.frozen(kw_only=True)
 class SchedulerSnapshot:
     iteration: int
     policy: str
+    policy_version: int = 1
+    """1 for the policy the engine started with, +1 for each replacement (rollbacks included)."""
     waiting: int
     running: int
     swapped: int
@@ -42,6 +46,8 @@ class AllocatorSnapshot:
 class EngineSnapshot:
     scheduler: SchedulerSnapshot
     allocator: AllocatorSnapshot
+    swap: SwapCounters | None = None
+    """Swap traffic since the engine started; None for an engine that cannot swap."""
 
     @property
     def idle(self) -> bool:

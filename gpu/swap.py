@@ -36,6 +36,8 @@ __all__ = ["SwapStats", "TorchSwapper", "coalesce"]
 @attrs.frozen(kw_only=True)
 class SwapStats:
     copy_calls: int
+    copy_calls_in: int
+    """Of `copy_calls`, those host -> device."""
     bytes_out: int
     bytes_in: int
     yields: int
@@ -78,7 +80,7 @@ class TorchSwapper:
         self._host_busy: dict[int, _Ticket] = {}
         self._yield_every = yield_every
         self._since_yield = 0
-        self._stats = dict(copy_calls=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
+        self._stats = dict(copy_calls=0, copy_calls_in=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
         self._blocks = {"out": 0, "in": 0}
         self._failures: dict[int, str] = {}
         self._failed_ids: dict[int, str] = {}
@@ -145,6 +147,7 @@ class TorchSwapper:
                 self._maybe_yield()
         with self._lock:
             self._stats["copy_calls"] += calls
+            self._stats["copy_calls_in"] += calls if direction == "in" else 0
             self._stats["bytes_out" if direction == "out" else "bytes_in"] += len(pairs) * self.block_nbytes
             self._blocks[direction] += len(pairs)
 
@@ -247,7 +250,8 @@ class TorchSwapper:
         """Traffic so far, in the benchmark's terms."""
         with self._lock:
             s = self._stats
-            return SwapCounters(copy_ops=s["copy_calls"], bytes_out=s["bytes_out"],
+            return SwapCounters(copy_ops=s["copy_calls"], copy_ops_in=s["copy_calls_in"],
+                                bytes_out=s["bytes_out"],
                                 bytes_in=s["bytes_in"], blocks_out=self._blocks["out"],
                                 blocks_in=self._blocks["in"], stall_s=self._stall_s)
 

@@ -38,6 +38,7 @@ from engine.messages import (
     FrontendMessage,
     InspectAllocator,
     InspectScheduler,
+    InspectSwapPool,
     ReplacePolicy,
     SchedulerMessage,
     Submit,
@@ -89,6 +90,7 @@ class Engine:
         self.backend = backend or build_backend(config)
         capabilities = engine_capabilities(config, self.backend)
         self._policy = initial_policy(config, policy, capabilities)
+        self._policy_version = 1
         self.capabilities = capabilities.running(self._policy.settings)
         """The mechanisms this engine has, its device allocator included; policies needing
         others are refused."""
@@ -205,12 +207,18 @@ class Engine:
                                               scheduling or SchedulingParams(), stream=False))
 
     async def inspect(self) -> EngineSnapshot:
-        """Queues and block usage, asked of the actors that own them."""
+        """Queues, block usage and swap traffic so far, asked of the actors that own them;
+        nothing is reset, so a scraper may call it as often as it likes."""
         self._check_alive()
         sched, alloc = Reply[SchedulerSnapshot](), Reply[AllocatorSnapshot]()
         await self._scheduler_send.send(InspectScheduler(reply=sched))
         await self._allocator_send.send(InspectAllocator(reply=alloc))
-        return EngineSnapshot(scheduler=await sched.wait(), allocator=await alloc.wait())
+        swap = None
+        if self._swap_pool_send is not None:
+            swapped = Reply[SwapCounters]()
+            await self._swap_pool_send.send(InspectSwapPool(reply=swapped))
+            swap = await swapped.wait()
+        return EngineSnapshot(scheduler=await sched.wait(), allocator=await alloc.wait(), swap=swap)
 
     async def take_iteration_log(self) -> IterationLog | None:
         """The scheduler's per-iteration log since the last call (None unless the config sets
@@ -241,14 +249,27 @@ class Engine:
         reply = Reply[None]()
         await self._scheduler_send.send(ReplacePolicy(policy=new, reply=reply))
         await reply.wait()
+        self._policy_version += 1
         log.info("policy replaced", old=self._policy.settings.name, new=new.settings.name,
-                 diff=source_diff(self._policy, new))
+                 version=self._policy_version, diff=source_diff(self._policy, new))
         self._policy = new
         return new
 
     @property
     def policy(self) -> Policy:
         return self._policy
+
+    @property
+    def policy_version(self) -> int:
+        """1 for the policy the engine started with, +1 per replacement (rollbacks included)."""
+        return self._policy_version
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped serving (an actor failed, or it shut down), or None."""
+        if self._failure or self._closed:
+            return self.stopped_reason()
+        return None
 
     def stopped_reason(self) -> str:
         if self._failure:

@@ -49,6 +49,7 @@ class CopyEngine:
             c.bytes_out += nbytes
         else:
             c.bytes_in += nbytes
+            c.copy_ops_in += calls
         return Transfer(direction=direction, calls=calls, nbytes=nbytes, start=start, end=end)
 
     def stall(self, now: float, ready_at: float) -> float:

@@ -1,0 +1,130 @@
+"""`/metrics`: a known workload, then the exposition parsed with prometheus-client's own parser;
+every counter and histogram count must match what was served."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import trio
+import trio.testing
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.applications import Starlette
+
+from policies import policy_path
+from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
+from shunter.server.metrics import TTFT_BUCKETS, ServerMetrics
+from tests.fakes import fake_backend
+
+
+
+CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=64,
+                      policy=policy_path("round_robin_rtbe"))
+
+
+async def scrape(metrics: ServerMetrics) -> dict[tuple[str, tuple], float]:
+    """Every sample as {(name, sorted labels): value}, through the route."""
+    app = Starlette(routes=metrics.routes())
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as client:
+        response = await client.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted({"model_name": "m", **labels}.items())))]
+
+
+@pytest.mark.anyio
+async def test_counters_and_histograms_match_the_served_workload():
+    async with Engine.start(CONFIG, backend=fake_backend(64, 4, step_delay=0.001)) as engine:
+        metrics = ServerMetrics(engine, model_name="m")
+        served = []
+        for n, (cls, max_tokens) in enumerate([("rt", 4), ("rt", 5), ("be", 3), ("be", 1)]):
+            scheduling = SchedulingParams(request_class=cls, tpot_ms=1e-6 if n == 1 else None)
+            async for last in engine.generate([1 + n, 2, 3], SamplingParams(
+                    max_tokens=max_tokens, ignore_eos=True), scheduling=scheduling):
+                pass
+            metrics.on_finished(last, last.finish_reason, scheduling)
+            served.append(last)
+        stream = engine.generate([9, 9, 9, 9, 9], SamplingParams(max_tokens=50, ignore_eos=True))
+        async for chunk in stream:
+            break
+        await stream.aclose()
+        async for chunk in stream:  # the cancelled request's last chunk
+            pass
+        metrics.on_finished(None, "cancelled", SchedulingParams())
+        await engine.wait_idle()
+        samples = await scrape(metrics)
+
+    assert value(samples, "shunter:request_success_total", finished_reason="length") == 4
+    assert value(samples, "shunter:request_success_total", finished_reason="cancelled") == 1
+    assert value(samples, "shunter:prompt_tokens_total") == 4 * 3
+    assert value(samples, "shunter:generation_tokens_total") == 4 + 5 + 3 + 1
+    for cls, n, gaps in (("rt", 2, 3 + 4), ("be", 2, 2 + 0)):
+        assert value(samples, "shunter:e2e_request_latency_seconds_count", request_class=cls) == n
+        assert value(samples, "shunter:time_to_first_token_seconds_count", request_class=cls) == n
+        assert value(samples, "shunter:request_queue_time_seconds_count", request_class=cls) == n
+        assert value(samples, "shunter:inter_token_latency_seconds_count", request_class=cls) == gaps
+        inf = value(samples, "shunter:time_to_first_token_seconds_bucket", request_class=cls,
+                    le="+Inf")
+        assert inf == n
+    ttft_sum = sum(d.timeline.ttft_s for d in served if d.timeline.request_class == "rt")
+    assert value(samples, "shunter:time_to_first_token_seconds_sum",
+                 request_class="rt") == pytest.approx(ttft_sum)
+    buckets = {k[1] for k in samples if k[0] == "shunter:time_to_first_token_seconds_bucket"}
+    assert len(buckets) == 2 * (len(TTFT_BUCKETS) + 1)
+    # rt's deadlines come from the class (TTFT 400 ms, TPOT 200 ms) or the request (a TPOT of
+    # 1 ns nobody meets); be has none
+    assert value(samples, "shunter:slo_attained_total", request_class="rt", metric="ttft") == 2
+    assert value(samples, "shunter:slo_attained_total", request_class="rt", metric="tpot") == 1
+    assert value(samples, "shunter:slo_missed_total", request_class="rt", metric="tpot") == 1
+    assert not [k for k in samples
+                if k[0].startswith("shunter:slo_") and ("request_class", "be") in k[1]]
+    # engine-side, read at scrape time
+    assert value(samples, "shunter:num_requests_running") == 0
+    assert value(samples, "shunter:num_requests_waiting") == 0
+    assert value(samples, "shunter:num_requests_swapped") == 0
+    assert value(samples, "shunter:kv_cache_usage_perc") == 0.0
+    assert value(samples, "shunter:num_preemptions_total") == 0
+    assert value(samples, "shunter:swap_bytes_total", direction="out") == 0
+    assert value(samples, "shunter:overload_trigger", trigger="drop") == 0
+    assert samples[("shunter:policy_info", (("name", "round_robin_rtbe"), ("version", "1")))] == 1
+
+
+
+SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=24, cpu_swap_blocks=96,
+                   max_num_seqs=8, policy=policy_path("fastswitch_markov"),
+                   record_iterations=True)
+
+
+def test_swap_totals_are_read_without_consuming_them():
+    async def main():
+        async with Engine.start(SIM) as engine:
+            metrics = ServerMetrics(engine, model_name="m")
+            params = SamplingParams(max_tokens=64, ignore_eos=True)
+            async with trio.open_nursery() as nursery:
+                for n in range(8):
+                    nursery.start_soon(engine.complete, [1 + n] * 40, params)
+            await engine.wait_idle()
+            first, second = await scrape(metrics), await scrape(metrics)
+            swap = (await engine.inspect()).swap
+            taken = await engine.take_iteration_log()
+            return first, second, swap, taken
+
+    first, second, swap, taken = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert first == second  # scraping resets nothing
+    assert swap.bytes_out > 0 and swap.bytes_in > 0 and swap.copy_ops_in > 0
+    assert value(first, "shunter:swap_bytes_total", direction="out") == swap.bytes_out
+    assert value(first, "shunter:swap_bytes_total", direction="in") == swap.bytes_in
+    assert value(first, "shunter:swap_copy_calls_total", direction="in") == swap.copy_ops_in
+    assert value(first, "shunter:swap_copy_calls_total",
+                 direction="out") == swap.copy_ops - swap.copy_ops_in
+    assert value(first, "shunter:swap_stall_seconds_total") == pytest.approx(swap.stall_s)
+    assert value(first, "shunter:num_preemptions_total") > 0
+    assert taken.swap.bytes_out == swap.bytes_out  # the take still sees all of it
