@@ -42,6 +42,9 @@ class TokenizerCodec:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text)
 
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids)
+
     def detokenizer(self) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self._tok)
 

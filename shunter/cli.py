@@ -10,7 +10,7 @@ import sys
 from engine.errors import ShunterError
 from engine.logs import configure
 
-COMMANDS = ("make_model", "generate", "demo", "policy", "repl", "bench", "profile")
+COMMANDS = ("make_model", "generate", "demo", "policy", "repl", "bench", "profile", "serve")
 
 
 def build_parser() -> argparse.ArgumentParser:
