@@ -27,11 +27,12 @@ from engine.snapshots import EngineSnapshot
 from engine.timeline import RequestTimeline
 from shunter.client import Completion, GenerationStream
 from shunter.engine import Engine
+from shunter.remote import Client, ConnectionLostError, UnauthorizedError
 
 __all__ = [
-    "AdmissionError", "Completion", "ConfigError", "Engine", "EngineConfig", "EngineDeadError",
-    "EngineSnapshot", "GenerationChunk", "GenerationStream", "InvalidRequestError",
+    "AdmissionError", "Client", "Completion", "ConfigError", "ConnectionLostError", "Engine",
+    "EngineConfig", "EngineDeadError", "EngineSnapshot", "GenerationChunk", "GenerationStream", "InvalidRequestError",
     "ModelLoadError", "PolicyCheckError", "PolicyError", "PolicySyntaxError",
     "PromptTooLongError", "QueueFullError", "RequestFailedError", "RequestTimeline",
-    "SamplingParams", "SchedulingParams", "ShunterError",
+    "SamplingParams", "SchedulingParams", "ShunterError", "UnauthorizedError",
 ]

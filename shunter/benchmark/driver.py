@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import anyio
 import attrs
@@ -15,7 +16,7 @@ from engine.errors import ShunterError
 from engine.metrics import Goal
 from engine.params import SamplingParams, SchedulingParams
 from engine.timeline import RequestTimeline
-from shunter.engine import Engine
+from shunter.client import Completion
 from shunter.workloads import BatchSource, RequestSpec, Workload
 from shunter.workloads.tokens import TokenIds
 
@@ -77,8 +78,16 @@ class _Links:
             self.done[index].set()
 
 
+class Completer(Protocol):
+    """What the driver sends requests to: `shunter.Engine` in-process, or `shunter.Client` over
+    HTTP (whose timelines are taken on the client's clock)."""
+
+    async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       scheduling: SchedulingParams | None = None) -> Completion: ...
+
+
 class Driver:
-    def __init__(self, engine: Engine, workload: Workload, *, vocab: int,
+    def __init__(self, engine: Completer, workload: Workload, *, vocab: int,
                  declared_classes: set[str], on_progress: Callable[[int, int], None] | None = None) -> None:
         self.engine = engine
         self.workload = workload

@@ -27,13 +27,16 @@ from shunter.workloads import Workload
 @attrs.frozen(kw_only=True)
 class RunOutcome:
     label: str
-    config: EngineConfig
+    config: EngineConfig | None
+    """The engine the run started; None for a run against a server (`server` says which)."""
     wall_s: float
     metrics: RunMetrics | None = None
     drive: DriveResult | None = None
     log: IterationLog | None = None
     error: str | None = None
     """Why the run could not happen (e.g. the policy needs a mechanism this engine lacks)."""
+    server: dict[str, Any] | None = None
+    """`--backend http`: the server's URL, model and the policy file sent to it."""
 
 
 async def _serve(config: EngineConfig, choice: PolicyChoice, workload: Workload,
@@ -82,10 +85,20 @@ def run_all(choices: Sequence[PolicyChoice], workload: Workload, base: EngineCon
 
 def report_json(workload: Workload, base: EngineConfig, outcomes: Sequence[RunOutcome]) -> dict[str, Any]:
     """The bench JSON (issue 4's shape, plus configuration, wall time and time series)."""
+    out: dict[str, Any] = {"workload": workload.describe(), "backend": base.backend,
+                           "runs": runs_json(outcomes)}
+    if base.backend == "sim":
+        out["profile"] = base.profile
+    else:
+        out["model"] = str(base.model)
+    return out
+
+
+def runs_json(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
     runs = []
     for o in outcomes:
-        run: dict[str, Any] = {"policy": o.label, "wall_s": o.wall_s,
-                               "engine": _config_dict(o.config)}
+        engine = _config_dict(o.config) if o.config is not None else o.server
+        run: dict[str, Any] = {"policy": o.label, "wall_s": o.wall_s, "engine": engine}
         if o.error is not None:
             run["error"] = o.error
         else:
@@ -94,12 +107,7 @@ def report_json(workload: Workload, base: EngineConfig, outcomes: Sequence[RunOu
             if o.log is not None:
                 run["timeseries"] = timeseries(o.log, o.drive.started)
         runs.append(run)
-    out: dict[str, Any] = {"workload": workload.describe(), "backend": base.backend, "runs": runs}
-    if base.backend == "sim":
-        out["profile"] = base.profile
-    else:
-        out["model"] = str(base.model)
-    return out
+    return runs
 
 
 def _config_dict(c: EngineConfig) -> dict[str, Any]:

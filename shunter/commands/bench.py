@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from shunter.workloads import help_text, load_workload
 
 
@@ -28,13 +29,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--policy", action="append", metavar="FILE", dest="policies",
                    help="a .policy file or a policy name, optionally NAME@key=value,... with "
                         "engine settings for that run; repeat to compare (default: fcfs)")
-    p.add_argument("--backend", choices=("sim", "torch"), default="sim",
-                   help="sim: virtual time, step times from --profile (default); torch: run --model")
+    p.add_argument("--backend", choices=("sim", "torch", "http"), default="sim",
+                   help="sim: virtual time, step times from --profile (default); torch: run --model; "
+                        "http: send the requests to the OpenAI-compatible server at --url")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="llama3-8b-a100",
                      help="sim profile name (shunter profile list) or JSON file")
     src.add_argument("--model", type=Path, default=None,
-                     help="torch backend: Hugging Face-format model directory (default: shipped)")
+                     help="torch backend: Hugging Face-format model directory (default: shipped); "
+                          "http: the served model's name (default: the first /v1/models lists)")
+    h = p.add_argument_group("http backend")
+    h.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
+    h.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
+    h.add_argument("--vocab", type=int, default=32_000,
+                   help="prompt token ids are drawn below this (default 32000; give the model's "
+                        "vocabulary size if it is smaller)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="device KV blocks (default: from the profile's GPU memory, or kv_cache_mib)")
     p.add_argument("--cpu-swap-blocks", type=int, default=None, help="host KV blocks for swapping")
@@ -85,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.plot:
         require_matplotlib()
+    if args.backend == "http":
+        return run_http(args)
     choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
     base = base_config(args)
     workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
@@ -103,6 +114,36 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         for path in write_plots(outcomes, args.plot):
             print(f"wrote {path}", file=sys.stderr)
+    return 1 if any(o.error for o in outcomes) else 0
+
+
+def run_http(args: argparse.Namespace) -> int:
+    """`--backend http`: the workload against a running server; each --policy is sent to a
+    Shunter server through its admin API before its run (none: the server's own policy)."""
+    from shunter.benchmark.http_run import HttpTarget, http_report_json, run_http_all
+    from shunter.benchmark.policies import parse_policy
+    from shunter.benchmark.report import table
+
+    if not args.url:
+        raise ConfigError("--backend http needs --url, the server's base URL")
+    if args.plot:
+        raise ConfigError("--plot is not available with --backend http (no server-side series)")
+    choices = [parse_policy(p) for p in args.policies or ()]
+    target = HttpTarget(url=args.url, api_key=args.api_key, vocab=args.vocab,
+                        model=str(args.model) if args.model is not None else None)
+    workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
+    d = workload.describe()
+    print(f"workload {workload.name}: {d['requests']} requests"
+          f"{' + BE batches' if workload.batches else ''}, {d['duration_s']:.0f} s of arrivals; "
+          f"server {target.url}", file=sys.stderr)
+    outcomes = run_http_all(choices, workload, target, async_backend=args.async_backend,
+                            progress=not args.quiet)
+    print(table(outcomes))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(finite(http_report_json(workload, target, outcomes)),
+                                        indent=1) + "\n")
+        print(f"wrote {args.json}", file=sys.stderr)
     return 1 if any(o.error for o in outcomes) else 0
 
 
