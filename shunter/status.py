@@ -1,5 +1,7 @@
-"""Per-class latency and SLO attainment of the REPL workload's finished requests (BROS §7.1:
-TTFT and TPOT attainment counted separately)."""
+"""What the REPL's `status` and `GET /admin/stats` show: the scheduler's queues, preemptions and
+overload triggers, and per-class latency and SLO attainment of the requests finished since the
+running policy was loaded (BROS §7.1: TTFT and TPOT attainment counted separately). One `Status`,
+rendered as text or JSON; the REPL over HTTP renders the JSON it reads back."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from collections.abc import Iterable, Sequence
 import attrs
 
 from engine.metrics import Percentiles
+from engine.snapshots import SchedulerSnapshot
 from engine.timeline import RequestTimeline
 
 
@@ -55,3 +58,55 @@ def table(rows: Sequence[ClassStats]) -> str:
                      f"{_ms(r.tpot_ms.p50):>10}{_ms(r.tpot_ms.p99):>10}{_share(r.ttft_met):>10}"
                      f"{_share(r.tpot_met):>10}")
     return "\n".join(lines)
+
+
+@attrs.frozen(kw_only=True)
+class Status:
+    scheduler: SchedulerSnapshot
+    running_s: float
+    """How long the running policy has run (wall seconds)."""
+    classes: tuple[ClassStats, ...]
+    """Requests finished since the running policy was loaded, per class."""
+
+    def head(self) -> list[str]:
+        s = self.scheduler
+        return [
+            f"policy {s.policy} (version {s.policy_version}) for {self.running_s:.0f} s; "
+            f"iteration {s.iteration}, last one {s.iteration_ms:.1f} ms",
+            f"queues: {s.waiting} waiting, {s.running} running, {s.swapped} swapped, "
+            f"{s.swapping_in} swapping in; {s.free_blocks} of {s.total_blocks} KV blocks free; "
+            f"{s.preemptions} preemptions",
+            f"overload: {s.overload or 'none'} (drop fired {s.overload_drops} times, restore "
+            f"{s.overload_restores})",
+        ]
+
+    def tail(self) -> list[str]:
+        return [f"since {self.scheduler.policy} was loaded:", table(self.classes)]
+
+    def as_json(self) -> dict:
+        return {"scheduler": attrs.asdict(self.scheduler), "running_s": self.running_s,
+                "classes": [_class_json(c) for c in self.classes]}
+
+    @classmethod
+    def from_json(cls, data: dict) -> Status:
+        sched = dict(data["scheduler"], live_requests=tuple(data["scheduler"]["live_requests"]))
+        return cls(scheduler=SchedulerSnapshot(**sched), running_s=data["running_s"],
+                   classes=tuple(_class_from_json(c) for c in data["classes"]))
+
+
+def _class_json(c: ClassStats) -> dict:
+    def pct(p: Percentiles) -> dict:
+        # JSON has no NaN: a class with no samples has nulls
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in attrs.asdict(p).items()}
+
+    return {"label": c.label, "done": c.done, "ttft_ms": pct(c.ttft_ms), "tpot_ms": pct(c.tpot_ms),
+            "ttft_met": c.ttft_met, "tpot_met": c.tpot_met}
+
+
+def _class_from_json(d: dict) -> ClassStats:
+    def pct(p: dict) -> Percentiles:
+        return Percentiles(**{k: (math.nan if v is None else v) for k, v in p.items()})
+
+    return ClassStats(label=d["label"], done=d["done"], ttft_ms=pct(d["ttft_ms"]),
+                      tpot_ms=pct(d["tpot_ms"]), ttft_met=d["ttft_met"], tpot_met=d["tpot_met"])

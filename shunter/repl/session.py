@@ -1,14 +1,13 @@
 """The REPL's command layer: `ReplSession.execute(line) -> str`, no terminal needed.
 
-The engine and the workload run on an event loop in a background thread (an anyio blocking
-portal); commands call into it and return text.
+The commands drive a `SessionBackend` (shunter/repl/backends.py): an engine and its workload on
+an event loop in a background thread (an anyio blocking portal), or a running server's admin
+routes over HTTP (`shunter repl --connect URL`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,13 +17,11 @@ import anyio.from_thread
 from engine.config import EngineConfig
 from engine.errors import ShunterError
 from engine.policy import Policy
-from policies import policy_dir, policy_path
-from policy_lang.api import compile_policy, load_policy_file
+from policies import policy_path
 from policy_lang.diagnostics import did_you_mean
 from policy_lang.edit import replace_rule
 from shunter.engine import Engine
-from shunter.policy_source import source_diff
-from shunter.repl.stats import class_stats, table
+from shunter.repl.backends import Local, Remote, SessionBackend
 from shunter.repl.workload import Workload
 
 COMMANDS = ("status", "show", "explain", "load", "edit", "diff", "rollback", "workload", "help",
@@ -46,15 +43,18 @@ commands:
 
 
 class ReplSession:
-    def __init__(self, portal: anyio.from_thread.BlockingPortal, engine: Any,
-                 workload: Workload) -> None:
-        self._portal = portal
-        self.engine = engine
-        self.workload = workload
-        self.previous: list[Policy] = []
-        """Policies replaced so far, the latest last (what `diff` and `rollback` use)."""
+    def __init__(self, backend: SessionBackend) -> None:
+        self.backend = backend
         self.done = False
-        self._since = time.monotonic()
+
+    @property
+    def engine(self) -> Any:
+        """The in-process engine (None over HTTP)."""
+        return getattr(self.backend, "engine", None)
+
+    @property
+    def workload(self) -> Workload | None:
+        return self.backend.workload
 
     def execute(self, line: str) -> str:
         line = line.strip()
@@ -80,38 +80,22 @@ class ReplSession:
     _exit = _quit
 
     def _status(self, _: str) -> str:
-        s = self._portal.call(self.engine.inspect).scheduler
-        w = self.workload
-        finished, failed, in_flight = self._portal.call(
-            lambda: (list(w.finished), w.failed, dict(w.in_flight)))
-        state = "paused" if w.paused else f"{w.rate:g} requests/s"
-        current = [f for f in finished if f.epoch == w.epoch]
-        rows = [class_stats(label, [f.timeline for f in current if f.label == label])
-                for label in ("rt", "be")]
-        return "\n".join([
-            f"policy {s.policy} for {time.monotonic() - self._since:.0f} s; iteration "
-            f"{s.iteration}, last one {s.iteration_ms:.1f} ms",
-            f"queues: {s.waiting} waiting, {s.running} running, {s.swapped} swapped, "
-            f"{s.swapping_in} swapping in; {s.free_blocks} of {s.total_blocks} KV blocks free; "
-            f"{s.preemptions} preemptions",
-            f"overload: {s.overload or 'none'} (drop fired {s.overload_drops} times, restore "
-            f"{s.overload_restores})",
-            f"workload: {state}; in flight rt {in_flight['rt']}, be {in_flight['be']}; "
-            f"{len(finished)} finished, {failed} failed",
-            f"since {s.policy} was loaded:",
-            table(rows),
-        ])
+        status = self.backend.status()
+        lines = status.head()
+        if (w := self.workload) is not None:
+            finished, failed, in_flight = list(w.finished), w.failed, dict(w.in_flight)
+            state = "paused" if w.paused else f"{w.rate:g} requests/s"
+            lines.append(f"workload: {state}; in flight rt {in_flight['rt']}, be "
+                         f"{in_flight['be']}; {len(finished)} finished, {failed} failed")
+        return "\n".join(lines + status.tail())
 
     def _show(self, _: str) -> str:
-        p = self.engine.policy
-        where = getattr(p, "filename", "built in")
-        return f"# running: {p.settings.name} ({where})\n{p.source.rstrip()}"
+        p = self.backend.policy()
+        return f"# running: {p.name} version {p.version} ({p.filename or 'built in'})\n" \
+               f"{p.source.rstrip()}"
 
     def _explain(self, _: str) -> str:
-        explain = getattr(self.engine.policy, "explain", None)
-        if explain is None:
-            return f"{self.engine.policy.settings.name} is a built-in Python policy"
-        return explain().rstrip()
+        return self.backend.explain()
 
     def _load(self, arg: str) -> str:
         if not arg:
@@ -119,36 +103,34 @@ class ReplSession:
         path = Path(arg)
         if not path.exists() and "/" not in arg and not arg.endswith(".policy"):
             path = policy_path(arg)
-        new = load_policy_file(path, capabilities=self.engine.capabilities)
-        old = self._switch(new)
-        return f"running {new.settings.name} from {path} (was {old.settings.name})"
+        done = self.backend.load(path)
+        return f"running {done.new} (version {done.version}) from {path} (was {done.old})"
 
     def _edit(self, rule: str) -> str:
         if not rule:
             return "usage: edit RULE   e.g. edit priority rt = slack asc"
-        current = self.engine.policy
-        filename = getattr(current, "filename", "<running>")
+        current = self.backend.policy()
+        filename = current.filename or "<running>"
         source = replace_rule(current.source, rule, filename=filename)
-        new = compile_policy(source, filename=filename,
-                             base_dir=getattr(current, "base_dir", None) or policy_dir(),
-                             capabilities=self.engine.capabilities)
-        self._switch(new)
-        return source_diff(current, new).rstrip() or "(no change)"
+        done = self.backend.replace(source, filename)
+        return done.diff.rstrip() or "(no change)"
 
     def _diff(self, _: str) -> str:
-        if not self.previous:
+        diff = self.backend.last_diff()
+        if diff is None:
             return "no previous policy: nothing has been loaded or edited yet"
-        return source_diff(self.previous[-1], self.engine.policy).rstrip() or "(no difference)"
+        return diff.rstrip() or "(no difference)"
 
     def _rollback(self, _: str) -> str:
-        if not self.previous:
+        done = self.backend.rollback()
+        if done is None:
             return "nothing to roll back to"
-        back, current = self.previous.pop(), self.engine.policy
-        self._replace(back)
-        return f"running {back.settings.name} again (was {current.settings.name})"
+        return f"running {done.new} again (version {done.version}; was {done.old})"
 
     def _workload(self, arg: str) -> str:
         w = self.workload
+        if w is None:
+            return "no workload here: the REPL drives one only in-process (without --connect)"
         match arg.split():
             case ["pause"]:
                 w.paused = True
@@ -167,19 +149,6 @@ class ReplSession:
                 return f"workload rate {rate:g} requests/s"
         return "usage: workload pause | resume | rate N"
 
-    # ------------------------------------------------------------------------ switching
-
-    def _switch(self, new: Policy) -> Policy:
-        old = self.engine.policy
-        self._replace(new)
-        self.previous.append(old)
-        return old
-
-    def _replace(self, new: Policy) -> None:
-        self._portal.call(functools.partial(self.engine.replace_policy, new))
-        self.workload.epoch += 1
-        self._since = time.monotonic()
-
 
 @contextlib.contextmanager
 def open_session(config: EngineConfig, *, backend: Any = None, policy: Policy | None = None,
@@ -192,9 +161,19 @@ def open_session(config: EngineConfig, *, backend: Any = None, policy: Policy | 
             workload = Workload(engine, rate=rate, seed=seed, max_in_flight=max_in_flight)
             running = portal.start_task_soon(workload.run)
             try:
-                yield ReplSession(portal, engine, workload)
+                yield ReplSession(Local(portal, engine, workload))
             finally:
                 running.cancel()
                 with contextlib.suppress(Exception):
                     running.exception()
 
+
+
+@contextlib.contextmanager
+def connect_session(url: str, *, api_key: str | None = None, **http: Any) -> Iterator[ReplSession]:
+    """A session against a running server's admin routes."""
+    remote = Remote(url, api_key=api_key, **http)
+    try:
+        yield ReplSession(remote)
+    finally:
+        remote.close()

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
+from engine.errors import ShunterError
 from policies import available
 from policy_lang.fields import FIELDS
 from shunter.repl.session import COMMANDS, ReplSession
@@ -41,7 +42,10 @@ class Completer:
         if command == "load":
             return available()
         if command == "edit":
-            classes = [c.name for c in self.session.engine.policy.settings.classes]
+            try:
+                classes = list(self.session.backend.policy().classes)
+            except ShunterError:  # the server went away: complete without its classes
+                classes = []
             return sorted(set(EDIT_WORDS) | set(FIELDS) | set(classes))
         return []
 

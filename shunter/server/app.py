@@ -20,6 +20,8 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import BaseRoute, Route
 
 from shunter.engine import Engine
+from shunter.server.admin import Admin
+from shunter.server.metrics import ServerMetrics
 from shunter.server.openapi import endpoint as openapi_endpoint
 from shunter.server.chat import ChatTemplate, parse_messages
 from shunter.server.errors import ApiError, invalid
@@ -221,6 +223,10 @@ def build_app(engine: Engine, settings: ServerSettings | None = None, *,
         Route("/openapi.json", openapi_endpoint, methods=["GET"]),
     ]
     # --- extra routes (metrics, admin): appended here by build_app's callers ---
+    metrics = ServerMetrics(engine, model_name=server.model_name)
+    admin = Admin(engine, api_key=settings.api_key)
+    routes.extend([*metrics.routes(), *admin.routes()])
+    server.on_finished.extend([metrics.on_finished, admin.finished.on_finished])
     routes.extend(extra_routes)
     app = Starlette(routes=routes, exception_handlers={
         HTTPException: _not_found, Exception: _internal})
@@ -228,4 +234,6 @@ def build_app(engine: Engine, settings: ServerSettings | None = None, *,
     app.state.engine = engine
     app.state.settings = settings
     app.state.on_finished = server.on_finished
+    app.state.metrics = metrics
+    app.state.admin = admin
     return app

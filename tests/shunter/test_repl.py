@@ -38,7 +38,8 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
         assert s.execute("stauts") == "unknown command 'stauts'; did you mean 'status'? (type help)"
         wait_for(lambda: finished(s) >= 10)
         status = s.execute("status").splitlines()
-        assert re.fullmatch(r"policy fcfs for \d+ s; iteration \d+, last one [\d.]+ ms", status[0])
+        assert re.fullmatch(r"policy fcfs \(version 1\) for \d+ s; iteration \d+, last one "
+                            r"[\d.]+ ms", status[0])
         assert re.fullmatch(r"queues: \d+ waiting, \d+ running, 0 swapped, 0 swapping in; "
                             r"\d+ of 256 KV blocks "
                             r"free; \d+ preemptions", status[1])
@@ -49,8 +50,10 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
         assert rt[0] == "rt" and int(rt[1]) > 0 and rt[-2].endswith("%")
 
         assert s.execute("diff") == "no previous policy: nothing has been loaded or edited yet"
-        assert s.execute("load bros") == f"running bros from {policy_path('bros')} (was fcfs)"
-        assert s.execute("show").startswith(f"# running: bros ({policy_path('bros')})\n# BROS")
+        assert s.execute("load bros") == (
+            f"running bros (version 2) from {policy_path('bros')} (was fcfs)")
+        assert s.execute("show").startswith(
+            f"# running: bros version 2 ({policy_path('bros')})\n# BROS")
         wait_for(lambda: finished(s, s.workload.epoch) >= 5)
         assert "since bros was loaded:" in s.execute("status")
 
@@ -62,9 +65,9 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
                                  "'slack'?")
         assert "waited desc" in s.execute("show")  # the broken edit changed nothing
         assert s.execute("diff") == diff
-        assert s.execute("rollback") == "running bros again (was bros)"
+        assert s.execute("rollback") == "running bros again (version 4; was bros)"
         assert "waited desc" not in s.execute("show")
-        assert s.execute("rollback") == "running fcfs again (was bros)"
+        assert s.execute("rollback") == "running fcfs again (version 5; was bros)"
         assert s.execute("rollback") == "nothing to roll back to"
 
         refused = s.execute("load fastswitch_random")
@@ -144,3 +147,39 @@ def test_the_repl_works_in_a_real_terminal(tiny_llama_dir, tmp_path):
         os.close(term.fd)
     assert history.read_text().splitlines()[-4:] == [
         "status ", "edit priority = client_priority desc, arrival ", "diff", "quit"]
+
+
+def test_the_commands_drive_a_running_server_with_connect():
+    from shunter.repl.session import connect_session
+    from shunter.server import ServerSettings
+    from tests.shunter.server.conftest import ServerThread
+
+    config = EngineConfig(backend="sim", block_size=16)
+    server = ServerThread(config, ServerSettings(api_key="sesame"), "asyncio").start()
+    try:
+        with connect_session(server.url, api_key="wrong") as s:
+            assert s.execute("show").startswith("GET /admin/policy: 401 a valid API key")
+        with connect_session(server.url, api_key="sesame") as s:
+            status = s.execute("status").splitlines()
+            assert re.fullmatch(r"policy fcfs \(version 1\) for \d+ s; iteration \d+, last one "
+                                r"[\d.]+ ms", status[0])
+            assert status[3] == "since fcfs was loaded:"
+            assert s.execute("show").startswith(f"# running: fcfs version 1 ({policy_path('fcfs')})")
+            assert s.execute("load bros") == (
+                f"running bros (version 2) from {policy_path('bros')} (was fcfs)")
+            diff = s.execute("edit priority rt = slack asc, waited desc")
+            assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in diff
+            assert s.execute("diff") == diff
+            broken = s.execute("edit priority rt = slak asc")
+            assert broken.startswith(f"{policy_path('bros')}:9:17: unknown field 'slak'; did you "
+                                     "mean 'slack'?")
+            assert "waited desc" in s.execute("show")
+            assert s.execute("rollback") == "running bros again (version 4; was bros)"
+            assert s.execute("rollback") == "running fcfs again (version 5; was bros)"
+            assert s.execute("rollback") == "nothing to roll back to"
+            assert s.execute("explain").startswith(f"Policy fcfs ({policy_path('fcfs')}).")
+            assert s.execute("workload pause").startswith("no workload here")
+        with connect_session("http://127.0.0.1:9", timeout_s=2) as s:
+            assert s.execute("status").startswith("cannot reach http://127.0.0.1:9")
+    finally:
+        server.stop()

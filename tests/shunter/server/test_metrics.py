@@ -128,3 +128,33 @@ def test_swap_totals_are_read_without_consuming_them():
     assert value(first, "shunter:swap_stall_seconds_total") == pytest.approx(swap.stall_s)
     assert value(first, "shunter:num_preemptions_total") > 0
     assert taken.swap.bytes_out == swap.bytes_out  # the take still sees all of it
+
+
+@pytest.mark.anyio
+async def test_a_real_server_counts_what_it_served():
+    from shunter.server import ServerSettings
+    from tests.shunter.server.conftest import serving
+
+    config = EngineConfig(backend="sim", block_size=16, policy=policy_path("round_robin_rtbe"))
+    async with serving(config, ServerSettings(served_model_name="m")) as s, \
+            httpx.AsyncClient(base_url=s.url, timeout=30) as http:
+        for n, (cls, stream) in enumerate([("rt", False), ("be", True), ("rt", True)]):
+            r = await http.post("/v1/completions", json={
+                "prompt": [1, 2, 3, 4 + n], "max_tokens": 4 + n, "ignore_eos": True,
+                "stream": stream, "request_class": cls})
+            assert r.status_code == 200, r.text
+        refused = await http.post("/v1/completions", json={"prompt": [1], "n": 2})
+        assert refused.status_code == 400
+        r = await http.get("/metrics")
+        assert r.status_code == 200
+        samples = {}
+        for family in text_string_to_metric_families(r.text):
+            for x in family.samples:
+                samples[(x.name, tuple(sorted(x.labels.items())))] = x.value
+    assert value(samples, "shunter:request_success_total", finished_reason="length") == 3
+    assert value(samples, "shunter:prompt_tokens_total") == 3 * 4
+    assert value(samples, "shunter:generation_tokens_total") == 4 + 5 + 6
+    assert value(samples, "shunter:e2e_request_latency_seconds_count", request_class="rt") == 2
+    assert value(samples, "shunter:inter_token_latency_seconds_count", request_class="rt") == 3 + 5
+    assert value(samples, "shunter:time_to_first_token_seconds_count", request_class="be") == 1
+    assert samples[("shunter:policy_info", (("name", "round_robin_rtbe"), ("version", "1")))] == 1
