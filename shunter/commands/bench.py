@@ -92,10 +92,10 @@ def run(args: argparse.Namespace) -> int:
     from shunter.benchmark.report import table
     from shunter.benchmark.run import report_json, run_all
 
-    if args.plot:
-        require_matplotlib()
     if args.backend == "http":
         return run_http(args)
+    if args.plot:
+        require_matplotlib()
     choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
     base = base_config(args)
     workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)

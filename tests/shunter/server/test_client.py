@@ -139,11 +139,13 @@ async def test_leaving_the_loop_cancels_the_request_and_frees_its_blocks():
                 seen += len(chunk.token_ids)
                 if seen >= 2:
                     break
+            async with client.generate([7] * 50, SamplingParams(max_tokens=5000)) as stream:
+                await stream.__anext__()
             with anyio.fail_after(10):
-                while not reasons:
+                while len(reasons) < 2:
                     await anyio.sleep(0.01)
                 snap = await served.engine.wait_idle()
-        assert reasons == ["cancelled"] and snap.allocator.allocated_blocks == 0
+        assert reasons == ["cancelled"] * 2 and snap.allocator.allocated_blocks == 0
 
 
 # ------------------------------------------------------------------ against a test double
