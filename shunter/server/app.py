@@ -47,17 +47,25 @@ def server_of(request: Request) -> ServerState:
     return request.app.state.server
 
 
+_DISCARD_BYTES = 16 << 20
+"""How much of an over-limit body is read and thrown away before answering 413, so that the
+client, still sending, reads the answer instead of a reset connection."""
+
+
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, read in chunks and refused (413) as soon as it passes `limit` bytes."""
+    """The body, read in chunks and refused (413) once it passes `limit` bytes."""
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isdigit() and int(declared) > limit + _DISCARD_BYTES:
         raise _too_large(int(declared), limit)
     parts, size = [], 0
     async for part in request.stream():
         size += len(part)
-        if size > limit:
-            raise _too_large(size, limit)
-        parts.append(part)
+        if size <= limit:
+            parts.append(part)
+        elif size > limit + _DISCARD_BYTES:
+            break
+    if size > limit:
+        raise _too_large(size, limit)
     return b"".join(parts)
 
 

@@ -39,6 +39,7 @@ async def send_json(send: Any, status: int, obj: Any) -> None:
 @attrs.define(eq=False)
 class _Outcome:
     admitted: bool = False
+    """The engine took the request (it may be cut short before its first chunk)."""
     final: GenerationChunk | None = None
     reason: str = "cancelled"
     why_stopped: str | None = None
@@ -94,6 +95,9 @@ class GenerationResponse:
                                     stream=r.stream) as gen:
             try:
                 first = await gen.__anext__()
+            except anyio.get_cancelled_exc_class():
+                out.admitted = gen.request_id is not None
+                raise
             except ShunterError as exc:
                 if gen.request_id is not None:  # admitted, then the engine died
                     out.admitted, out.reason = True, "error"
