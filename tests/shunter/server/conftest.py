@@ -65,8 +65,10 @@ async def serving(config: EngineConfig, settings: ServerSettings | None = None, 
 class ServerThread:
     """A server on its own thread and event loop (`backend`: asyncio or trio)."""
 
-    def __init__(self, config: EngineConfig, settings: ServerSettings | None, backend: str) -> None:
+    def __init__(self, config: EngineConfig, settings: ServerSettings | None, backend: str, *,
+                 engine_backend: object = None) -> None:
         self._config, self._settings, self._backend = config, settings, backend
+        self._engine_backend = engine_backend
         self._ready = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -99,7 +101,7 @@ class ServerThread:
             while not self._stop.is_set():
                 await anyio.sleep(0.05)
 
-        async with Engine.start(self._config) as engine:
+        async with Engine.start(self._config, backend=self._engine_backend) as engine:
             app = build_app(engine, self._settings, extra_routes=TEST_ROUTES)
             app.state.on_finished.append(
                 lambda chunk, reason, scheduling: self.finished.append((reason, scheduling)))
