@@ -6,6 +6,7 @@ client, and a client that went away (its stream closed) has its request cancelle
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Sequence
 from typing import Protocol, assert_never
@@ -129,14 +130,18 @@ class Frontend:
         try:
             prompt_ids = self._validate(msg)
         except AdmissionError as exc:
-            msg.outputs.send_nowait(Rejected(error=exc))
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                msg.outputs.send_nowait(Rejected(error=exc))
             msg.outputs.close()
             return
-        rid = next(self._ids)
+        try:
+            rid = next(self._ids)
+            msg.outputs.send_nowait(Admitted(request_id=rid))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            return  # the client went away while its submission waited here
         detok = self._codec.detokenizer() if self._codec else None
         self._streams[rid] = _ClientStream(send=msg.outputs, detok=detok, stop=msg.sampling.stop,
                                            stream=msg.stream)
-        msg.outputs.send_nowait(Admitted(request_id=rid))
         await self._scheduler.send(AddRequest(
             request_id=rid, prompt_ids=prompt_ids, sampling=msg.sampling,
             scheduling=msg.scheduling, arrival=anyio.current_time(),

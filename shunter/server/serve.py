@@ -47,6 +47,7 @@ async def serve_app(app: Starlette, host: str = "127.0.0.1", port: int = 0, *,
     config.accesslog = None
     config.errorlog = None
     config.graceful_timeout = 3.0
+    config.backlog = 2048  # hypercorn's 100 resets connections in a burst of clients
     config.keep_alive_timeout = 75.0
     trigger = shutdown_trigger or anyio.sleep_forever
     task_status.started(url)

@@ -246,3 +246,16 @@ async def test_when_the_inbox_closes_every_client_stream_ends(front, autojump_cl
     await front.inbox.aclose()
     with pytest.raises(anyio.EndOfStream):
         await receive(client)
+
+
+async def test_a_client_gone_before_its_submission_is_read_is_skipped(front, autojump_clock):
+    """An HTTP client can hang up while its Submit waits in the inbox: the frontend must
+    neither admit it nor fail (it once died sending Admitted to a closed stream)."""
+    gone = await submit(front, "hi")
+    gone.close()
+    refused = await submit(front, "123456789")
+    refused.close()
+    client = await submit(front, "ok")
+    assert await receive(client) == Admitted(request_id=2)
+    assert (await receive(front.scheduler)).request_id == 2
+    assert nothing_waiting(front.scheduler)
