@@ -24,19 +24,8 @@ from engine.cost_model import CostModel
 from engine.memory.host_copies import HostCopies
 from engine.memory.swap_in_profiler import SwapInProfiler
 from engine.messages import (
-    AbortRequest,
-    AddRequest,
-    AllocatorMessage,
-    FrontendMessage,
-    InspectScheduler,
-    ReplacePolicy,
-    RunStep,
-    SchedulerMessage,
-    StepFailed,
-    StepFinished,
-    StepOutputs,
-    SwapDone,
-    TakeIterationLog,
+    AbortRequest, AddRequest, AllocatorMessage, FrontendMessage, InspectScheduler, ReplacePolicy,
+    RunStep, SchedulerMessage, StepFailed, StepFinished, StepOutputs, SwapDone, TakeIterationLog,
     TokenOutput,
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
@@ -72,14 +61,13 @@ class Scheduler:
         self._outputs: list[TokenOutput] = []
         self._turns: Counter[str] = Counter()  # conversation -> turns seen
         self._iteration = 0
-        self._policy_version = 1  # +1 per ReplacePolicy: the Engine counts the same way
         self._step_started = 0.0
         self._last_iteration_ms = 0.0
         self._stats = SchedulerStats(total_blocks=num_blocks,
                                      record_iterations=config.record_iterations)
         self._copies = HostCopies(cpu_blocks, config.block_size) if cpu_blocks else None
         self._profiler = SwapInProfiler()
-        self._use(policy)
+        self._use(policy, version=1)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -132,11 +120,10 @@ class Scheduler:
                     iteration_ms=self._last_iteration_ms, copies=self._copies))
             case TakeIterationLog(reply=reply):
                 reply.send(self._stats.take_log(self._profiler, self._copies))
-            case ReplacePolicy(policy=policy, reply=reply):
-                self._policy_version += 1
+            case ReplacePolicy(policy=policy, version=version, reply=reply):
                 log.info("policy replaced", old=self._policy.settings.name, new=policy.settings.name,
-                         version=self._policy_version)
-                self._use(policy)
+                         version=version)
+                self._use(policy, version)
                 reply.send(None)
             case _:
                 assert_never(msg)
@@ -144,8 +131,8 @@ class Scheduler:
             outputs, self._outputs = tuple(self._outputs), []
             await self._frontend.send(StepOutputs(time=anyio.current_time(), outputs=outputs))
 
-    def _use(self, policy: Policy) -> None:
-        self._policy = policy
+    def _use(self, policy: Policy, version: int) -> None:
+        self._policy, self._policy_version = policy, version
         if self._copies is not None:
             self._copies.kv_reuse = policy.settings.memory.kv_reuse
 

@@ -160,6 +160,8 @@ class ReplacePolicy:
     """Switch to another compiled policy at the next iteration boundary."""
 
     policy: Policy
+    version: int
+    """Its version: 1 was the policy the engine started with; the Engine numbers them."""
     reply: Reply[None]
 
 

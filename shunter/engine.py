@@ -247,9 +247,10 @@ class Engine:
         self._check_alive()
         new = replacement(policy, self._policy, self.capabilities, base_dir)
         reply = Reply[None]()
-        await self._scheduler_send.send(ReplacePolicy(policy=new, reply=reply))
+        version = self._policy_version + 1
+        await self._scheduler_send.send(ReplacePolicy(policy=new, version=version, reply=reply))
         await reply.wait()
-        self._policy_version += 1
+        self._policy_version = version
         log.info("policy replaced", old=self._policy.settings.name, new=new.settings.name,
                  version=self._policy_version, diff=source_diff(self._policy, new))
         self._policy = new
