@@ -1,51 +1,54 @@
-"""A one-line progress bar on stderr, redrawn at most a few times a second of wall time (it is
-called on every finished request, which under a simulator is thousands of times a second)."""
+"""The progress bar `shunter bench` shows on stderr while a run replays (rich.progress).
+
+`update` is called on every finished request, which under a simulator is thousands of times a
+second, so it hands rich a new count at most ten times a second of wall time. On a terminal the
+bar redraws in place; elsewhere (CI, a pipe) rich prints it once, when the run ends."""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TextIO
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+from rich.progress import Progress as RichProgress
 
 
 class Progress:
     def __init__(self, label: str, total: int | None, *, stream: TextIO | None = None,
-                 clock: object = None) -> None:
-        self.label = label
-        self.total = total
-        self.stream = stream or sys.stderr
-        self.live = self.stream.isatty()
-        self.began = time.perf_counter()
-        self.last = 0.0
-        self.sim_time = clock  # callable giving the engine clock, for the "simulated" column
+                 clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock
+        """The engine clock (simulated seconds under the sim), read on the event loop's thread."""
         self.done = self.failed = 0
+        self._last = 0.0
+        console = Console(file=stream or sys.stderr, highlight=False)
+        counted = MofNCompleteColumn() if total else TextColumn("{task.completed} requests")
+        columns = [TextColumn("{task.description}:"), BarColumn(bar_width=30), counted,
+                   TextColumn("failed {task.fields[failed]}")]
+        if clock is not None:
+            columns.append(TextColumn("engine clock {task.fields[clock]:.1f} s"))
+        columns += [TextColumn("wall"), TimeElapsedColumn()]
+        self._bar = RichProgress(*columns, console=console, refresh_per_second=4)
+        self._task = self._bar.add_task(label, total=total, failed=0, clock=self._clock())
+        self._bar.start()
+
+    def _clock(self) -> float:
+        return self.clock() if self.clock is not None else 0.0
 
     def update(self, done: int, failed: int) -> None:
         self.done, self.failed = done, failed
         now = time.perf_counter()
-        if now - self.last < (0.25 if self.live else 10.0):
+        if now - self._last < 0.1:
             return
-        self.last = now
-        self._draw(now)
+        self._last = now
+        self._push()
+
+    def _push(self) -> None:
+        self._bar.update(self._task, completed=self.done + self.failed, failed=self.failed,
+                         clock=self._clock())
 
     def close(self) -> None:
-        self._draw(time.perf_counter())
-        if self.live:
-            self.stream.write("\n")
-        self.stream.flush()
-
-    def _draw(self, now: float) -> None:
-        n = self.done + self.failed
-        if self.total:
-            frac = min(1.0, n / self.total)
-            bar = "#" * int(frac * 30)
-            head = f"[{bar:30s}] {n}/{self.total}"
-        else:
-            head = f"{n} requests"
-        sim = f"  engine clock {self.sim_time():8.1f} s" if callable(self.sim_time) else ""
-        line = (f"{self.label}: {head}  failed {self.failed}{sim}  wall {now - self.began:6.1f} s")
-        if self.live:
-            self.stream.write("\r\x1b[2K" + line)
-        else:
-            self.stream.write(line + "\n")
-        self.stream.flush()
+        self._push()
+        self._bar.stop()

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
 
 from shunter.benchmark.run import RunOutcome
 
@@ -33,15 +37,25 @@ def row(o: RunOutcome) -> list[str]:
 
 
 def table(outcomes: Sequence[RunOutcome]) -> str:
-    """Latencies in ms; `SLO ok` is the lowest per-class share of requests meeting all SLOs."""
-    rows = [list(COLUMNS)] + [row(o) for o in outcomes]
-    full = [r for r in rows if len(r) == len(COLUMNS)]
-    widths = [max(len(r[i]) for r in full) for i in range(len(COLUMNS))]
-    lines = []
-    for r in rows:
-        if len(r) != len(COLUMNS):
-            lines.append("  ".join(r))
-            continue
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:], widths[1:])]
-        lines.append("  ".join(cells))
-    return "\n".join(lines)
+    """Latencies in ms; `SLO ok` is the lowest per-class share of requests meeting all SLOs.
+    Plain text (no colour, no box), so that CI logs and tests read it as it is; a run that
+    failed has dashes in its row and its error under the table."""
+    grid = Table(box=None, padding=(0, 2, 0, 0), pad_edge=False)
+    for i, name in enumerate(COLUMNS):
+        grid.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    errors = []
+    for o in outcomes:
+        cells = row(o)
+        if len(cells) != len(COLUMNS):
+            errors.append(f"{o.label}: {cells[-1]}")
+            cells = [o.label] + ["-"] * (len(COLUMNS) - 1)
+        grid.add_row(*cells)
+    return "\n".join([plain_text(grid)] + errors)
+
+
+def plain_text(renderable: object) -> str:
+    """What rich draws for `renderable`, as text without colour or trailing spaces."""
+    console = Console(file=io.StringIO(), width=400, color_system=None, highlight=False)
+    with console.capture() as captured:
+        console.print(renderable)
+    return "\n".join(line.rstrip() for line in captured.get().splitlines())

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import io
 import json
 
+import attrs
 import pytest
+
+from engine.metrics import Percentiles
 
 from policies import policy_path
 from shunter import EngineConfig, PolicyError
 from shunter.benchmark.policies import parse_policy
-from shunter.benchmark.run import report_json, run_one
+from shunter.benchmark.progress import Progress
+from shunter.benchmark.report import table
+from shunter.benchmark.run import RunOutcome, report_json, run_one
 from shunter.cli import main
 from shunter.workloads import load_workload
 from tests.shunter.test_workloads import traces  # noqa: F401  (fixture)
 
 SIM = EngineConfig(backend="sim", record_iterations=True)
-NO_SWAP_SPACE = "this engine was started with --cpu-swap-blocks 0, so it has no swap space"
+NO_SWAP_SPACE = "this engine has no swap space: --cpu-swap-blocks is 0"
 
 
 def test_the_sim_replays_deterministically(traces):  # noqa: F811
@@ -75,7 +81,7 @@ def test_policy_arguments(tmp_path):
     assert parse_policy("fcfs@max_num_seqs=8").overrides == {"max_num_seqs": 8}
     with pytest.raises(PolicyError, match=r"'speed=2' is not key=value with a key among max_num_seqs"):
         parse_policy("fcfs@speed=2")
-    with pytest.raises(PolicyError, match=r"no file .*missing.policy"):
+    with pytest.raises(PolicyError, match=r"--policy .*missing.policy: no such policy file or shipped policy; shipped: bros, "):
         parse_policy(str(tmp_path / "missing.policy"))
 
 
@@ -135,3 +141,34 @@ def test_shunter_profile_list_prints_one_name_a_line(capsys):
     assert main(["profile", "list"]) == 0
     names = capsys.readouterr().out.splitlines()
     assert "llama3-8b-a100" in names and names == sorted(names)
+
+
+def test_the_bench_table_is_plain_text_one_row_per_policy(traces):  # noqa: F811
+    w = load_workload("sharegpt:requests=30,rate=5", traces_dir=traces)
+    ran = run_one(parse_policy("fcfs"), w, SIM, progress=False)
+    # the two wall-clock columns, pinned so that the text is exact
+    ran = attrs.evolve(ran, wall_s=1.25, metrics=attrs.evolve(
+        ran.metrics, scheduler_ms_per_iteration=Percentiles.of([0.0421])))
+    failed = RunOutcome(label="bros@max_num_seqs=1", config=None, wall_s=0.0,
+                        error="PolicyCheckError: it cannot\nsecond line")
+    assert table([ran, failed]).splitlines() == [
+        "policy               done  fail  TTFT p50  TTFT p99  TBT p99  TPOT p50  e2e p50  SLO ok  "
+        "goodput/s  out tok/s  BE req/s  preempt  swap MB  sched ms  wall s",
+        "fcfs                   30     0      33.7      43.4     33.9      10.7    322.5  100.0%  "
+        "     4.70      112.7      0.00        0      0.0     0.042     1.2",
+        "bros@max_num_seqs=1     -     -         -         -        -         -        -       -  "
+        "        -          -         -        -        -         -       -",
+        "bros@max_num_seqs=1: failed: PolicyCheckError: it cannot"]
+
+
+def test_the_progress_bar_prints_its_last_state_when_not_on_a_terminal(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    out = io.StringIO()
+    bar = Progress("fcfs", 40, stream=out, clock=lambda: 12.5)
+    for done in range(1, 38):
+        bar.update(done, 0)
+    bar.update(37, 3)
+    bar.close()
+    # no redraws into a pipe or a log: one line, at the end
+    assert out.getvalue() == (
+        "fcfs: " + "━" * 26 + " 40/40 failed 3 engine clock 12.5 s wall 0:00:00\n")
