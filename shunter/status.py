@@ -13,6 +13,7 @@ import attrs
 from engine.metrics import Percentiles
 from engine.snapshots import SchedulerSnapshot
 from engine.timeline import RequestTimeline
+from shunter.plain_text import plain_table, plain_text
 
 
 @attrs.frozen(kw_only=True)
@@ -49,15 +50,18 @@ def _share(v: float | None) -> str:
     return "-" if v is None else f"{100.0 * v:.1f}%"
 
 
+CLASS_COLUMNS = ("class", "done", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "TTFT met",
+                 "TPOT met")
+
+
 def table(rows: Sequence[ClassStats]) -> str:
-    head = (f"  {'class':<6}{'done':>6}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}"
-            f"{'TPOT p99':>10}{'TTFT met':>10}{'TPOT met':>10}")
-    lines = [head, "  " + " " * 6 + f"{'':>6}{'ms':>10}{'ms':>10}{'ms':>10}{'ms':>10}"]
+    """One row per class (latencies in ms), indented under the "since ... was loaded" line."""
+    grid = plain_table(CLASS_COLUMNS)
     for r in rows:
-        lines.append(f"  {r.label:<6}{r.done:>6}{_ms(r.ttft_ms.p50):>10}{_ms(r.ttft_ms.p99):>10}"
-                     f"{_ms(r.tpot_ms.p50):>10}{_ms(r.tpot_ms.p99):>10}{_share(r.ttft_met):>10}"
-                     f"{_share(r.tpot_met):>10}")
-    return "\n".join(lines)
+        grid.add_row(r.label, str(r.done), _ms(r.ttft_ms.p50), _ms(r.ttft_ms.p99),
+                     _ms(r.tpot_ms.p50), _ms(r.tpot_ms.p99), _share(r.ttft_met),
+                     _share(r.tpot_met))
+    return "\n".join("  " + line for line in plain_text(grid).splitlines())
 
 
 @attrs.frozen(kw_only=True)
@@ -71,7 +75,7 @@ class Status:
     def head(self) -> list[str]:
         s = self.scheduler
         return [
-            f"policy {s.policy} (version {s.policy_version}) for {self.running_s:.0f} s; "
+            f"policy {s.policy} v{s.policy_version} for {self.running_s:.0f} s; "
             f"iteration {s.iteration}, last one {s.iteration_ms:.1f} ms",
             f"queues: {s.waiting} waiting, {s.running} running, {s.swapped} swapped, "
             f"{s.swapping_in} swapping in; {s.free_blocks} of {s.total_blocks} KV blocks free; "
@@ -81,7 +85,9 @@ class Status:
         ]
 
     def tail(self) -> list[str]:
-        return [f"since {self.scheduler.policy} was loaded:", table(self.classes)]
+        s = self.scheduler
+        return [f"since {s.policy} v{s.policy_version} was loaded (latencies in ms):",
+                table(self.classes)]
 
     def as_json(self) -> dict:
         return {"scheduler": attrs.asdict(self.scheduler), "running_s": self.running_s,

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import io
 import math
 from collections.abc import Sequence
 
-from rich.console import Console
-from rich.table import Table
-
 from shunter.benchmark.run import RunOutcome
+from shunter.plain_text import plain_table, plain_text
 
 COLUMNS = ("policy", "done", "fail", "TTFT p50", "TTFT p99", "TBT p99", "TPOT p50", "e2e p50",
            "SLO ok", "goodput/s", "out tok/s", "BE req/s", "preempt", "swap MB", "sched ms",
@@ -40,9 +37,7 @@ def table(outcomes: Sequence[RunOutcome]) -> str:
     """Latencies in ms; `SLO ok` is the lowest per-class share of requests meeting all SLOs.
     Plain text (no colour, no box), so that CI logs and tests read it as it is; a run that
     failed has dashes in its row and its error under the table."""
-    grid = Table(box=None, padding=(0, 2, 0, 0), pad_edge=False)
-    for i, name in enumerate(COLUMNS):
-        grid.add_column(name, justify="left" if i == 0 else "right", no_wrap=True)
+    grid = plain_table(COLUMNS)
     errors = []
     for o in outcomes:
         cells = row(o)
@@ -51,11 +46,3 @@ def table(outcomes: Sequence[RunOutcome]) -> str:
             cells = [o.label] + ["-"] * (len(COLUMNS) - 1)
         grid.add_row(*cells)
     return "\n".join([plain_text(grid)] + errors)
-
-
-def plain_text(renderable: object) -> str:
-    """What rich draws for `renderable`, as text without colour or trailing spaces."""
-    console = Console(file=io.StringIO(), width=400, color_system=None, highlight=False)
-    with console.capture() as captured:
-        console.print(renderable)
-    return "\n".join(line.rstrip() for line in captured.get().splitlines())

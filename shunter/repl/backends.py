@@ -4,6 +4,7 @@ its background workload) or a running server's admin API over HTTP (`Remote`, `-
 from __future__ import annotations
 
 import functools
+import re
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -11,9 +12,10 @@ import anyio.from_thread
 import attrs
 import httpx
 
-from engine.errors import PolicyError, ShunterError
+from engine.errors import PolicyCheckError, ShunterError
 from engine.policy import Policy
 from policies import policy_dir
+from policy_lang.diagnostics import Diagnostic, Span
 from policy_lang.api import compile_policy, load_policy_file
 from shunter.policy_control import PolicyChange, PolicyControl
 from shunter.repl.workload import Workload
@@ -34,7 +36,11 @@ class Switched:
     old: str
     new: str
     version: int
+    """The version `new` runs as."""
+    old_version: int
     diff: str
+    restored: int | None = None
+    """A rollback: the version that ran `new` before."""
 
 
 class SessionBackend(Protocol):
@@ -55,12 +61,15 @@ class SessionBackend(Protocol):
 
     def rollback(self) -> Switched | None: ...
 
-    def last_diff(self) -> str | None: ...
+    def last_diff(self) -> tuple[int, str] | None:
+        """The version the running policy replaced, and the diff from it; None when the
+        running policy replaced none."""
 
 
 def _switched(change: PolicyChange) -> Switched:
     return Switched(old=change.old.settings.name, new=change.new.settings.name,
-                    version=change.version, diff=change.diff)
+                    version=change.version, old_version=change.old_version, diff=change.diff,
+                    restored=change.restored)
 
 
 class Local:
@@ -112,8 +121,9 @@ class Local:
         self.workload.epoch += 1
         return _switched(change)
 
-    def last_diff(self) -> str | None:
-        return self.control.last_diff()
+    def last_diff(self) -> tuple[int, str] | None:
+        diff, version = self.control.last_diff(), self.control.previous_version()
+        return None if diff is None or version is None else (version, diff)
 
     def _switch(self, new: Policy) -> Switched:
         change = self._portal.call(functools.partial(self.control.switch, new))
@@ -124,6 +134,24 @@ class Local:
 def _filename(p: Policy) -> str | None:
     filename = getattr(p, "filename", None)
     return None if filename is None else str(filename)
+
+
+def _remote_switched(change: dict) -> Switched:
+    return Switched(old=change["previous"], new=change["name"], version=change["version"],
+                    old_version=change.get("previous_version") or change["version"] - 1,
+                    diff=change["diff"], restored=change.get("restored"))
+
+
+def _diagnostics(errors: list[str]) -> tuple[Diagnostic, ...]:
+    """The server's `FILE:LINE:COL: message` lines as diagnostics, so that an edit's errors
+    can be pointed at the edit here as in-process."""
+    found = []
+    for line in errors:
+        if m := re.fullmatch(r"(.+):(\d+):(\d+): (.*)", line, re.DOTALL):
+            at, col = int(m[2]), int(m[3])
+            span = Span(file=m[1], line=at, column=col, end_line=at, end_column=col + 1)
+            found.append(Diagnostic(span=span, message=m[4]))
+    return tuple(found) if len(found) == len(errors) else ()
 
 
 class RemoteError(ShunterError):
@@ -156,7 +184,8 @@ class Remote:
             raise RemoteError(f"{method} {self.url}{path} answered {r.status_code} without "
                               f"JSON") from None
         if r.status_code == 400 and body.get("error", {}).get("code") == "policy_error":
-            raise PolicyError(body.get("detail") or body["error"]["message"])
+            raise PolicyCheckError(body.get("detail") or body["error"]["message"],
+                              diagnostics=_diagnostics(body.get("errors") or []))
         if r.status_code == 409:
             return {}
         if r.status_code >= 400:
@@ -188,15 +217,16 @@ class Remote:
     def replace(self, source: str, filename: str) -> Switched:
         change = self._call("PUT", "/admin/policy", content=source.encode(),
                             params={"filename": filename})
-        return Switched(old=change["previous"], new=change["name"], version=change["version"],
-                        diff=change["diff"])
+        return _remote_switched(change)
 
     def rollback(self) -> Switched | None:
         change = self._call("POST", "/admin/policy/rollback")
         if not change:
             return None
-        return Switched(old=change["previous"], new=change["name"], version=change["version"],
-                        diff=change["diff"])
+        return _remote_switched(change)
 
-    def last_diff(self) -> str | None:
-        return self._policy()["last_diff"]
+    def last_diff(self) -> tuple[int, str] | None:
+        p = self._policy()
+        if p["last_diff"] is None:
+            return None
+        return p.get("previous_version") or p["version"] - 1, p["last_diff"]

@@ -15,11 +15,11 @@ from typing import Any
 import anyio.from_thread
 
 from engine.config import EngineConfig
-from engine.errors import ShunterError
+from engine.errors import PolicyError, ShunterError
 from engine.policy import Policy
 from policies import policy_path
 from policy_lang.diagnostics import did_you_mean
-from policy_lang.edit import replace_rule
+from policy_lang.edit import edit_rule
 from shunter.engine import Engine
 from shunter.repl.backends import Local, Remote, SessionBackend
 from shunter.repl.workload import Workload
@@ -34,6 +34,8 @@ commands:
   explain               the running policy in plain words
   load FILE | NAME      run a policy file, or a shipped policy by name (bros, vtc, priority, ...)
   edit RULE             replace one rule of the running policy: edit priority rt = slack asc
+  edit                  the same for a rule of several lines: type it, then a blank line (or
+                        Esc Enter) applies it; Ctrl-C drops it
   diff                  what changed from the previous policy to the running one
   rollback              go back to the previous policy
   workload pause | resume | rate N
@@ -60,11 +62,11 @@ class ReplSession:
         line = line.strip()
         if not line or line.startswith("#"):
             return ""
-        command, _, rest = line.partition(" ")
+        command, *rest = line.split(maxsplit=1)
         if command not in COMMANDS:
             return f"unknown command '{command}'{did_you_mean(command, COMMANDS)} (type help)"
         try:
-            return getattr(self, f"_{command}")(rest.strip())
+            return getattr(self, f"_{command}")(rest[0] if rest else "")
         except ShunterError as exc:
             return str(exc)
 
@@ -91,7 +93,7 @@ class ReplSession:
 
     def _show(self, _: str) -> str:
         p = self.backend.policy()
-        return f"# running: {p.name} version {p.version} ({p.filename or 'built in'})\n" \
+        return f"# running: {p.name} v{p.version} ({p.filename or 'built in'})\n" \
                f"{p.source.rstrip()}"
 
     def _explain(self, _: str) -> str:
@@ -104,28 +106,39 @@ class ReplSession:
         if not path.exists() and "/" not in arg and not arg.endswith(".policy"):
             path = policy_path(arg)
         done = self.backend.load(path)
-        return f"running {done.new} (version {done.version}) from {path} (was {done.old})"
+        return f"applied: policy {done.new} v{done.version} from {path} (was {done.old} " \
+               f"v{done.old_version})"
 
     def _edit(self, rule: str) -> str:
         if not rule:
             return "usage: edit RULE   e.g. edit priority rt = slack asc"
         current = self.backend.policy()
         filename = current.filename or "<running>"
-        source = replace_rule(current.source, rule, filename=filename)
-        done = self.backend.replace(source, filename)
-        return done.diff.rstrip() or "(no change)"
+        kept = f"not applied: the running policy is still {current.name} v{current.version}"
+        try:
+            edit = edit_rule(current.source, rule, filename=filename)
+        except PolicyError as exc:  # the rule does not parse: the error is in the rule already
+            return f"{kept}\n{exc}"
+        try:
+            done = self.backend.replace(edit.source, filename)
+        except PolicyError as exc:
+            return f"{kept}\n{edit.point_at_rule(exc, filename)}"
+        return f"applied: policy {done.new} v{done.version}\n{done.diff.rstrip() or '(no change)'}"
 
     def _diff(self, _: str) -> str:
-        diff = self.backend.last_diff()
-        if diff is None:
+        last = self.backend.last_diff()
+        if last is None:
             return "no previous policy: nothing has been loaded or edited yet"
-        return diff.rstrip() or "(no difference)"
+        version, diff = last
+        p = self.backend.policy()
+        return f"v{version} -> v{p.version} ({p.name})\n{diff.rstrip() or '(no difference)'}"
 
     def _rollback(self, _: str) -> str:
         done = self.backend.rollback()
         if done is None:
             return "nothing to roll back to"
-        return f"running {done.new} again (version {done.version}; was {done.old})"
+        return f"rolled back: v{done.old_version} -> v{done.version}, policy {done.new} as it " \
+               f"ran in v{done.restored} (was {done.old})"
 
     def _workload(self, arg: str) -> str:
         w = self.workload

@@ -112,7 +112,8 @@ class Admin:
             "classes": [c.name for c in p.settings.classes],
             "explain": explain().rstrip() if explain is not None else
             f"{p.settings.name} is a built-in Python policy",
-            "last_diff": self.control.last_diff()})
+            "last_diff": self.control.last_diff(),
+            "previous_version": self.control.previous_version()})
 
     async def put_policy(self, request: Request) -> Response:
         body = b""
@@ -159,7 +160,8 @@ class Admin:
 
 def change_json(change: PolicyChange) -> dict:
     return {"name": change.new.settings.name, "version": change.version,
-            "previous": change.old.settings.name, "diff": change.diff}
+            "previous": change.old.settings.name, "previous_version": change.old_version,
+            "restored": change.restored, "diff": change.diff}
 
 
 def policy_refused(exc: PolicyError) -> JSONResponse:

@@ -3,6 +3,7 @@ pseudo-terminal (line editing, tab completion, history)."""
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import select
@@ -11,9 +12,12 @@ import sys
 import time
 from pathlib import Path
 
+from prompt_toolkit.history import FileHistory
+
 from policies import policy_path
 from shunter import EngineConfig
 from shunter.repl.session import open_session
+from shunter.repl.terminal import run_terminal
 from tests.fakes import fake_backend
 
 CONFIG = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=64)
@@ -38,36 +42,42 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
         assert s.execute("stauts") == "unknown command 'stauts'; did you mean 'status'? (type help)"
         wait_for(lambda: finished(s) >= 10)
         status = s.execute("status").splitlines()
-        assert re.fullmatch(r"policy fcfs \(version 1\) for \d+ s; iteration \d+, last one "
-                            r"[\d.]+ ms", status[0])
+        assert re.fullmatch(r"policy fcfs v1 for \d+ s; iteration \d+, last one [\d.]+ ms",
+                            status[0])
         assert re.fullmatch(r"queues: \d+ waiting, \d+ running, 0 swapped, 0 swapping in; "
                             r"\d+ of 256 KV blocks "
                             r"free; \d+ preemptions", status[1])
         assert status[2] == "overload: none (drop fired 0 times, restore 0)"
-        assert status[5].split() == ["class", "done", "TTFT", "p50", "TTFT", "p99", "TPOT", "p50",
-                                     "TPOT", "p99", "TTFT", "met", "TPOT", "met"]
-        rt = status[7].split()
+        assert status[4] == "since fcfs v1 was loaded (latencies in ms):"
+        assert status[5] == "  class  done  TTFT p50  TTFT p99  TPOT p50  TPOT p99  TTFT met  TPOT met"
+        rt = status[6].split()
         assert rt[0] == "rt" and int(rt[1]) > 0 and rt[-2].endswith("%")
 
         assert s.execute("diff") == "no previous policy: nothing has been loaded or edited yet"
         assert s.execute("load bros") == (
-            f"running bros (version 2) from {policy_path('bros')} (was fcfs)")
+            f"applied: policy bros v2 from {policy_path('bros')} (was fcfs v1)")
         assert s.execute("show").startswith(
-            f"# running: bros version 2 ({policy_path('bros')})\n# BROS")
+            f"# running: bros v2 ({policy_path('bros')})\n# BROS")
         wait_for(lambda: finished(s, s.workload.epoch) >= 5)
-        assert "since bros was loaded:" in s.execute("status")
+        assert "since bros v2 was loaded (latencies in ms):" in s.execute("status")
 
-        diff = s.execute("edit priority rt = slack asc, waited desc")
-        assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in diff
-        assert s.engine.policy.settings.name == "bros"
-        broken = s.execute("edit priority rt = slak asc")
-        assert broken.startswith(f"{policy_path('bros')}:9:17: unknown field 'slak'; did you mean "
-                                 "'slack'?")
+        edited = s.execute("edit priority rt = slack asc, waited desc").split("\n", 1)
+        assert edited[0] == "applied: policy bros v3"
+        assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in edited[1]
+        assert s.engine.policy.settings.name == "bros" and s.engine.policy_version == 3
+        assert s.execute("edit priority rt = slak asc") == (
+            "not applied: the running policy is still bros v3\n"
+            "<edit>:1:15: unknown field 'slak'; did you mean 'slack'?\n"
+            "  priority rt = slak asc\n"
+            "                ^~~~")
         assert "waited desc" in s.execute("show")  # the broken edit changed nothing
-        assert s.execute("diff") == diff
-        assert s.execute("rollback") == "running bros again (version 4; was bros)"
+        assert s.execute("diff") == "v2 -> v3 (bros)\n" + edited[1]
+        assert s.execute("rollback") == (
+            "rolled back: v3 -> v4, policy bros as it ran in v2 (was bros)")
         assert "waited desc" not in s.execute("show")
-        assert s.execute("rollback") == "running fcfs again (version 5; was bros)"
+        assert s.execute("diff").startswith("v1 -> v4 (bros)\n--- fcfs (running)\n+++ bros (new)")
+        assert s.execute("rollback") == (
+            "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros)")
         assert s.execute("rollback") == "nothing to roll back to"
 
         refused = s.execute("load fastswitch_random")
@@ -123,6 +133,8 @@ class Terminal:
 
 
 def test_the_repl_works_in_a_real_terminal(tiny_llama_dir, tmp_path):
+    # prompt_toolkit on a dumb terminal: it echoes the last character of each change, so a
+    # completion shows as its trailing space and the answers show that it happened
     history = tmp_path / "history"
     term = Terminal([sys.executable, "-m", "shunter.cli", "repl", "--model", str(tiny_llama_dir),
                      "--device", "cpu", "--num-blocks", "128", "--rate", "20",
@@ -131,13 +143,19 @@ def test_the_repl_works_in_a_real_terminal(tiny_llama_dir, tmp_path):
         term.expect("shunter> ")
         term.send("sta\t\n")  # tab completes the command
         out = term.expect("shunter> ")
-        assert "status" in out and "queues:" in out and "since fcfs was loaded:" in out
+        assert "queues:" in out and "since fcfs v1 was loaded (latencies in ms):" in out
         term.send("edit priority = client_priority desc, arr\t\n")  # and a field name
-        out = term.expect("shunter> ")
-        assert "-  priority = arrival asc\n+  priority = client_priority desc, arrival" in \
-            out.replace("\r\n", "\n")
+        out = term.expect("shunter> ").replace("\r\n", "\n")
+        assert "applied: policy fcfs v2\n" in out
+        assert "-  priority = arrival asc\n+  priority = client_priority desc, arrival" in out
+        term.send("edit\n")  # a rule of several lines, ended by a blank line
+        term.expect("Ctrl-C drops it")
+        term.send("priority =\n  arrival desc\n\n")
+        out = term.expect("shunter> ").replace("\r\n", "\n")
+        assert "applied: policy fcfs v3\n" in out
+        assert "+  priority =\n+  arrival desc\n" in out
         term.send("diff\n")
-        assert "+  priority = client_priority desc" in term.expect("shunter> ")
+        assert "v2 -> v3 (fcfs)" in term.expect("shunter> ")
         term.send("quit\n")
         term.expect("bye")
         assert term.proc.wait(timeout=20) == 0
@@ -145,8 +163,30 @@ def test_the_repl_works_in_a_real_terminal(tiny_llama_dir, tmp_path):
         if term.proc.poll() is None:
             term.proc.kill()
         os.close(term.fd)
-    assert history.read_text().splitlines()[-4:] == [
-        "status ", "edit priority = client_priority desc, arrival ", "diff", "quit"]
+    assert list(FileHistory(str(history)).load_history_strings())[::-1] == [
+        "status ", "edit priority = client_priority desc, arrival ", "edit",
+        "edit priority = arrival desc", "diff", "quit"]
+
+
+def test_piped_commands_run_without_a_terminal(tmp_path):
+    commands = io.StringIO("help\nedit\npriority =\n  arrival desc\n\nedit\npriority = arrivl\n"
+                           "\nnonsense\nquit\nstatus\n")
+    out = io.StringIO()
+    with open_session(CONFIG, backend=fake_backend(64, 4), rate=0) as s:
+        run_terminal(s, history=None, stdin=commands, out=out)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "shunter repl: type help for the commands, quit to leave"
+    assert lines[1] == "commands:"
+    rest = lines[lines.index("  quit                  stop the engine and leave") + 1:]
+    assert rest[0] == "applied: policy fcfs v2"
+    assert "+  priority =" in rest and "+  arrival desc" in rest
+    assert rest[rest.index("not applied: the running policy is still fcfs v2"):] == [
+        "not applied: the running policy is still fcfs v2",
+        "<edit>:1:12: unknown field 'arrivl'; did you mean 'arrival'?",
+        "  priority = arrivl",
+        "             ^~~~~~",
+        "unknown command 'nonsense' (type help)",
+        "bye"]  # and nothing after quit
 
 
 def test_the_commands_drive_a_running_server_with_connect():
@@ -161,21 +201,27 @@ def test_the_commands_drive_a_running_server_with_connect():
             assert s.execute("show").startswith("GET /admin/policy: 401 a valid API key")
         with connect_session(server.url, api_key="sesame") as s:
             status = s.execute("status").splitlines()
-            assert re.fullmatch(r"policy fcfs \(version 1\) for \d+ s; iteration \d+, last one "
-                                r"[\d.]+ ms", status[0])
-            assert status[3] == "since fcfs was loaded:"
-            assert s.execute("show").startswith(f"# running: fcfs version 1 ({policy_path('fcfs')})")
+            assert re.fullmatch(r"policy fcfs v1 for \d+ s; iteration \d+, last one [\d.]+ ms",
+                                status[0])
+            assert status[3] == "since fcfs v1 was loaded (latencies in ms):"
+            assert s.execute("show").startswith(f"# running: fcfs v1 ({policy_path('fcfs')})")
             assert s.execute("load bros") == (
-                f"running bros (version 2) from {policy_path('bros')} (was fcfs)")
-            diff = s.execute("edit priority rt = slack asc, waited desc")
-            assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in diff
-            assert s.execute("diff") == diff
-            broken = s.execute("edit priority rt = slak asc")
-            assert broken.startswith(f"{policy_path('bros')}:9:17: unknown field 'slak'; did you "
-                                     "mean 'slack'?")
+                f"applied: policy bros v2 from {policy_path('bros')} (was fcfs v1)")
+            edited = s.execute("edit priority rt = slack asc, waited desc").split("\n", 1)
+            assert edited[0] == "applied: policy bros v3"
+            assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in edited[1]
+            assert s.execute("diff") == "v2 -> v3 (bros)\n" + edited[1]
+            # the server knows only the start of each error: the caret is one character wide
+            assert s.execute("edit priority rt = slak asc") == (
+                "not applied: the running policy is still bros v3\n"
+                "<edit>:1:15: unknown field 'slak'; did you mean 'slack'?\n"
+                "  priority rt = slak asc\n"
+                "                ^")
             assert "waited desc" in s.execute("show")
-            assert s.execute("rollback") == "running bros again (version 4; was bros)"
-            assert s.execute("rollback") == "running fcfs again (version 5; was bros)"
+            assert s.execute("rollback") == (
+                "rolled back: v3 -> v4, policy bros as it ran in v2 (was bros)")
+            assert s.execute("rollback") == (
+                "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros)")
             assert s.execute("rollback") == "nothing to roll back to"
             assert s.execute("explain").startswith(f"Policy fcfs ({policy_path('fcfs')}).")
             assert s.execute("workload pause").startswith("no workload here")
