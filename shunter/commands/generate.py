@@ -10,7 +10,7 @@ from pathlib import Path
 
 import anyio
 
-from engine.errors import InvalidRequestError, ShunterError
+from engine.errors import AdmissionError, InvalidRequestError, ShunterError
 from engine.config import EngineConfig
 from engine.params import SamplingParams
 from engine.snapshots import EngineSnapshot
@@ -48,6 +48,7 @@ async def generate_all(config: EngineConfig, prompts: list[PromptLine],
                        params_for: Callable[[int], SamplingParams],
                        verbose: bool = False) -> list[dict]:
     results: list[dict] = [{} for _ in prompts]
+    refused: list[AdmissionError] = []
 
     async def one(engine: Engine, i: int) -> None:
         try:
@@ -55,6 +56,11 @@ async def generate_all(config: EngineConfig, prompts: list[PromptLine],
                                          scheduling=prompts[i].scheduling)
             results[i] = {"index": i, "token_ids": list(done.token_ids), "text": done.text,
                           "finish_reason": done.finish_reason}
+        except AdmissionError as exc:
+            if len(prompts) == 1:  # the one prompt refused: the command fails with its message
+                refused.append(exc)
+            results[i] = {"index": i, "token_ids": [], "text": "", "finish_reason": "error",
+                          "error": str(exc)}
         except ShunterError as exc:
             results[i] = {"index": i, "token_ids": [], "text": "", "finish_reason": "error",
                           "error": str(exc)}
@@ -65,6 +71,8 @@ async def generate_all(config: EngineConfig, prompts: list[PromptLine],
                 tg.start_soon(one, engine, i)
         if verbose:
             print(preemption_report(await engine.inspect()), file=sys.stderr)
+    if refused:
+        raise refused[0]
     return results
 
 
