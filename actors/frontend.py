@@ -16,7 +16,13 @@ import attrs
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.errors import AdmissionError, InvalidRequestError, PromptTooLongError, QueueFullError
+from engine.errors import (
+    AdmissionError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestTooLongError,
+)
 from engine.messages import (
     AbortRequest,
     AddRequest,
@@ -55,6 +61,9 @@ class Limits:
     pool_tokens: int
     max_queued_requests: int
     eos_token_ids: tuple[int, ...]
+    max_context: int
+    """The model's context length (prompt plus output)."""
+    block_size: int
 
 
 @attrs.define(eq=False)
@@ -172,7 +181,32 @@ class Frontend:
         if len(ids) + 1 > lim.pool_tokens:
             raise PromptTooLongError(
                 f"prompt has {len(ids)} tokens; the KV pool holds only {lim.pool_tokens} tokens")
+        self._check_fits(len(ids), msg)
         return ids
+
+    def _check_fits(self, prompt: int, msg: Submit) -> None:
+        """Refuse a request whose prompt plus max_tokens can never fit the KV pool or the
+        context: otherwise the scheduler would cut it short at the limit (issue 12). Where the
+        client asked for truncation it is admitted and ends with finish reason `pool`/`context`."""
+        lim, max_tokens = self._limits, msg.sampling.max_tokens
+        total = prompt + max_tokens
+        limit = min(lim.pool_tokens, lim.max_context)
+        if total <= limit:
+            return
+        if lim.pool_tokens < lim.max_context:
+            holds = (f"the KV pool holds {lim.pool_tokens} tokens (num_blocks="
+                     f"{lim.pool_tokens // lim.block_size} x block_size={lim.block_size})")
+            fix = "give the engine more blocks"
+        else:
+            holds = f"the model's context is {lim.max_context} tokens"
+            fix = "shorten the prompt"
+        if msg.sampling.truncate:
+            log.warning("request truncated", prompt_tokens=prompt, max_tokens=max_tokens,
+                        generates_at_most=limit - prompt, limit=holds)
+            return
+        raise RequestTooLongError(
+            f"prompt ({prompt} tokens) + max_tokens ({max_tokens}) = {total} tokens, but {holds}: "
+            f"{total - limit} too many; lower max_tokens to at most {limit - prompt} or {fix}")
 
     async def _deliver(self, out: TokenOutput) -> None:
         s = self._streams.get(out.request_id)

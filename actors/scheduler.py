@@ -50,9 +50,11 @@ class Scheduler:
                  cpu_blocks: int = 0) -> None:
         self._config, self._cost = config, cost
         self._total_blocks = num_blocks
-        # a sequence longer than the whole KV pool could never be scheduled again: it ends
-        # with `length` there, as at the model's context limit
-        self._max_context = min(max_context, num_blocks * config.block_size)
+        # a sequence longer than the whole KV pool could never be scheduled again; admission
+        # refuses those unless they asked to be truncated, and they end with the limit's name
+        pool = num_blocks * config.block_size
+        self._max_context = min(max_context, pool)
+        self._limit = "pool" if pool < max_context else "context"
         self._inbox, self._allocator, self._frontend = inbox, allocator, frontend
         self._live: dict[int, Request] = {}
         self._in_flight: dict[int, Request] = {}
@@ -253,7 +255,7 @@ class Scheduler:
     def _on_step_finished(self, msg: StepFinished) -> None:
         now = anyio.current_time()
         result = finish_step(msg, self._in_flight, self._step_views, now,
-                             max_context=self._max_context)
+                             max_context=self._max_context, limit=self._limit)
         for req, token, reason in result.events:
             if token is not None:
                 self._outputs.append(TokenOutput(request_id=req.id, token_ids=(token,)))

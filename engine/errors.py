@@ -33,6 +33,11 @@ class PromptTooLongError(AdmissionError):
     """The prompt (plus the tokens it asks for) does not fit the engine's limits."""
 
 
+class RequestTooLongError(PromptTooLongError):
+    """The prompt plus `max_tokens` can never fit the KV pool or the model's context; the message
+    names the limit, the excess and what to change."""
+
+
 class InvalidRequestError(AdmissionError):
     """The prompt or the sampling parameters are malformed."""
 

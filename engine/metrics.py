@@ -124,7 +124,7 @@ class RequestMetrics:
 def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetrics:
     """One request's numbers; `goal` overrides the class and SLOs the timeline carries."""
     goal = goal or Goal(request_class=t.request_class, ttft_ms=t.ttft_slo_ms, tpot_ms=t.tpot_slo_ms)
-    completed = t.finish_reason in ("stop", "length")
+    completed = t.finish_reason in ("stop", "length", "context", "pool")
     ttft = None if t.ttft_s is None else t.ttft_s * 1000.0
     tpot = None if t.tpot_s is None else t.tpot_s * 1000.0
     e2e = t.e2e_s * 1000.0

@@ -16,7 +16,8 @@ class GenerationChunk:
     token_ids: tuple[int, ...]
     text: str
     finish_reason: str | None = None
-    """`stop`, `length`, `cancelled` or `error` on the last chunk, else None."""
+    """`stop`, `length`, `context`/`pool` (a `truncate` request cut at that limit), `cancelled`
+    or `error` on the last chunk, else None."""
     error: str | None = None
     """Why the request failed, when finish_reason is `error`."""
     timeline: RequestTimeline | None = None

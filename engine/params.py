@@ -35,6 +35,10 @@ class SamplingParams:
     """Strings that end generation; the text returned stops before the first one."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks that need an exact output length)."""
+    truncate: bool = False
+    """When the prompt plus `max_tokens` cannot fit the KV pool or the model's context, generate
+    what fits (finish reason `pool` or `context`, and a warning in the log) instead of refusing
+    the request with `RequestTooLongError`."""
 
     def __attrs_post_init__(self) -> None:
         _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")

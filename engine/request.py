@@ -157,14 +157,16 @@ class Request:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
 
-    def stop_reason(self, token_id: int, max_context: int) -> str | None:
-        """Why generation ends after `token_id` was appended, or None to go on."""
+    def stop_reason(self, token_id: int, max_context: int, limit: str = "context") -> str | None:
+        """Why generation ends after `token_id` was appended, or None to go on. Reaching
+        `max_context` before max_tokens (only a request admitted with `truncate`) ends with
+        `limit`, the name of the smaller limit: `context` or `pool`, never `length`."""
         if token_id in self.stop_ids:
             return "stop"
         if len(self.output_ids) >= self.sampling.max_tokens:
             return "length"
         if self.context_tokens >= max_context:
-            return "length"
+            return limit
         return None
 
     def timeline(self, finished_at: float, reason: str) -> RequestTimeline:

@@ -82,7 +82,8 @@ class StepResult:
 
 
 def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
-                views: Sequence[RequestView], now: float, *, max_context: int) -> StepResult:
+                views: Sequence[RequestView], now: float, *, max_context: int,
+                limit: str = "context") -> StepResult:
     """Land a finished step on the requests that were in it; `views` are those the policy was
     given when it planned the step (what `served` reports)."""
     sampled = {s.request_id: s.token_id for s in msg.sampled}
@@ -102,5 +103,5 @@ def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
             misses += now > req.next_deadline()
             req.add_token(token, now)
             served.append((seen[rid], n - 1, 1))
-            events.append((req, token, req.stop_reason(token, max_context)))
+            events.append((req, token, req.stop_reason(token, max_context, limit)))
     return StepResult(served=served, deadline_misses=misses, events=events)

@@ -13,6 +13,7 @@ from pathlib import Path
 import tokenizers
 from tokenizers import processors
 
+from engine.errors import ConfigError
 from gpu.config import DTYPES, ModelConfig
 from gpu.model import CausalLM
 from gpu.tokenizer import train_byte_level_bpe
@@ -74,16 +75,18 @@ def random_model_config(*, arch: str, layers: int, hidden: int, heads: int, kv_h
                         vocab: int, intermediate: int | None = None, dtype: str = "float32",
                         tie_embeddings: bool | None = None,
                         max_position_embeddings: int = 2048) -> ModelConfig:
+    # ConfigErrors name the `shunter make-model` options the arguments come from
     if arch not in ("llama", "qwen2"):
-        raise ValueError(f"arch must be 'llama' or 'qwen2', got {arch!r}")
+        raise ConfigError(f"--arch {arch}: not llama or qwen2")
     if vocab < 259:
-        raise ValueError(f"vocab={vocab} is too small: the byte-level tokenizer needs 256 byte "
-                         "ids, 2 special tokens and at least one merge (vocab >= 259)")
-    if hidden % heads or heads % kv_heads:
-        raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}, and heads a "
-                         f"multiple of kv_heads={kv_heads}")
+        raise ConfigError(f"--vocab {vocab} is too small: the byte-level tokenizer needs 256 byte "
+                          "ids, 2 special tokens and at least one merge (--vocab 259 or more)")
+    if hidden % heads:
+        raise ConfigError(f"--hidden {hidden} is not divisible by --heads {heads}")
+    if heads % kv_heads:
+        raise ConfigError(f"--heads {heads} is not divisible by --kv-heads {kv_heads}")
     if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ConfigError(f"--dtype {dtype}: not one of {', '.join(DTYPES)}")
     return ModelConfig(
         arch=arch, vocab_size=vocab, hidden_size=hidden,  # type: ignore[arg-type]
         intermediate_size=intermediate or _default_intermediate(hidden),

@@ -10,6 +10,7 @@ import attrs
 import torch
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.messages import ExecuteStep, RequestSetup, SampledToken, SeqWork, StepFinished
 from engine.params import SamplingParams
 from gpu.config import ModelConfig
@@ -26,9 +27,26 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def resolve_device(name: str) -> torch.device:
+    """`auto`, `cpu`, `cuda` or `cuda:N`; ConfigError (naming `--device`) for anything this
+    machine cannot run."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name}: not a device Shunter runs on (cpu, cuda, cuda:N or "
+                          f"auto)")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        why = ("was built without CUDA" if torch.version.cuda is None
+               else f"found no device for CUDA {torch.version.cuda}")
+        raise ConfigError(f"--device {name}: this machine has no CUDA device "
+                          f"(torch {torch.__version__} {why})")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ConfigError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA "
+                          f"device(s), numbered from 0")
+    return device
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:

@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     AdmissionError, ConfigError, EngineDeadError, InvalidRequestError, ModelLoadError, PolicyCheckError,
     PolicyError, PolicySyntaxError, PromptTooLongError, QueueFullError, RequestFailedError,
-    ShunterError,
+    RequestTooLongError, ShunterError,
 )
 from engine.outputs import GenerationChunk
 from engine.params import SamplingParams, SchedulingParams
@@ -33,6 +33,6 @@ __all__ = [
     "AdmissionError", "Client", "Completion", "ConfigError", "ConnectionLostError", "Engine",
     "EngineConfig", "EngineDeadError", "EngineSnapshot", "GenerationChunk", "GenerationStream", "InvalidRequestError",
     "ModelLoadError", "PolicyCheckError", "PolicyError", "PolicySyntaxError",
-    "PromptTooLongError", "QueueFullError", "RequestFailedError", "RequestTimeline",
+    "PromptTooLongError", "QueueFullError", "RequestFailedError", "RequestTimeline", "RequestTooLongError",
     "SamplingParams", "SchedulingParams", "ShunterError", "UnauthorizedError",
 ]

@@ -153,7 +153,7 @@ class Engine:
         limits = Limits(
             vocab_size=b.vocab_size, max_prompt_tokens=b.max_prompt_tokens,
             pool_tokens=pool_tokens, max_queued_requests=c.max_queued_requests,
-            eos_token_ids=b.eos_token_ids)
+            eos_token_ids=b.eos_token_ids, max_context=b.max_context, block_size=c.block_size)
         # The device allocator follows the swap granularity of the policy the engine starts
         # with: block groups make a request's KV a few contiguous runs (FastSwitch §3.1).
         groups = self.capabilities.allocator == "groups"

@@ -28,7 +28,7 @@ def engine_capabilities(config: EngineConfig, backend: Any = None) -> EngineCapa
     can make a swapper and the config leaves it host blocks (`cpu_swap_blocks` is not 0)."""
     if config.cpu_swap_blocks == 0:
         return EngineCapabilities(
-            no_swap="this engine was started with --cpu-swap-blocks 0, so it has no swap space")
+            no_swap="this engine has no swap space: --cpu-swap-blocks is 0")
     if not hasattr(getattr(backend, "runner", None), "make_swapper"):
         return EngineCapabilities(
             no_swap="this engine was started with a backend that cannot swap")

@@ -22,7 +22,7 @@ import httpx
 
 from engine.errors import (
     AdmissionError, EngineDeadError, InvalidRequestError, PolicyError, PromptTooLongError,
-    QueueFullError, RequestFailedError, ShunterError,
+    QueueFullError, RequestFailedError, RequestTooLongError, ShunterError,
 )
 from engine.outputs import GenerationChunk
 from engine.params import SamplingParams, SchedulingParams
@@ -40,6 +40,7 @@ class ConnectionLostError(EngineDeadError):
 
 _ERROR_BY_CODE: dict[str, type[ShunterError]] = {
     "prompt_too_long": PromptTooLongError,
+    "request_too_long": RequestTooLongError,
     "queue_full": QueueFullError,
     "engine_dead": EngineDeadError,
     "unauthorized": UnauthorizedError,

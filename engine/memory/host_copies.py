@@ -25,7 +25,7 @@ from engine.iteration_log import SwapCounters
 from engine.memory.cpu_store import CpuCopyStore, SwapOutPlan
 from engine.messages import SwapOut
 
-TURN_ENDS = ("stop", "length")
+TURN_ENDS = ("stop", "length", "context", "pool")
 """Finish reasons after which a conversation's KV is worth keeping for its next turn."""
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import attrs
 
 from engine.errors import PolicyError
-from policies import policy_dir
+from policies import find_policy
 
 ENGINE_KEYS = ("max_num_seqs", "max_batched_tokens", "num_blocks", "max_queued_requests",
                "block_size", "cpu_swap_blocks")
@@ -38,7 +38,4 @@ def parse_policy(arg: str) -> PolicyChoice:
             overrides[key] = int(value)
         except ValueError:
             raise PolicyError(f"--policy {arg!r}: {key}={value!r} is not an integer") from None
-    path = Path(target) if target.endswith(".policy") else policy_dir() / f"{target}.policy"
-    if not path.is_file():
-        raise PolicyError(f"--policy {arg!r}: no file {path}")
-    return PolicyChoice(label=arg, path=path, overrides=overrides)
+    return PolicyChoice(label=arg, path=find_policy(target, "--policy"), overrides=overrides)

@@ -16,21 +16,21 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from shunter.commands.common import non_negative_int, positive_int
 from shunter.workloads import help_text, load_workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench", help="replay a trace or synthetic workload against policies and compare them",
-        description=__doc__, epilog=help_text() + _POLICY_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        description=__doc__, epilog=help_text() + _POLICY_HELP)
     p.add_argument("--workload", required=True, metavar="SPEC",
                    help="NAME[:key=value,...] or a .toml file (names and keys below)")
     p.add_argument("--policy", action="append", metavar="FILE", dest="policies",
                    help="a .policy file or a policy name, optionally NAME@key=value,... with "
                         "engine settings for that run; repeat to compare (default: fcfs)")
     p.add_argument("--backend", choices=("sim", "torch", "http"), default="sim",
-                   help="sim: virtual time, step times from --profile (default); torch: run --model; "
+                   help="sim: virtual time, step times from --profile; torch: run --model; "
                         "http: send the requests to the OpenAI-compatible server at --url")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="llama3-8b-a100",
@@ -41,12 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     h = p.add_argument_group("http backend")
     h.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
     h.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
-    h.add_argument("--vocab", type=int, default=32_000,
-                   help="prompt token ids are drawn below this (default 32000; give the model's "
+    h.add_argument("--vocab", type=positive_int, default=32_000,
+                   help="prompt token ids are drawn below this (give the model's "
                         "vocabulary size if it is smaller)")
-    p.add_argument("--num-blocks", type=int, default=None,
+    p.add_argument("--num-blocks", type=positive_int, default=None,
                    help="device KV blocks (default: from the profile's GPU memory, or kv_cache_mib)")
-    p.add_argument("--cpu-swap-blocks", type=int, default=None, help="host KV blocks for swapping")
+    p.add_argument("--cpu-swap-blocks", type=non_negative_int, default=None, help="host KV blocks for swapping")
     p.add_argument("--seed", type=int, default=0, help="workload seed unless the spec sets one")
     p.add_argument("--traces", type=Path, default=None,
                    help="folder of the shared traces (default: ../shared/traces from the project)")
@@ -54,14 +54,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
                    help="write PNG plots here (needs matplotlib: pip install 'shunter[plot]')")
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--max-num-seqs", type=int, default=64)
-    g.add_argument("--max-batched-tokens", type=int, default=512)
-    g.add_argument("--max-queued-requests", type=int, default=100_000,
-                   help="admission limit (default high: a benchmark measures queueing, not refusals)")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    g.add_argument("--threads", type=int, default=None)
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per iteration")
+    g.add_argument("--max-batched-tokens", type=positive_int, default=512,
+                   help="token budget per iteration")
+    g.add_argument("--max-queued-requests", type=positive_int, default=100_000,
+                   help="admission limit (high: a benchmark measures queueing, not refusals)")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
+    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's own choice)")
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="torch backend's event loop (sim always uses trio's virtual clock)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")

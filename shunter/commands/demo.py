@@ -25,10 +25,10 @@ PROMPTS = (
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="serve the shipped model to a short concurrent workload",
                        description=__doc__)
-    p.add_argument("--requests", type=int, default=12, help="how many requests (default 12)")
+    p.add_argument("--requests", type=int, default=12, help="how many requests")
     p.add_argument("--rate", type=float, default=8.0, help="mean arrivals per second (Poisson)")
-    p.add_argument("--max-tokens", type=int, default=48)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
     add_engine_options(p)
     p.set_defaults(run=run)
 

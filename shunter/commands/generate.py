@@ -5,13 +5,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
 
-from engine.errors import InvalidRequestError, ShunterError
+from engine.errors import AdmissionError, InvalidRequestError, ShunterError
+from engine.config import EngineConfig
 from engine.params import SamplingParams
+from engine.snapshots import EngineSnapshot
 from shunter.commands.common import add_engine_options, engine_config
+from shunter.commands.prompts_file import PromptLine, prompt_from_option, read_prompts
 from shunter.engine import Engine
 
 
@@ -22,11 +26,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompts-file", type=Path,
-                     help='JSONL: one {"prompt": "..."} or {"prompt_ids": [...]} per line')
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
+                     help='JSONL: one {"prompt": "..."} or {"prompt_ids": [...]} a line, each '
+                          "optionally with its own max_tokens, temperature, priority, "
+                          "request_class, tenant and conversation_id")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="most tokens to generate per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the k likeliest tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sample from the likeliest tokens holding this probability mass")
     p.add_argument("--seed", type=int, default=None, help="per-request seed (request i gets seed+i)")
     p.add_argument("--ignore-eos", action="store_true", help="always generate --max-tokens tokens")
     p.add_argument("--json", action="store_true",
@@ -35,41 +44,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run)
 
 
-def read_prompts(path: Path) -> list[str | list[int]]:
-    """Prompts from a JSONL file; errors name the file and line."""
-    prompts: list[str | list[int]] = []
-    try:
-        lines = path.read_text().splitlines()
-    except OSError as exc:
-        raise InvalidRequestError(f"{path}: cannot read prompts file: {exc.strerror}") from None
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"{path}:{n}: not JSON: {exc.msg}") from None
-        if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
-            prompts.append(obj["prompt"])
-        elif isinstance(obj, dict) and isinstance(obj.get("prompt_ids"), list) and all(
-                isinstance(t, int) for t in obj["prompt_ids"]):
-            prompts.append(obj["prompt_ids"])
-        else:
-            raise InvalidRequestError(
-                f'{path}:{n}: expected {{"prompt": "..."}} or {{"prompt_ids": [ints]}}')
-    if not prompts:
-        raise InvalidRequestError(f"{path}: no prompts")
-    return prompts
-
-
-async def generate_all(config, prompts, params_for) -> list[dict]:
+async def generate_all(config: EngineConfig, prompts: list[PromptLine],
+                       params_for: Callable[[int], SamplingParams],
+                       verbose: bool = False) -> list[dict]:
     results: list[dict] = [{} for _ in prompts]
+    refused: list[AdmissionError] = []
 
     async def one(engine: Engine, i: int) -> None:
         try:
-            done = await engine.complete(prompts[i], params_for(i))
+            done = await engine.complete(prompts[i].prompt, params_for(i),
+                                         scheduling=prompts[i].scheduling)
             results[i] = {"index": i, "token_ids": list(done.token_ids), "text": done.text,
                           "finish_reason": done.finish_reason}
+        except AdmissionError as exc:
+            if len(prompts) == 1:  # the one prompt refused: the command fails with its message
+                refused.append(exc)
+            results[i] = {"index": i, "token_ids": [], "text": "", "finish_reason": "error",
+                          "error": str(exc)}
         except ShunterError as exc:
             results[i] = {"index": i, "token_ids": [], "text": "", "finish_reason": "error",
                           "error": str(exc)}
@@ -78,19 +69,41 @@ async def generate_all(config, prompts, params_for) -> list[dict]:
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, engine, i)
+        if verbose:
+            print(preemption_report(await engine.inspect()), file=sys.stderr)
+    if refused:
+        raise refused[0]
     return results
 
 
+def preemption_report(snap: EngineSnapshot) -> str:
+    """`generate -v`'s last line: how often requests lost their KV blocks, and the swap traffic."""
+    line = f"preemptions: {snap.scheduler.preemptions}"
+    if snap.swap is None:
+        return f"{line}; swap: none (this engine has no swap space)"
+    s = snap.swap
+    return (f"{line}; swap: {s.blocks_out} KV blocks out, {s.blocks_in} in "
+            f"({s.sync_swap_ins} sync and {s.async_swap_ins} async swap-ins, "
+            f"{s.stall_s * 1e3:.1f} ms stalled)")
+
+
 def run(args: argparse.Namespace) -> int:
-    prompts = [args.prompt] if args.prompt is not None else read_prompts(args.prompts_file)
+    prompts = ([prompt_from_option(args.prompt)] if args.prompt is not None
+               else read_prompts(args.prompts_file))
 
     def params_for(i: int) -> SamplingParams:
-        return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, ignore_eos=args.ignore_eos,
-                              seed=None if args.seed is None else args.seed + i)
+        line = prompts[i]
+        fields = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                      top_p=args.top_p, ignore_eos=args.ignore_eos,
+                      seed=None if args.seed is None else args.seed + i) | line.sampling
+        try:
+            return SamplingParams(**fields)
+        except InvalidRequestError as exc:
+            raise InvalidRequestError(f"{line.where}: {exc}") from None
 
-    params_for(0)  # validate once, before loading the model
-    results = anyio.run(generate_all, engine_config(args), prompts, params_for,
+    for i in range(len(prompts)):  # validate every line before loading the model
+        params_for(i)
+    results = anyio.run(generate_all, engine_config(args), prompts, params_for, args.verbose,
                         backend=args.async_backend)
     failed = 0
     for r in results:

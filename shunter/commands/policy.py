@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
 from engine.errors import PolicyCheckError, PolicyError, PolicySyntaxError
+from policies import find_policy
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,10 +17,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "FILE:LINE:COL: message with the source line and a caret (exit 2). Checks "
                     "the language only, not whether this engine has every mechanism a file asks "
                     "for (that is checked when an engine loads it).")
-    check.add_argument("files", type=Path, nargs="+", metavar="FILE")
+    check.add_argument("files", nargs="+", metavar="FILE|NAME",
+                       help="policy files, or names of shipped policies")
     check.set_defaults(run=run_check)
     explain = actions.add_parser("explain", help="say what a policy does, in plain words")
-    explain.add_argument("file", type=Path, metavar="FILE")
+    explain.add_argument("file", metavar="FILE|NAME",
+                         help="a policy file, or the name of a shipped policy")
     explain.set_defaults(run=run_explain)
 
 
@@ -29,8 +30,9 @@ def run_check(args: argparse.Namespace) -> int:
     from policy_lang import load_policy_file
 
     failed = False
-    for path in args.files:
+    for spec in args.files:
         try:
+            path = find_policy(spec)
             load_policy_file(path)
         except (PolicySyntaxError, PolicyCheckError) as exc:
             print(exc)
@@ -39,12 +41,12 @@ def run_check(args: argparse.Namespace) -> int:
             print(exc)
             failed = True
         else:
-            print(f"{path}: ok")
+            print(f"{spec}: ok")
     return 2 if failed else 0
 
 
 def run_explain(args: argparse.Namespace) -> int:
     from policy_lang import load_policy_file
 
-    print(load_policy_file(args.file).explain(), end="")
+    print(load_policy_file(find_policy(args.file)).explain(), end="")
     return 0

@@ -19,7 +19,7 @@ from sim.profile import list_profiles, load_profile, save_profile
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("profile", help="list, show or fit sim backend timing profiles",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                       description=__doc__)
     acts = p.add_subparsers(dest="action", required=True, metavar="ACTION")
     acts.add_parser("list", help="print the shipped profile names, one a line").set_defaults(run=run_list)
     show = acts.add_parser("show", help="print a profile's JSON")
@@ -31,10 +31,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--model", type=Path, required=True, help="Hugging Face-format model directory")
     fit.add_argument("--out", type=Path, required=True, help="profile JSON to write")
     fit.add_argument("--name", default=None, help="profile name (default: the file's stem)")
-    fit.add_argument("--device", default="auto")
-    fit.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
-    fit.add_argument("--threads", type=int, default=None)
-    fit.add_argument("--block-size", type=int, default=16)
+    fit.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    fit.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                     help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
+    fit.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    fit.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     fit.add_argument("--max-batched-tokens", type=int, default=512,
                      help="largest prefill chunk measured (the engine's token budget)")
     fit.add_argument("--kv-cache-mib", type=float, default=256.0,

@@ -15,12 +15,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("repl", help="interactive prompt: watch an engine serve and edit its policy",
                        description=__doc__)
     p.add_argument("--rate", type=float, default=4.0,
-                   help="workload arrivals per second (default 4; `workload rate N` changes it)")
+                   help="workload arrivals per second (`workload rate N` changes it)")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--max-in-flight", type=int, default=32,
                    help="most workload requests in the engine at once")
     p.add_argument("--history", type=Path, default=Path.home() / ".shunter_history",
-                   help="readline history file (default ~/.shunter_history)")
+                   help="history file (default: ~/.shunter_history)")
     p.add_argument("--connect", metavar="URL",
                    help="drive a running server (shunter serve) instead of an in-process engine")
     p.add_argument("--api-key", metavar="KEY", help="the server's API key, with --connect")

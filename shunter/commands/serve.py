@@ -18,8 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API",
                        description="Serve /v1/completions, /v1/chat/completions and friends "
                                    "over HTTP (loopback only unless --host says otherwise).")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free one)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port (0: any free one)")
     p.add_argument("--api-key", default=None,
                    help="require 'Authorization: Bearer KEY' on every route but /health and /version")
     p.add_argument("--served-model-name", default=None,
@@ -27,9 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat-template", type=Path, default=None, metavar="FILE",
                    help="Jinja2 chat template replacing the model's own")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20,
-                   help="largest request body accepted (default 1 MiB)")
+                   help="largest request body accepted (default: 1 MiB)")
     p.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
-                   help="on SIGINT/SIGTERM, seconds running requests get to finish (default 30)")
+                   help="on SIGINT/SIGTERM, seconds running requests get to finish")
     p.add_argument("--backend", default="torch", choices=("torch", "sim"),
                    help="torch runs the model; sim only simulates its timing (token-id prompts)")
     add_engine_options(p)

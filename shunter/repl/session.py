@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import anyio.from_thread
@@ -17,7 +16,7 @@ import anyio.from_thread
 from engine.config import EngineConfig
 from engine.errors import PolicyError, ShunterError
 from engine.policy import Policy
-from policies import policy_path
+from policies import find_policy
 from policy_lang.diagnostics import did_you_mean
 from policy_lang.edit import edit_rule
 from shunter.engine import Engine
@@ -102,9 +101,7 @@ class ReplSession:
     def _load(self, arg: str) -> str:
         if not arg:
             return "usage: load FILE | NAME"
-        path = Path(arg)
-        if not path.exists() and "/" not in arg and not arg.endswith(".policy"):
-            path = policy_path(arg)
+        path = find_policy(arg)
         done = self.backend.load(path)
         return f"applied: policy {done.new} v{done.version} from {path} (was {done.old} " \
                f"v{done.old_version})"

@@ -12,10 +12,11 @@ from engine.errors import (
     InvalidRequestError,
     PromptTooLongError,
     QueueFullError,
+    RequestTooLongError,
     ShunterError,
 )
 
-CODES = ("invalid_request", "prompt_too_long", "unknown_request_class", "unauthorized",
+CODES = ("invalid_request", "prompt_too_long", "request_too_long", "unknown_request_class", "unauthorized",
          "not_found", "model_not_found", "body_too_large", "queue_full", "engine_dead",
          "unsupported", "request_failed", "internal_error")
 """Every `code` the server sends."""
@@ -58,6 +59,8 @@ def from_engine_error(exc: ShunterError) -> ApiError:
     match exc:
         case QueueFullError():
             return ApiError(429, "queue_full", str(exc))
+        case RequestTooLongError():
+            return ApiError(400, "request_too_long", str(exc), "max_tokens")
         case PromptTooLongError():
             return ApiError(400, "prompt_too_long", str(exc), "prompt")
         case InvalidRequestError():

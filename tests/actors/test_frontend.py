@@ -36,7 +36,8 @@ from tests.fakes import CharCodec
 pytestmark = pytest.mark.trio
 
 CODEC = CharCodec()
-LIMITS = Limits(vocab_size=200, max_prompt_tokens=8, pool_tokens=64, max_queued_requests=3,
+LIMITS = Limits(vocab_size=200, max_prompt_tokens=8, pool_tokens=128, max_queued_requests=3,
+                max_context=256, block_size=16,
                 eos_token_ids=(0,))
 
 

@@ -80,7 +80,8 @@ def test_a_step_moves_the_request_on():
         (3, 0, 0.25, 11.0)
     r.add_token(9, now=11.0)
     assert r.stop_reason(9, max_context=100) == "stop"
-    assert r.stop_reason(8, max_context=4) == "length"       # the context limit
+    assert r.stop_reason(8, max_context=4) == "context"      # cut short: never `length`
+    assert r.stop_reason(8, max_context=4, limit="pool") == "pool"
     r.recompute()
     assert (r.state, r.computed_tokens, r.blocks, r.output_ids) == ("waiting", 0, 0, [9])
 

@@ -97,9 +97,9 @@ def test_finishing_the_step_lands_tokens_and_endings_in_order():
     msg = StepFinished(step_id=1, compute_s=0.1, stall_s=0.5,
                        sampled=(SampledToken(request_id=1, token_id=7),
                                 SampledToken(request_id=2, token_id=8)))
-    result = finish_step(msg, requests, views, now=3.0, max_context=5)
+    result = finish_step(msg, requests, views, now=3.0, max_context=5, limit="pool")
     assert [(r.id, token, why) for r, token, why in result.events] == [
-        (1, 7, "length"), (2, None, "cancelled")]            # 1 reached the context limit
+        (1, 7, "pool"), (2, None, "cancelled")]              # 1 reached the pool's limit
     assert [(v.id, prompt, output) for v, prompt, output in result.served] == [(1, 3, 1), (3, 2, 0)]
     assert result.served[0][0] is views[0] and result.deadline_misses == 0
     assert [r.computed_tokens for r in requests.values()] == [4, 4, 2]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.policy import EngineCapabilities
-from policies import policy_path
+from policies import available, policy_path
 from policy_lang import ast, load_policy_file
 from policy_lang.edit import replace_rule
 from policy_lang.parser import parse
@@ -79,7 +79,8 @@ def test_policy_check_prints_ok_or_each_error_and_exits_0_or_2(tmp_path, capsys)
         "    preempt swapp\n"
         "            ^~~~~\n"
         f"{good}: ok\n"
-        f"{tmp_path}/none.policy: cannot read the policy file: No such file or directory\n")
+        f"{tmp_path}/none.policy: no such policy file or shipped policy; shipped: "
+        f"{', '.join(available())}\n")
 
 
 def test_policy_check_checks_the_language_not_the_engine(capsys):

@@ -66,7 +66,7 @@ async def test_leaving_the_loop_or_cancelling_frees_every_block():
 
         async def cancelled() -> None:
             with anyio.move_on_after(0.02):
-                async for _ in engine.generate([9] * 10, SamplingParams(max_tokens=500, ignore_eos=True)):
+                async for _ in engine.generate([9] * 10, SamplingParams(max_tokens=240, ignore_eos=True)):
                     pass
 
         async with anyio.create_task_group() as tg:
@@ -89,7 +89,7 @@ async def test_admission_errors_name_the_problem():
             await engine.complete([5, 500])
         with pytest.raises(InvalidRequestError, match="no tokenizer"):
             await engine.complete("text")
-        first = engine.generate([5, 6], SamplingParams(max_tokens=50, ignore_eos=True))
+        first = engine.generate([5, 6], SamplingParams(max_tokens=30, ignore_eos=True))
         await first.__anext__()
         with pytest.raises(QueueFullError, match="max_queued_requests=1"):
             await engine.complete([5])

@@ -85,7 +85,8 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
             f"{policy_path('vllm_baseline_markov')}:9:3: preempt swap is not supported by this "
             "engine (it supports: never, recompute; this engine was started with a backend that "
             "cannot swap)")
-        assert s.execute("load nowhere").startswith("no shipped policy named 'nowhere'")
+        assert s.execute("load fcsf").startswith(
+            "fcsf: no such policy file or shipped policy; did you mean fcfs? shipped: bros, ")
         assert s.engine.policy.settings.name == "fcfs"
         assert s.execute("explain").startswith(f"Policy fcfs ({policy_path('fcfs')}).")
 

@@ -18,8 +18,8 @@ from starlette.routing import Route
 
 from shunter import (
     Client, ConnectionLostError, Engine, EngineConfig, EngineDeadError, InvalidRequestError,
-    PromptTooLongError, QueueFullError, RequestFailedError, SamplingParams, SchedulingParams,
-    UnauthorizedError,
+    PromptTooLongError, QueueFullError, RequestFailedError, RequestTooLongError, SamplingParams,
+    SchedulingParams, UnauthorizedError,
 )
 from shunter.benchmark.policies import parse_policy
 from shunter.benchmark.run import report_json, run_one
@@ -230,7 +230,8 @@ async def test_refusals_of_other_servers_map_by_status(status, error):
 
 
 def test_every_code_the_server_sends_maps_to_an_exception():
-    expected = {"prompt_too_long": PromptTooLongError, "queue_full": QueueFullError,
+    expected = {"prompt_too_long": PromptTooLongError, "request_too_long": RequestTooLongError,
+                "queue_full": QueueFullError,
                 "engine_dead": EngineDeadError, "unauthorized": UnauthorizedError,
                 "request_failed": RequestFailedError, "internal_error": RequestFailedError}
     for code in CODES:
