@@ -109,7 +109,7 @@ def test_shunter_bench_writes_the_json_of_the_issue(traces, tmp_path, capsys):  
 
 
 def test_shunter_bench_plots(traces, tmp_path):  # noqa: F811
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="--plot needs matplotlib: pip install -e '.[plot]'")
     rc = main(["bench", "--workload", "sharegpt:requests=10,rate=5", "--traces", str(traces),
                "--plot", str(tmp_path / "plots"), "--quiet"])
     assert rc == 0

@@ -3,6 +3,7 @@ exit code 2; never a traceback."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,30 @@ def test_make_model_refuses_a_non_empty_directory_without_force(tmp_path: Path, 
                                        "not empty (--force writes into it)\n")
     assert main([*argv, "--force"]) == 0
     assert (tmp_path / "config.json").is_file() and (tmp_path / "notes.txt").is_file()
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"prompt": "a", "prompt_ids": [1]}', 'p.jsonl:2: has both "prompt" and "prompt_ids"; give one'),
+    ('{"prompt_ids": []}', 'p.jsonl:2: "prompt_ids" is empty'),
+    ('{"prompt": ""}', 'p.jsonl:2: "prompt" is empty'),
+    ('{"prompt": "a", "max_tokens": "ten"}', 'p.jsonl:2: "max_tokens" must be an integer, got "ten"'),
+    ('{"prompt": "a", "tenat": "x"}', 'p.jsonl:2: unknown key "tenat"; did you mean "tenant"? '
+     '(keys: prompt, prompt_ids, max_tokens, temperature, priority, request_class, tenant, '
+     'conversation_id)'),
+    ('{"prompt": "a", "max_tokens": 0}', "p.jsonl:2: max_tokens must be at least 1, got 0"),
+    ('{"prompt": "a",, }', "p.jsonl:2:16: not JSON: Expecting property name enclosed in double quotes"),
+])
+def test_a_bad_prompts_file_line_is_named(line, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    Path("p.jsonl").write_text('{"prompt": "ok", "max_tokens": 3, "priority": 1}\n' + line + "\n")
+    assert main(["generate", "--prompts-file", "p.jsonl"]) == 2
+    assert capsys.readouterr().err == f"shunter generate: {message}\n"
+
+
+def test_prompts_file_lines_carry_their_own_settings(tmp_path, capsys):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "def f", "max_tokens": 2, "priority": 3, "tenant": "a"}\n'
+                    '{"prompt_ids": [5, 6], "max_tokens": 5, "request_class": null}\n')
+    assert main(["generate", "--prompts-file", str(path), "--json", "--ignore-eos", "-v"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [len(r["token_ids"]) for r in lines] == [2, 5]
