@@ -7,7 +7,8 @@ import pytest
 from engine.policy import EngineCapabilities
 from policies import available, policy_path
 from policy_lang import ast, load_policy_file
-from policy_lang.edit import replace_rule
+from policy_lang.diagnostics import Diagnostic, Span
+from policy_lang.edit import edit_rule, replace_rule
 from policy_lang.parser import parse
 from shunter import PolicyCheckError, PolicySyntaxError
 from shunter.cli import main
@@ -113,3 +114,42 @@ def test_policy_explain_prints_plain_words(capsys):
         "torch backend today), by the moving average of observed iteration times (BROS Table 1).",
     ):
         assert line in out.splitlines(), line
+
+
+def _check_error(edit, *spans):
+    """A PolicyCheckError as the compiler raises it, at (line, column, end_column) of the edited
+    text, each `bad` in the file `p.policy`."""
+    diags = tuple(Diagnostic(span=Span(file="p.policy", line=line, column=col, end_line=line,
+                                       end_column=end), message="bad") for line, col, end in spans)
+    return PolicyCheckError("bad", diagnostics=diags)
+
+
+def test_errors_in_an_edit_point_into_the_rule_as_typed():
+    # typed with runs of spaces: the file gets them collapsed, the error the typed columns
+    edit = edit_rule(BASE, "priority   =  slak asc", filename="p.policy")
+    assert "  priority = slak asc   # and this one" in edit.source
+    assert edit.point_at_rule(_check_error(edit, (3, 14, 18)), "p.policy") == (
+        "<edit>:1:15: bad\n"
+        "  priority   =  slak asc\n"
+        "                ^~~~")
+
+
+def test_a_rule_of_several_lines_keeps_its_lines_and_errors_name_them():
+    edit = edit_rule(BASE, "priority =\n    arrival asc,\n    slak desc\n", filename="p.policy")
+    assert "  priority =\n    arrival asc,\n    slak desc   # and this one" in edit.source
+    assert edit.point_at_rule(_check_error(edit, (5, 5, 9)), "p.policy") == (
+        "<edit>:3:5: bad\n"
+        "      slak desc\n"
+        "      ^~~~")
+
+
+def test_an_error_outside_the_rule_names_the_edited_text_not_the_file():
+    edit = edit_rule(BASE, "preempt never", filename="p.policy")
+    assert edit.point_at_rule(_check_error(edit, (4, 3, 10)), "p.policy") == (
+        "<edit>:1:1: bad\n"
+        "  preempt never\n"
+        "  ^~~~~~~")
+    assert edit.point_at_rule(_check_error(edit, (5, 3, 9)), "p.policy") == (
+        "<p.policy as edited>:5:3: bad\n"
+        "    memory { swap_in sync; kv_reuse off }\n"
+        "    ^~~~~~")
