@@ -89,6 +89,7 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from shunter.benchmark.checks import check_policies, identical_runs_warning
     from shunter.benchmark.plots import require_matplotlib, write_plots
     from shunter.benchmark.policies import parse_policy
     from shunter.benchmark.report import table
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:
         require_matplotlib()
     choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
+    check_policies(choices)
     base = base_config(args)
     workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
     d = workload.describe()
@@ -109,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
     outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
                        progress=not args.quiet)
     print(table(outcomes))
+    if (warning := identical_runs_warning(workload, outcomes)) is not None:
+        print(warning, file=sys.stderr)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(finite(report_json(workload, base, outcomes)), indent=1) + "\n")
@@ -122,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
 def run_http(args: argparse.Namespace) -> int:
     """`--backend http`: the workload against a running server; each --policy is sent to a
     Shunter server through its admin API before its run (none: the server's own policy)."""
+    from shunter.benchmark.checks import check_policies
     from shunter.benchmark.http_run import HttpTarget, http_report_json, run_http_all
     from shunter.benchmark.policies import parse_policy
     from shunter.benchmark.report import table
@@ -131,6 +136,7 @@ def run_http(args: argparse.Namespace) -> int:
     if args.plot:
         raise ConfigError("--plot is not available with --backend http (no server-side series)")
     choices = [parse_policy(p) for p in args.policies or ()]
+    check_policies(choices)
     target = HttpTarget(url=args.url, api_key=args.api_key, vocab=args.vocab,
                         model=str(args.model) if args.model is not None else None)
     workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
