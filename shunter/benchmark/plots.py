@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from engine.config import EngineConfig
 from engine.errors import ShunterError
 from engine.metrics import request_metrics
 from shunter.benchmark.run import RunOutcome
@@ -42,8 +43,15 @@ def _cdf(ax, values: Sequence[float], label: str) -> None:
     ax.plot(pts, [min(1.0, i * step / n) for i in range(len(pts) - 1)] + [1.0], label=label)
 
 
-def write_plots(outcomes: Sequence[RunOutcome], out_dir: Path) -> list[Path]:
-    """Write latency_cdf.png and timeline.png; returns their paths."""
+def plot_title(workload: str, config: EngineConfig) -> str:
+    """What every plot is of: the workload, the backend, and its profile (sim) or model."""
+    where = (f"profile {config.profile}" if config.backend == "sim"
+             else f"model {Path(config.model).name}")
+    return f"workload {workload}, backend {config.backend}, {where}"
+
+
+def write_plots(outcomes: Sequence[RunOutcome], out_dir: Path, title: str = "") -> list[Path]:
+    """Write latency_cdf.png and timeline.png, each headed by `title`; returns their paths."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     ok = [o for o in outcomes if o.metrics is not None]
@@ -62,6 +70,7 @@ def write_plots(outcomes: Sequence[RunOutcome], out_dir: Path) -> list[Path]:
         ax.set_ylabel("fraction of requests" if ax is not axes[1] else "fraction of gaps")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    fig.suptitle(title)
     fig.tight_layout()
     cdf_path = out_dir / "latency_cdf.png"
     fig.savefig(cdf_path, dpi=110)
@@ -88,6 +97,7 @@ def write_plots(outcomes: Sequence[RunOutcome], out_dir: Path) -> list[Path]:
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle(title)
     fig.tight_layout()
     time_path = out_dir / "timeline.png"
     fig.savefig(time_path, dpi=110)

@@ -90,7 +90,7 @@ def base_config(args: argparse.Namespace) -> EngineConfig:
 
 def run(args: argparse.Namespace) -> int:
     from shunter.benchmark.checks import check_policies, identical_runs_warning
-    from shunter.benchmark.plots import require_matplotlib, write_plots
+    from shunter.benchmark.plots import plot_title, require_matplotlib, write_plots
     from shunter.benchmark.policies import parse_policy
     from shunter.benchmark.report import table
     from shunter.benchmark.run import report_json, run_all
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
         args.json.write_text(json.dumps(finite(report_json(workload, base, outcomes)), indent=1) + "\n")
         print(f"wrote {args.json}", file=sys.stderr)
     if args.plot:
-        for path in write_plots(outcomes, args.plot):
+        for path in write_plots(outcomes, args.plot, plot_title(workload.name, base)):
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(o.error for o in outcomes) else 0
 

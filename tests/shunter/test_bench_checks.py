@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.config import EngineConfig
+from shunter.benchmark.plots import plot_title
 from shunter.cli import main
 from tests.shunter.test_workloads import traces  # noqa: F401  (fixture)
 
@@ -36,3 +38,10 @@ def test_runs_on_a_workload_with_two_classes_do_not_warn(traces, capsys):  # noq
                  "--policy", "fcfs", "--policy", "fcfs@max_num_seqs=64", "--traces", str(traces),
                  "--quiet"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_plot_titles_name_the_workload_backend_and_profile_or_model():
+    sim = EngineConfig(backend="sim", profile="llama3-8b-a100")
+    assert plot_title("rtbe", sim) == "workload rtbe, backend sim, profile llama3-8b-a100"
+    torch_config = EngineConfig(backend="torch", model=Path("/models/tiny"))
+    assert plot_title("sharegpt", torch_config) == "workload sharegpt, backend torch, model tiny"
