@@ -84,4 +84,5 @@ class SchedulerStats:
             cpu_free_blocks=copies.num_free if copies else 0,
             cpu_total_blocks=copies.num_total if copies else 0,
             cpu_copies=copies.num_copies if copies else 0,
+            cpu_kept_blocks=copies.kept_blocks if copies else 0,
         )

@@ -32,6 +32,9 @@ class SchedulerSnapshot:
     cpu_total_blocks: int = 0
     cpu_copies: int = 0
     """CPU KV copies held: swapped-out requests, backups, and ended turns kept for reuse."""
+    cpu_kept_blocks: int = 0
+    """Of the host blocks in use, those holding conversations' ended turns kept for reuse: once
+    idle, every other host block is free (the soak's leak check)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -64,6 +64,12 @@ class HostCopies:
         """Copies held: swapped-out requests, backups, and ended turns kept for reuse."""
         return len(self.store.keys())
 
+    @property
+    def kept_blocks(self) -> int:
+        """Host blocks holding conversations' ended turns (keys from `conversation_key`)."""
+        keys = self.store.keys()  # a list: the store is no dict
+        return sum(len(self.store.blocks(k)) for k in keys if isinstance(k, tuple))
+
     def has_orders(self) -> bool:
         return bool(self._orders)
 

@@ -1,0 +1,51 @@
+"""The soak (bench/soak.py) in its short form: ~200 requests, half under asyncio and half under
+trio, against a swapping engine whose policy is replaced while it serves. SHUNTER_SLOW=1 runs the
+full 10,000."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import slow_scale
+
+
+def load_soak():
+    path = Path(__file__).resolve().parents[2] / "bench" / "soak.py"
+    spec = importlib.util.spec_from_file_location("bench_soak", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_every_request_ends_nothing_leaks_and_outputs_match_the_reference(tiny_llama_dir):
+    soak = load_soak()
+    requests = slow_scale(10_000, 200)
+    result = soak.run(tiny_llama_dir, requests, seed=1, concurrency=slow_scale(2000, 200),
+                      replace_every_s=0.05, timeout_s=slow_scale(3600, 120))
+    for backend, run in result["runs"].items():
+        assert soak.problems(run) == [], (backend, run)
+        assert run["ended"] == run["requests"] >= requests // 2
+        assert run["outcomes"]["completed"] > run["requests"] // 2
+        for where in ("before_admission", "before_first_token", "mid_stream"):
+            assert run["outcomes"].get(f"cancelled_{where}", 0) > 0, (backend, where)
+        assert run["preemptions"] > 0 and run["swap_blocks_out"] > 0 and run["swap_blocks_in"] > 0
+        assert run["share_of_samples_with_a_request_swapped"] > 0.5
+        assert run["policy_replacements"] >= 2
+        assert run["host_blocks_kept_for_conversations"] > 0
+
+
+def test_the_leak_check_catches_a_leak_and_a_mismatch():
+    soak = load_soak()
+    clean = {"requests": 3, "ended": 3, "mismatches": 0, "device_blocks_left": 0,
+             "host_blocks_leaked": 0, "errors": {"error: the model step failed: boom": 1},
+             "replacement_errors": []}
+    assert soak.problems(clean) == []
+    assert soak.problems({**clean, "ended": 2}) == ["1 requests never ended"]
+    assert soak.problems({**clean, "host_blocks_leaked": 2}) == ["leaked blocks: device 0, host 2"]
+    assert soak.problems({**clean, "mismatches": 1}) == ["1 outputs differ from the reference"]
+    assert soak.problems({**clean, "errors": {"pool: None": 1}}) == [
+        "failures without a clear error: {'pool: None': 1}"]
