@@ -85,7 +85,8 @@ class ReplSession:
         lines = status.head()
         if (w := self.workload) is not None:
             finished, failed, in_flight = list(w.finished), w.failed, dict(w.in_flight)
-            state = "paused" if w.paused else f"{w.rate:g} requests/s"
+            state = "paused" if w.paused else f"{w.rate:g} requests/s and {w.be_backlog} BE " \
+                                              f"kept waiting or running"
             lines.append(f"workload: {state}; in flight rt {in_flight['rt']}, be "
                          f"{in_flight['be']}; {len(finished)} finished, {failed} failed")
         return "\n".join(lines + status.tail())
@@ -168,7 +169,10 @@ def open_session(config: EngineConfig, *, backend: Any = None, policy: Policy | 
     with anyio.from_thread.start_blocking_portal(backend=async_backend) as portal:
         started = Engine.start(config, policy=policy, backend=backend)
         with portal.wrap_async_context_manager(started) as engine:
-            workload = Workload(engine, rate=rate, seed=seed, max_in_flight=max_in_flight)
+            # a BE backlog as deep as the batch: requests always wait, so the policy's order
+            # shows in `status` on a fast machine as on a slow one
+            workload = Workload(engine, rate=rate, seed=seed, max_in_flight=max_in_flight,
+                                be_backlog=config.max_num_seqs)
             running = portal.start_task_soon(workload.run)
             try:
                 yield ReplSession(Local(portal, engine, workload))

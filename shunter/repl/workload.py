@@ -31,7 +31,7 @@ class Finished:
 
 class Workload:
     def __init__(self, engine: Engine, *, rate: float, seed: int = 0, rt_share: float = 0.5,
-                 max_in_flight: int = 32, keep: int = 5000) -> None:
+                 max_in_flight: int = 32, be_backlog: int = 0, keep: int = 5000) -> None:
         self.engine = engine
         self.rate = rate
         """Mean arrivals per second."""
@@ -39,6 +39,9 @@ class Workload:
         self.epoch = 0
         self.rt_share = rt_share
         self.max_in_flight = max_in_flight
+        self.be_backlog = be_backlog
+        """BE requests kept in flight on top of the arrivals (a closed loop), so that a queue
+        forms however fast the machine is and the policy's order shows in the numbers."""
         self.in_flight = {"rt": 0, "be": 0}
         self.finished: deque[Finished] = deque(maxlen=keep)
         self.submitted = 0
@@ -49,15 +52,24 @@ class Workload:
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self._keep_backlog, tg)
             while True:
                 if self.paused or self.rate <= 0:
                     await anyio.sleep(0.05)
                     continue
                 await anyio.sleep(self._rng.expovariate(self.rate))
-                if self.paused or sum(self.in_flight.values()) >= self.max_in_flight:
+                if self.paused or sum(self.in_flight.values()) >= self.max_in_flight + \
+                        self.be_backlog:
                     continue
                 label = "rt" if self._rng.random() < self.rt_share else "be"
                 tg.start_soon(self._one, label, self._request(label))
+
+    async def _keep_backlog(self, tg: anyio.abc.TaskGroup) -> None:
+        while True:
+            while not self.paused and self.in_flight["be"] < self.be_backlog:
+                self.in_flight["be"] += 1  # counted now: `_one` starts later
+                tg.start_soon(self._one, "be", self._request("be"), True)
+            await anyio.sleep(0.02)
 
     def _request(self, label: str) -> tuple[list[int], SamplingParams, SchedulingParams]:
         rng, backend = self._rng, self.engine.backend
@@ -79,9 +91,10 @@ class Workload:
         return (wanted is not None and "unknown request class" in str(exc)
                 and self.engine.policy.settings.class_spec(wanted) is None)
 
-    async def _one(self, label: str, request: tuple) -> None:
+    async def _one(self, label: str, request: tuple, counted: bool = False) -> None:
         prompt, params, scheduling = request
-        self.in_flight[label] += 1
+        if not counted:
+            self.in_flight[label] += 1
         try:
             try:
                 done = await self.engine.complete(prompt, params, scheduling=scheduling)

@@ -230,3 +230,15 @@ def test_the_commands_drive_a_running_server_with_connect():
             assert s.execute("status").startswith("cannot reach http://127.0.0.1:9")
     finally:
         server.stop()
+
+
+def test_the_workload_keeps_a_be_backlog_as_deep_as_the_batch_so_requests_queue():
+    with open_session(CONFIG, backend=fake_backend(256, 4, step_delay=0.002), rate=0) as s:
+        wait_for(lambda: finished(s) >= 10)  # a closed loop: finished BE requests are replaced
+        wait_for(lambda: s.workload.in_flight == {"rt": 0, "be": 8})
+        assert max(f.label for f in s.workload.finished) == "be"
+        s.workload.rate = 100  # any RT arrival now waits behind a full batch, as the policy says
+        wait_for(lambda: s.engine.policy_version == 1 and "waiting" in s.execute("status")
+                 and int(s.execute("status").splitlines()[1].split()[1]) > 0)
+        s.execute("workload pause")
+        assert s.execute("status").splitlines()[3].startswith("workload: paused; in flight rt ")
