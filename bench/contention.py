@@ -1,0 +1,113 @@
+"""How much one other busy process slows generation, for each thread setting, in one run.
+
+Each cell serves the same workload (the shipped model, --requests concurrent greedy requests of
+--max-tokens tokens each) in a fresh process of its own, quiet and then with one competing
+process spinning on a core, and reports output tokens/s. Cells are interleaved round by round so
+that slow drift of the machine hits every setting alike. Prints one JSON object; --out writes it.
+
+    python bench/contention.py [--rounds 2] [--requests 16] [--max-tokens 64] [--out FILE]
+
+Settings: the engine's default (torch's own thread count, one per core, and OpenMP's default wait
+at barriers: spin a while, then sleep), one thread (`--threads 1`), and the default thread count
+with OMP_WAIT_POLICY=PASSIVE (threads sleep at barriers at once); `--try VAR=VALUE,...` adds one.
+Ratios are against the default's quiet speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+SETTINGS = {
+    "threads=default": ({}, None),
+    "threads=1": ({}, 1),
+    "threads=default, OMP_WAIT_POLICY=PASSIVE": ({"OMP_WAIT_POLICY": "PASSIVE"}, None),
+}
+BASELINE = next(iter(SETTINGS))
+
+CHILD = """
+import sys, time, json, anyio
+sys.path.insert(0, {root!r})
+from shunter import Engine, EngineConfig, SamplingParams
+
+async def main():
+    config = EngineConfig(threads={threads!r})
+    async with Engine.start(config) as engine:
+        params = SamplingParams(max_tokens={max_tokens}, ignore_eos=True)
+        await engine.complete([5, 6, 7], SamplingParams(max_tokens=4))  # warm-up
+        tokens = 0
+        began = time.perf_counter()
+        async def one(i):
+            nonlocal tokens
+            done = await engine.complete([(i * 7 + k) % 300 + 3 for k in range(24)], params)
+            tokens += len(done.token_ids)
+        async with anyio.create_task_group() as tg:
+            for i in range({requests}):
+                tg.start_soon(one, i)
+        print(json.dumps({{"tokens_per_s": tokens / (time.perf_counter() - began)}}))
+
+anyio.run(main)
+"""
+
+
+def run_cell(env_extra: dict[str, str], threads: int | None, busy: bool, args) -> float:
+    code = CHILD.format(root=str(ROOT), threads=threads, max_tokens=args.max_tokens,
+                        requests=args.requests)
+    competitor = None
+    if busy:
+        competitor = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)
+    try:
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env_extra},
+                             capture_output=True, text=True, check=True, timeout=600)
+    finally:
+        if competitor is not None:
+            competitor.kill()
+            competitor.wait()
+    return json.loads(out.stdout.strip().splitlines()[-1])["tokens_per_s"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--requests", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--try", dest="extra", action="append", default=[], metavar="VAR=VALUE,...",
+                   help="one more setting: environment variables for the default thread count")
+    args = p.parse_args()
+    for spec in args.extra:
+        SETTINGS[spec] = (dict(kv.split("=", 1) for kv in spec.split(",")), None)
+    cells: dict[str, dict[str, list[float]]] = {
+        name: {"quiet": [], "busy": []} for name in SETTINGS}
+    for _ in range(args.rounds):
+        for name, (env_extra, threads) in SETTINGS.items():
+            for busy in (False, True):
+                tps = run_cell(env_extra, threads, busy, args)
+                cells[name]["busy" if busy else "quiet"].append(tps)
+                print(f"{name:45s} {'busy' if busy else 'quiet'}: {tps:8.1f} tok/s", file=sys.stderr)
+    base = statistics.median(cells[BASELINE]["quiet"])
+    result = {"requests": args.requests, "max_tokens": args.max_tokens, "rounds": args.rounds,
+              "cpus": os.cpu_count(), "settings": {}}
+    for name, c in cells.items():
+        quiet, busy = statistics.median(c["quiet"]), statistics.median(c["busy"])
+        result["settings"][name] = {
+            "quiet_tokens_per_s": quiet, "busy_tokens_per_s": busy,
+            "slowdown_with_competitor": quiet / busy,
+            "quiet_vs_default_quiet": quiet / base, "runs": c}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
