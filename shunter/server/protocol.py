@@ -116,7 +116,12 @@ def sampling_params(body: dict, default_max_tokens: int, max_context: int) -> Sa
     _refuse_unsupported(body)
     max_tokens = field(body, "max_tokens", int, _MISSING)
     if max_tokens is _MISSING:
-        max_tokens = field(body, "max_completion_tokens", int, default_max_tokens)
+        max_tokens = field(body, "max_completion_tokens", int, _MISSING)
+    # a client that named no length gets the default or what fits, whichever is less (finish
+    # reason `pool` or `context` when that was less), not a refusal for a limit it never chose
+    truncate = max_tokens is _MISSING
+    if truncate:
+        max_tokens = default_max_tokens
     if max_tokens > max_context:
         raise invalid(f"max_tokens={max_tokens} is more than the model's context length "
                       f"{max_context}", "max_tokens")
@@ -129,7 +134,7 @@ def sampling_params(body: dict, default_max_tokens: int, max_context: int) -> Sa
             max_tokens=max_tokens, temperature=field(body, "temperature", float, 1.0),
             top_p=field(body, "top_p", float, 1.0), top_k=0 if top_k == -1 else top_k,
             seed=seed, stop=_stop(body), ignore_eos=field(body, "ignore_eos", bool, False),
-            stop_token_ids=tuple(_token_ids(body, "stop_token_ids")))
+            stop_token_ids=tuple(_token_ids(body, "stop_token_ids")), truncate=truncate)
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None
 

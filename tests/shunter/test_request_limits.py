@@ -97,3 +97,20 @@ def test_the_cli_exits_2_with_the_one_line_message(tiny_llama_dir, capsys):
     assert err == (f"shunter generate: prompt ({n} tokens) + max_tokens (100) = {n + 100} tokens, "
                    f"but the KV pool holds 48 tokens (num_blocks=3 x block_size=16): {n + 52} too "
                    f"many; lower max_tokens to at most {48 - n} or give the engine more blocks\n")
+
+
+async def test_over_http_a_request_naming_no_length_gets_what_fits():
+    """No max_tokens: the server's default (16 for completions) or what fits, whichever is less;
+    never a refusal for a limit the client did not choose."""
+    async with serving(CONFIG, backend=pool_bound()) as s:
+        async with httpx.AsyncClient(base_url=s.url) as http:
+            r = await http.post("/v1/completions", json={"prompt": PROMPT, "ignore_eos": True,
+                                                         "return_token_ids": True})
+            assert r.status_code == 200
+            choice = r.json()["choices"][0]
+            assert choice["finish_reason"] == "pool"
+            assert choice["token_ids"] == expected_continuation(PROMPT, 11)
+            short = await http.post("/v1/completions", json={"prompt": PROMPT[:20],
+                                                             "ignore_eos": True})
+            assert short.json()["choices"][0]["finish_reason"] == "length"
+            assert short.json()["usage"]["completion_tokens"] == 16
