@@ -16,8 +16,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from shunter.commands.common import non_negative_int, positive_int
-from shunter.workloads import help_text, load_workload
+from shunter.commands.common import add_step_options, engine_config, non_negative_int, positive_int
+from shunter.workloads import Workload, help_text, load_workload
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,16 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--plot", type=Path, default=None, metavar="DIR",
                    help="write PNG plots here (needs matplotlib: pip install 'shunter[plot]')")
     g = p.add_argument_group("engine")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per iteration")
-    g.add_argument("--max-batched-tokens", type=positive_int, default=512,
-                   help="token budget per iteration")
+    add_step_options(g)
     g.add_argument("--max-queued-requests", type=positive_int, default=100_000,
                    help="admission limit (high: a benchmark measures queueing, not refusals)")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's own choice)")
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="torch backend's event loop (sim always uses trio's virtual clock)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -78,14 +71,8 @@ engine settings, to compare engine configurations."""
 
 
 def base_config(args: argparse.Namespace) -> EngineConfig:
-    fields: dict[str, Any] = dict(
-        backend=args.backend, block_size=args.block_size, num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs, max_batched_tokens=args.max_batched_tokens,
-        max_queued_requests=args.max_queued_requests, device=args.device, dtype=args.dtype,
-        threads=args.threads, cpu_swap_blocks=args.cpu_swap_blocks, profile=args.profile)
-    if args.model is not None:
-        fields["model"] = args.model
-    return EngineConfig(**fields)
+    return engine_config(args, backend=args.backend, profile=args.profile,
+                         max_queued_requests=args.max_queued_requests)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,21 +89,15 @@ def run(args: argparse.Namespace) -> int:
     choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
     check_policies(choices)
     base = base_config(args)
-    workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
-    d = workload.describe()
-    print(f"workload {workload.name}: {d['requests']} requests"
-          f"{' + BE batches' if workload.batches else ''}, {d['duration_s']:.0f} s of arrivals; "
-          f"backend {base.backend}"
-          f" ({base.profile if base.backend == 'sim' else base.model})", file=sys.stderr)
+    workload = _load_workload(args, f"backend {base.backend} "
+                                    f"({base.profile if base.backend == 'sim' else base.model})")
     outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
                        progress=not args.quiet)
     print(table(outcomes))
     if (warning := identical_runs_warning(workload, outcomes)) is not None:
         print(warning, file=sys.stderr)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(finite(report_json(workload, base, outcomes)), indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, report_json(workload, base, outcomes))
     if args.plot:
         for path in write_plots(outcomes, args.plot, plot_title(workload.name, base)):
             print(f"wrote {path}", file=sys.stderr)
@@ -139,20 +120,29 @@ def run_http(args: argparse.Namespace) -> int:
     check_policies(choices)
     target = HttpTarget(url=args.url, api_key=args.api_key, vocab=args.vocab,
                         model=str(args.model) if args.model is not None else None)
-    workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
-    d = workload.describe()
-    print(f"workload {workload.name}: {d['requests']} requests"
-          f"{' + BE batches' if workload.batches else ''}, {d['duration_s']:.0f} s of arrivals; "
-          f"server {target.url}", file=sys.stderr)
+    workload = _load_workload(args, f"server {target.url}")
     outcomes = run_http_all(choices, workload, target, async_backend=args.async_backend,
                             progress=not args.quiet)
     print(table(outcomes))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(finite(http_report_json(workload, target, outcomes)),
-                                        indent=1) + "\n")
-        print(f"wrote {args.json}", file=sys.stderr)
+        _write_json(args.json, http_report_json(workload, target, outcomes))
     return 1 if any(o.error for o in outcomes) else 0
+
+
+def _load_workload(args: argparse.Namespace, where: str) -> Workload:
+    """The workload the spec names, announced on stderr with where it will be served."""
+    workload = load_workload(args.workload, traces_dir=args.traces, seed=args.seed)
+    d = workload.describe()
+    print(f"workload {workload.name}: {d['requests']} requests"
+          f"{' + BE batches' if workload.batches else ''}, {d['duration_s']:.0f} s of arrivals; "
+          f"{where}", file=sys.stderr)
+    return workload
+
+
+def _write_json(path: Path, report: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(finite(report), indent=1) + "\n")
+    print(f"wrote {path}", file=sys.stderr)
 
 
 def finite(obj: Any) -> Any:

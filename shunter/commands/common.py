@@ -39,13 +39,7 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="Hugging Face-format model directory (default: the shipped model)")
     g.add_argument("--num-blocks", type=positive_int, default=None,
                    help="KV blocks in the device pool; small values force preemption")
-    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
-    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per iteration")
-    g.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget per iteration")
-    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                   help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
-    g.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    add_step_options(g)
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="event loop to run the engine on")
     g.add_argument("--cpu-swap-blocks", type=non_negative_int, default=None,
@@ -54,6 +48,19 @@ def add_engine_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--policy", default=None, metavar="FILE|NAME",
                    help="scheduling policy file, or the name of a shipped one such as "
                         "fastswitch_markov (default: policies/fcfs.policy)")
+
+
+def add_step_options(g: argparse._ArgumentGroup) -> None:
+    """The options every command that starts an engine shares with `shunter bench`: the shape
+    of a step and where it runs."""
+    g.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=positive_int, default=64, help="most sequences per iteration")
+    g.add_argument("--max-batched-tokens", type=positive_int, default=512, help="token budget per iteration")
+    g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                   help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch CPU threads (default: torch's own choice, one per core)")
 
 
 def resolve_policy(spec: str) -> Path:
