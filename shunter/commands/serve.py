@@ -11,7 +11,6 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from shunter.commands.common import add_engine_options, engine_config
 from shunter.engine import Engine
-from shunter.server.chat import ChatTemplateError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -38,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 async def serve(config: EngineConfig, args: argparse.Namespace) -> None:
     from shunter.server.app import build_app
+    from shunter.server.chat import ChatTemplateError
     from shunter.server.serve import drain_on_signal, serve_app
     from shunter.server.settings import ServerSettings
 
