@@ -48,6 +48,11 @@ class Allocator:
         self._inbox = inbox
         self._executor = executor
         self._swap_pool = swap_pool
+        self._expected: dict[int, int] = {}
+        """Each live request's expected size in blocks (prompt + max_tokens), told to the pool
+        again whenever the request starts over with no blocks (after a preemption): block groups
+        size its next group from it (FastSwitch §3.1), where a lost hint left a request past the
+        default 60 blocks growing one block at a time."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -80,10 +85,11 @@ class Allocator:
         pool = self._pool
         for s in plan.setups:  # block groups size new requests' first groups to fit them
             tokens = len(s.prompt_ids) + s.sampling.max_tokens
-            pool.expect(s.request_id, -(-tokens // self._block_size))
+            self._expected[s.request_id] = -(-tokens // self._block_size)
         transfers = self._swap_outs(plan)
         for rid in plan.release:
             pool.free(rid)
+            self._expected.pop(rid, None)
         updates: dict[int, BlockUpdate] = {}
         for rid in plan.preempt:
             pool.free(rid)
@@ -91,6 +97,7 @@ class Allocator:
         for i in plan.swap_in:
             if pool.table(i.request_id):
                 raise RuntimeError(f"request {i.request_id} is swapped in but still holds blocks")
+            self._renew_hint(i.request_id)
             got = pool.allocate(i.request_id, len(i.cpu_blocks))
             transfers.append(SwapTransfer(request_id=i.request_id, direction="in",
                                           pairs=tuple(zip(got, i.cpu_blocks)), sync=i.sync))
@@ -99,6 +106,8 @@ class Allocator:
         for rid, target in plan.block_targets:
             have = len(pool.table(rid))
             if target > have:
+                if not have:
+                    self._renew_hint(rid)
                 new = tuple(pool.allocate(rid, target - have))
                 old = updates.get(rid)
                 if old is None:
@@ -109,6 +118,13 @@ class Allocator:
         step = ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
                            blocks=tuple(updates.values()), seqs=plan.seqs)
         return step, tuple(transfers)
+
+    def _renew_hint(self, request_id: int) -> None:
+        """A request starting with no blocks (new, or back after a preemption) tells the pool
+        its expected size again; freeing its blocks made the pool forget it."""
+        blocks = self._expected.get(request_id)
+        if blocks is not None:
+            self._pool.expect(request_id, blocks)
 
     def _swap_outs(self, plan: RunStep) -> list[SwapTransfer]:
         """The device -> host copies of the plan, read off the tables before anything is freed."""

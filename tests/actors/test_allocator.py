@@ -152,3 +152,24 @@ async def test_new_requests_tell_block_groups_how_large_to_reserve(nursery, auto
                                       block_targets=((1, 1), (2, 1))))
     # 1 expects 16 tokens (4 blocks): 2's group starts right after that reservation
     assert [u.append for u in step.blocks] == [(0,), (4,)]
+
+
+async def test_a_swapped_in_request_keeps_its_group_size_hint(nursery, autojump_clock):
+    """Issue 13, defect 1: after a preemption a request still grows inside groups sized from
+    its expected length, not one block at a time from wherever a hole is (FastSwitch §3.1)."""
+    pool = BlockGroupManager(range(1000), expected_group=60)
+    a = await _start(nursery, pool)
+    setups = tuple(_make_setup(r, prompt=BS * 70, max_tokens=BS * 30) for r in (1, 2))
+    await a.execute(_make_step(1, setups=setups, block_targets=((1, 70), (2, 70))))
+    await a.inbox.send(_make_step(2, preempt=(1, 2), swap_out=tuple(
+        SwapOut(request_id=r, first_block=0, cpu_blocks=tuple(range(r * 100, r * 100 + 70)))
+        for r in (1, 2))))
+    await receive(a.swap_pool)
+    await a.inbox.send(_make_step(3, swap_in=tuple(
+        SwapIn(request_id=r, cpu_blocks=tuple(range(r * 100, r * 100 + 70)), sync=True)
+        for r in (1, 2)), block_targets=((1, 70), (2, 70))))
+    await receive(a.swap_pool)
+    for n, target in enumerate(range(71, 101)):       # both grow a block an iteration
+        await a.execute(_make_step(4 + n, block_targets=((1, target), (2, target))))
+    # each holds 100 blocks, the size its first group was sized for: one run each
+    assert [len(pool.runs(r)) for r in (1, 2)] == [1, 1]
