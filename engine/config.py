@@ -51,7 +51,8 @@ class EngineConfig:
     max_prompt_tokens: int | None = None
     """Admission limit on prompt length; None means the model's context length."""
     threads: int | None = None
-    """torch intra-op threads for the CPU path; None leaves torch's default."""
+    """torch intra-op threads for the CPU path, kept fixed; None lets the runner choose among one
+    per core, half and one by timing its own steps (gpu/thread_tuner.py)."""
     inbox_size: int = 256
     """Capacity of each actor's inbox."""
     policy: Path | None = attrs.field(default=None, converter=attrs.converters.optional(Path))
@@ -63,13 +64,18 @@ class EngineConfig:
     """Sim backend: the timing profile (a name from `shunter profile list`, or a JSON path)."""
     record_iterations: bool = False
     """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
+    pipeline_stages: int = 1
+    """Torch backend: run the model as a pipeline of this many stage processes, each holding a
+    contiguous range of layers (gpu/pipeline.py); 1 runs it in this process."""
+    pipeline_microbatches: int | None = None
+    """Microbatches each pipelined step is cut into; None: twice the stages."""
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_swap_blocks is not None and self.cpu_swap_blocks < 0:
             raise ConfigError(f"cpu_swap_blocks must be >= 0, got {self.cpu_swap_blocks}")
         for name in ("block_size", "num_blocks", "kv_cache_mib", "max_num_seqs",
                      "max_batched_tokens", "max_queued_requests", "max_prompt_tokens",
-                     "threads", "inbox_size"):
+                     "threads", "inbox_size", "pipeline_stages", "pipeline_microbatches"):
             _positive(name, getattr(self, name))
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be 'torch' or 'sim', got {self.backend!r}")

@@ -131,28 +131,39 @@ class CausalLM(nn.Module):
         self.attention_backend: AttentionBackend = attention_backend
         self.arena: DeviceArena | None = None
         self._kv: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+        self.first_stage = self.last_stage = True
+        """A pipeline stage (`from_pretrained(layers=...)`) that is not first takes hidden
+        states instead of token ids; one that is not last returns hidden states, not logits."""
 
     @classmethod
     def from_pretrained(
         cls, model_dir: str | Path, *, device: str | torch.device = "cpu",
         dtype: torch.dtype | None = None, num_kv_blocks: int, block_size: int = 16,
-        attention_backend: AttentionBackend = "torch",
+        attention_backend: AttentionBackend = "torch", layers: range | None = None,
     ) -> CausalLM:
         """Validate the directory and weights, then load them into a new DeviceArena.
-        dtype None: float32 on CPU, the checkpoint's dtype on CUDA."""
+        dtype None: float32 on CPU, the checkpoint's dtype on CUDA. `layers` (a contiguous
+        range) makes a pipeline stage: only those decoder layers, renumbered from 0, with an
+        arena whose KV blocks hold just their KV."""
         check_model_dir(model_dir)
-        config = ModelConfig.from_dir(model_dir)
-        locations = check_weights(model_dir, config)
+        full = ModelConfig.from_dir(model_dir)
+        locations = check_weights(model_dir, full)
+        config, first = full, 0
+        if layers is not None and layers != range(full.num_layers):
+            config, first = attrs.evolve(full, num_layers=len(layers)), layers.start
+            locations = {n: p for n, p in locations.items() if _stage_name(n, layers)}
         device = torch.device(device)
         if dtype is None:
             dtype = torch.float32 if device.type == "cpu" else config.dtype
         arena = DeviceArena(config, num_kv_blocks=num_kv_blocks, block_size=block_size,
                             dtype=dtype, device=device)
-        copy_weights(locations, arena.weight)
+        copy_weights(locations, lambda name: arena.weight(_stage_name(name, layers) or name))
         model = cls(config, rope_device=device, attention_backend=attention_backend)
         model._replace_parameters(lambda name, _: arena.weight(name), requires_grad=False)
         model.arena = arena
         model._kv = tuple(arena.layer_kv(i) for i in range(config.num_layers))
+        model.first_stage = first == 0
+        model.last_stage = first + config.num_layers == full.num_layers
         return model.eval()
 
     @classmethod
@@ -195,8 +206,9 @@ class CausalLM(nn.Module):
 
     def _hidden(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 attend: AttendFn) -> torch.Tensor:
-        """input_ids, positions: [*N] -> hidden states before the final norm: [*N, hidden]."""
-        h = self.model.embed_tokens(input_ids)
+        """input_ids, positions: [*N] -> hidden states before the final norm: [*N, hidden].
+        A stage after the first gets hidden states [*N, hidden] in place of ids."""
+        h = self.model.embed_tokens(input_ids) if self.first_stage else input_ids
         cos, sin = self.rotary(positions, h.dtype)  # [*N, 1, D]
         for layer in self.model.layers:
             h = layer(h, cos, sin, attend)
@@ -215,6 +227,14 @@ class CausalLM(nn.Module):
         input_ids, positions: [T] int64 (prefill chunks first, then decodes, as in `meta`);
         logits_indices: [S'] int64 rows of the batch to compute logits for -> [S', vocab] float32.
         """
+        return self.forward_stage(input_ids, positions, meta, logits_indices)
+
+    @torch.inference_mode()
+    def forward_stage(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over the paged cache. x: token ids [T] on the first stage, else
+        the previous stage's hidden states [T, hidden]; returns logits [S', vocab] float32 on
+        the last stage, else hidden states [T, hidden] for the next. A whole model is both."""
         if self.arena is None:
             raise RuntimeError("the paged forward needs a model loaded with from_pretrained "
                                "(init_random models have no KV cache; use forward_dense)")
@@ -232,8 +252,8 @@ class CausalLM(nn.Module):
             return paged_attention(q, k_cache, v_cache, meta, self.scale,
                                    self.attention_backend, decode_plan=plan, k_new=k, v_new=v)
 
-        h = self._hidden(input_ids, positions, attend)  # [T, hidden]
-        return self._logits(h[logits_indices])
+        h = self._hidden(x, positions, attend)  # [T, hidden]
+        return self._logits(h[logits_indices]) if self.last_stage else h
 
     def forward_dense(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Causal attention over whole sequences, no cache: [B, S] -> [B, S, vocab] float32."""
@@ -249,3 +269,12 @@ class CausalLM(nn.Module):
             return o.transpose(1, 2)
 
         return self._logits(self._hidden(input_ids, positions, attend))
+
+
+def _stage_name(name: str, layers: range | None) -> str | None:
+    """A checkpoint tensor's name in a stage holding `layers` (its layers renumbered from 0),
+    or None when the stage does not hold it. The global tensors are in every stage."""
+    if layers is None or not name.startswith("model.layers."):
+        return name
+    index, _, rest = name[len("model.layers."):].partition(".")
+    return f"model.layers.{int(index) - layers.start}.{rest}" if int(index) in layers else None

@@ -85,8 +85,14 @@ def _torch_backend(config: EngineConfig) -> Backend:
         num_blocks = blocks_for_bytes(model, config.block_size, dtype,
                                       int(config.kv_cache_mib * 2**20))
     max_context = model.max_position_embeddings
+    if config.pipeline_stages > 1:
+        from gpu.pipeline import PipelineRunner
+
+        runner: Any = PipelineRunner(config, model, num_blocks)
+    else:
+        runner = TorchRunner(config, model, num_blocks)
     return Backend(
-        runner=TorchRunner(config, model, num_blocks),
+        runner=runner,
         codec=TokenizerCodec(tokenizer),
         vocab_size=model.vocab_size,
         eos_token_ids=tuple(model.eos_token_ids),

@@ -45,3 +45,7 @@ def tiny_qwen2_dir(tmp_path_factory: pytest.TempPathFactory):
 def anyio_backend(request: pytest.FixtureRequest) -> str:
     """Every `@pytest.mark.anyio` test runs under both event loops."""
     return request.param
+
+
+# session-scoped process setups of the cluster tests (registered here so every test sees them)
+from tests.cluster_fixtures import pipeline_group  # noqa: E402,F401

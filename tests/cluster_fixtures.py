@@ -1,0 +1,22 @@
+"""Session-scoped process setups shared by the cluster tests: each spawns processes that import
+torch (seconds each on 2 cores), so every test that needs one shares it."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def pipeline_group(tiny_llama_dir):
+    """Two stage processes of the tiny Llama (one layer each), joined over gloo."""
+    from engine.config import EngineConfig
+    from gpu.config import ModelConfig
+    from gpu.pipeline import PipelineGroup
+
+    config = EngineConfig(model=tiny_llama_dir, device="cpu", threads=1, pipeline_stages=2,
+                          num_blocks=64, cpu_swap_blocks=0)
+    group = PipelineGroup(config, ModelConfig.from_dir(tiny_llama_dir), 64, stages=2,
+                          microbatches=4)
+    group.start()
+    yield group
+    group.stop()
