@@ -37,11 +37,22 @@ def write_kv(
 
 
 def _gather_kv(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` cached tokens: [length, Hkv, D]."""
+    """One sequence's first `length` cached tokens: [length, Hkv, D]. A negative table entry
+    `-b - 1` is block b filled right to left (BROS §5.1)."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [nb, bs, Hkv, D]
-    return blocks.reshape(-1, *cache.shape[2:])[:length]
+    entries = block_table[:num_blocks].long()
+    pos = torch.arange(length, device=cache.device)
+    blocks, offsets = _physical(entries[pos // block_size], pos % block_size, block_size)
+    return cache[blocks, offsets]
+
+
+def _physical(entries, offsets, block_size: int):
+    """(block, slot offset) of logical `offsets` in the blocks `entries` name (torch or numpy,
+    elementwise); a negative entry is a block filled right to left."""
+    reverse = entries < 0
+    blocks = reverse * (-entries - 1) + ~reverse * entries
+    return blocks, reverse * (block_size - 1 - offsets) + ~reverse * offsets
 
 
 def prefill_attention_torch(
@@ -123,9 +134,9 @@ def plan_decode(block_tables: torch.Tensor, seq_lens_host: Sequence[int], block_
         length = int(lens[rows].max())
         pos = np.arange(length)
         valid = pos[None, :] < lens[rows, None]  # [b, S]
-        own = tables[rows]
-        blocks = np.where(valid, own[:, pos // block_size], own[:, :1]).astype(np.int64)
-        offsets = np.where(valid, pos % block_size, 0)
+        own = tables[rows].astype(np.int64)
+        entries = np.where(valid, own[:, pos // block_size], own[:, :1])
+        blocks, offsets = _physical(entries, np.where(valid, pos % block_size, 0), block_size)
         groups.append(DecodeGroup(
             rows=torch.from_numpy(rows.astype(np.int64)).to(device),
             blocks=torch.from_numpy(blocks).to(device),

@@ -32,7 +32,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     """int32 [S]: KV length of each sequence after this step's tokens are written."""
     block_tables: torch.Tensor
-    """int32 [S, max_blocks]: arena block ids; entries past a sequence's length are padding."""
+    """int32 [S, max_blocks]: arena block ids, `-b - 1` for block b filled right to left (BROS
+    §5.1); entries past a sequence's length are padding."""
     slot_mapping: torch.Tensor
     """int64 [T]: block_id * block_size + offset, where each new token's K/V is written."""
     query_lens_host: tuple[int, ...]
@@ -72,9 +73,19 @@ def _count_prefills(query_lens: list[int]) -> int:
     return max((i + 1 for i, n in enumerate(query_lens) if n != 1), default=0)
 
 
+def physical_slots(positions: np.ndarray, table: np.ndarray, block_size: int) -> np.ndarray:
+    """Flat cache slots of `positions` through a block table whose entries carry a direction
+    (BROS §5.1, engine/memory/bidirectional.py): `b` fills block b left to right, `-b - 1` right
+    to left, so logical offset i of a reversed entry is slot `block_size - 1 - i`."""
+    entries = table[positions // block_size]
+    offsets = positions % block_size
+    reverse = entries < 0
+    blocks = np.where(reverse, -entries - 1, entries)
+    return blocks * block_size + np.where(reverse, block_size - 1 - offsets, offsets)
+
+
 def _slots(start: int, count: int, table: np.ndarray, block_size: int) -> np.ndarray:
-    positions = np.arange(start, start + count)
-    return table[positions // block_size] * block_size + positions % block_size
+    return physical_slots(np.arange(start, start + count), table, block_size)
 
 
 def _check_chunk(i: int, count: int, end: int, num_blocks: int, block_size: int,

@@ -19,6 +19,7 @@ from gpu.metadata import StepInputs, build_step_inputs
 from gpu.model import CausalLM
 from gpu.sampler import make_generator, sample
 from gpu.swap import TorchSwapper
+from gpu.thread_tuner import ThreadTuner, thread_candidates
 
 SwapperFactory = Callable[[torch.Tensor, int], TorchSwapper]
 """Makes the swap copier from the arena's KV ([blocks, L, 2, bs, H, D]) and a host block count."""
@@ -87,6 +88,8 @@ class TorchRunner:
         self.swapper: TorchSwapper | None = None
         """The swap pool's copier (`gpu.swap.TorchSwapper`) once `make_swapper` made it."""
         self._step_records: list[tuple[ExecuteStep, float, float]] | None = None
+        self.thread_tuner: ThreadTuner | None = None
+        """On CPU without an explicit `threads`: picks the thread count from step times."""
 
     def record_steps(self) -> list[tuple[ExecuteStep, float, float]]:
         """From now on append every step `execute` runs, with its perf_counter start and end,
@@ -112,6 +115,9 @@ class TorchRunner:
     def _load(self) -> range:
         if self._config.threads:
             torch.set_num_threads(self._config.threads)
+        elif self._device.type == "cpu":
+            self.thread_tuner = ThreadTuner(thread_candidates(torch.get_num_threads()),
+                                            torch.set_num_threads)
         backend = self._config.attention_backend
         if backend == "auto":
             backend = "triton" if self._device.type == "cuda" else "torch"
@@ -139,13 +145,23 @@ class TorchRunner:
         stall = self._wait_for_swaps(step) if self.swapper is not None else 0.0
         sampled: list[SampledToken] = []
         if step.seqs:
-            sampled = self._forward_and_sample(step.seqs)
+            sampled = self._timed_forward_and_sample(step.seqs)
         if self._device.type == "cuda":
             torch.cuda.synchronize(self._device)
         if self._step_records is not None:
             self._step_records.append((step, began, time.perf_counter()))
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled),
                             compute_s=time.perf_counter() - began - stall, stall_s=stall)
+
+    def _timed_forward_and_sample(self, work: Sequence[SeqWork]) -> list[SampledToken]:
+        tuner = self.thread_tuner
+        if tuner is None:
+            return self._forward_and_sample(work)
+        tuner.begin((len(work), sum(w.num_tokens for w in work)))
+        began = time.perf_counter()
+        sampled = self._forward_and_sample(work)
+        tuner.end(time.perf_counter() - began)
+        return sampled
 
     def _wait_for_swaps(self, step: ExecuteStep) -> float:
         """Wait for this step's synchronous swap-ins, then for exactly the swaps still using a
@@ -161,8 +177,8 @@ class TorchRunner:
 
     def _written_blocks(self, work: Sequence[SeqWork]) -> Iterator[int]:
         bs = self._config.block_size
-        for w in work:
-            yield from self._seqs[w.request_id].table[w.written(bs)]
+        for w in work:  # a negative entry -b - 1 is block b filled right to left (BROS §5.1)
+            yield from (e if e >= 0 else -e - 1 for e in self._seqs[w.request_id].table[w.written(bs)])
 
     def _setup(self, s: RequestSetup) -> None:
         gen = make_generator(s.sampling, fallback_seed=s.request_id, device=self._device)

@@ -30,14 +30,19 @@ def load_kv_tile(k_ptr, v_ptr, table_row_ptr, pos, seq_len, head_off, offs_d,
     """K and V [BLOCK_N, BLOCK_D] of cache positions `pos` [BLOCK_N] of one sequence and KV
     head, zero where a position lies past `seq_len`, and which positions are valid.
 
-    Each position looks its block up on its own, so a tile may span several cache blocks or part
+    Each position looks its block up on its own (and its direction, from the entry's sign), so a tile may span several cache blocks or part
     of one (as vLLM's Triton unified attention does); table entries past `seq_len` are never read,
     so their padding value does not matter.
     """
     valid = pos < seq_len
-    block_ids = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    entries = tl.load(table_row_ptr + pos // BLOCK_SIZE, mask=valid, other=0)
+    # an entry -b - 1 is block b filled right to left (BROS §5.1): offset i is slot bs - 1 - i
+    reverse = entries < 0
+    block_ids = tl.where(reverse, -entries - 1, entries)
+    offsets = pos % BLOCK_SIZE
+    slots = tl.where(reverse, BLOCK_SIZE - 1 - offsets, offsets)
     # arena-global block ids times a whole-block stride overflow int32 on big arenas
-    rows = block_ids.to(tl.int64) * stride_block + (pos % BLOCK_SIZE) * stride_slot + head_off
+    rows = block_ids.to(tl.int64) * stride_block + slots * stride_slot + head_off
     ptrs = rows[:, None] + offs_d[None, :] * stride_dim
     mask = valid[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + ptrs, mask=mask, other=0.0)

@@ -1,0 +1,417 @@
+"""Bidirectional KV blocks (BROS §5): one block shared by a real-time (RT) and a best-effort (BE)
+request, RT filling its slots from the left and BE from the right; block preemption and lazy
+checkpointing of exactly the BE slots RT overwrites.
+
+Pure mechanism, no I/O: it answers `can_*`, does the change, and returns the slot copies the
+change needs (flat slot addresses, `block * block_size + offset`, on the device and in the host
+checkpoint space), which the caller must run in the order given and before the step that writes.
+
+- A block table entry carries the direction: `b` is block b read left to right, `-b - 1` the
+  same block read right to left (`encode`, `decode`, `physical_slot`), so no direction tensor is
+  needed beside the block table (the paper keeps one, §6). Logical token offset i of a reversed
+  entry lives in slot `block_size - 1 - i`.
+- Per block (the *preemption table* of §5.2): its RT owner and fill, its BE owner and fill, and
+  the BE slots RT has overwritten (`lost`), each checkpointed to a host slot first.
+- Placement (§5.2 FindBlock/FindPreemptBlock): a BE request takes a block with the most empty
+  slots (a free one); an RT request takes a free block, else the BE block with
+  the most empty slots, whose empty slots it fills first and whose BE slots it then overwrites
+  (block preemption), each copied to the host just before (lazy checkpointing).
+- A BE request with overwritten slots is *displaced*: it cannot run until `restore` swaps back
+  exactly its checkpointed slots (in place when the RT owner has left the block, else merged
+  with its surviving slots into a fresh block). A BE request whose next slot is taken by an RT
+  guest moves that block's live slots to a fresh block (`extend`).
+- `swap_out` (§5.2's extreme case, the caller picks whom: BE first, then RT by remaining time)
+  copies every live slot of a request to the host and releases its blocks; `swap_in` brings them
+  back into fresh blocks of its direction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import attrs
+
+
+class BidirectionalError(Exception):
+    """The caller asked for something the table cannot do (a bug, not a user error)."""
+
+
+def encode(block: int, reverse: bool) -> int:
+    """The block table entry of `block` read in one direction."""
+    return -block - 1 if reverse else block
+
+
+def decode(entry: int) -> tuple[int, bool]:
+    """(block, reversed) of a block table entry."""
+    return (-entry - 1, True) if entry < 0 else (entry, False)
+
+
+def physical_slot(entry: int, offset: int, block_size: int) -> int:
+    """Flat slot of logical `offset` within the block `entry` names."""
+    block, rev = decode(entry)
+    return block * block_size + (block_size - 1 - offset if rev else offset)
+
+
+@attrs.frozen(kw_only=True)
+class SlotCopies:
+    """Copies one change needs, to run in this order before the step that writes the KV."""
+
+    out: tuple[tuple[int, int], ...] = ()
+    """(device slot, host slot): checkpoints and swap-outs, device -> host."""
+    move: tuple[tuple[int, int], ...] = ()
+    """(device slot, device slot): a BE block's surviving slots merged into a fresh block."""
+    into: tuple[tuple[int, int], ...] = ()
+    """(host slot, device slot): checkpointed or swapped-out slots coming back."""
+
+    def __add__(self, other: SlotCopies) -> SlotCopies:
+        return SlotCopies(out=self.out + other.out, move=self.move + other.move,
+                          into=self.into + other.into)
+
+    def __bool__(self) -> bool:
+        return bool(self.out or self.move or self.into)
+
+
+@attrs.define(slots=True)
+class _Block:
+    rt: int = -1
+    rt_fill: int = 0
+    be: int = -1
+    be_fill: int = 0
+    lost: set[int] = attrs.field(factory=set)
+    """Physical offsets of BE slots an RT write overwrote (each checkpointed first)."""
+
+
+@attrs.define(slots=True)
+class _Seq:
+    reverse: bool
+    tokens: int = 0
+    table: list[int] = attrs.field(factory=list)
+    host: dict[int, int] = attrs.field(factory=dict)
+    """Logical position -> host slot, for positions whose KV is only on the host."""
+    swapped: bool = False
+    """Swapped out whole: `host` holds every position, `table` is empty."""
+
+
+class BidirectionalBlocks:
+    def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
+        if len(block_ids) == 0 or block_size < 1:
+            raise BidirectionalError("a bidirectional table needs blocks and slots")
+        self.block_size = block_size
+        self._ids = block_ids
+        self._blocks = {b: _Block() for b in block_ids}
+        self._free = list(reversed(block_ids))  # blocks with no owner at all
+        self._free_host = list(reversed(range(host_slots)))
+        self._host_total = host_slots
+        self._seqs: dict[int, _Seq] = {}
+        self.checkpointed_slots_total = 0
+        """Slots copied to the host by lazy checkpointing since the start."""
+
+    # ------------------------------------------------------------------------ queries
+
+    @property
+    def num_free(self) -> int:
+        """Blocks with no owner."""
+        return len(self._free)
+
+    @property
+    def num_total(self) -> int:
+        return len(self._ids)
+
+    @property
+    def free_host_slots(self) -> int:
+        return len(self._free_host)
+
+    def requests(self) -> list[int]:
+        return list(self._seqs)
+
+    def table(self, rid: int) -> list[int]:
+        """The request's signed block table entries, in token order."""
+        return list(self._seqs[rid].table)
+
+    def tokens(self, rid: int) -> int:
+        return self._seqs[rid].tokens
+
+    def is_reversed(self, rid: int) -> bool:
+        return self._seqs[rid].reverse
+
+    def displaced(self, rid: int) -> bool:
+        """Some of the request's KV is only on the host: it cannot run before `restore`."""
+        s = self._seqs[rid]
+        return bool(s.host) and not s.swapped
+
+    def swapped(self, rid: int) -> bool:
+        return self._seqs[rid].swapped
+
+    def checkpointed_slots(self, rid: int) -> int:
+        """Slots of the request held only on the host."""
+        return len(self._seqs[rid].host)
+
+    def checkpointed_blocks(self, rid: int) -> int:
+        """Logical blocks of the request with a slot held only on the host."""
+        return len({p // self.block_size for p in self._seqs[rid].host})
+
+    def block(self, b: int) -> tuple[int, int, int, int, frozenset[int]]:
+        """(RT owner, RT fill, BE owner, BE fill, overwritten BE offsets) of block b; -1 = none."""
+        x = self._blocks[b]
+        return x.rt, x.rt_fill, x.be, x.be_fill, frozenset(x.lost)
+
+    def shared_blocks(self) -> int:
+        return sum(1 for x in self._blocks.values() if x.rt >= 0 and x.be >= 0)
+
+    # ------------------------------------------------------------------------ placement
+
+    def add(self, rid: int, *, reverse: bool) -> None:
+        """Register a request: `reverse` (BE) fills blocks right to left."""
+        if rid in self._seqs:
+            raise BidirectionalError(f"request {rid} is already in the table")
+        self._seqs[rid] = _Seq(reverse=reverse)
+
+    def _empty_slots(self, x: _Block) -> int:
+        live_be = x.be_fill - len(x.lost) if x.be >= 0 else 0
+        return self.block_size - (x.rt_fill if x.rt >= 0 else 0) - live_be
+
+    def _pick_rt_block(self) -> int | None:
+        """A free block, else the BE-only block with the most empty slots (block preemption)."""
+        if self._free:
+            return self._free.pop()
+        best, most = None, -1
+        for b, x in self._blocks.items():
+            if x.rt < 0 and x.be >= 0 and (e := self._empty_slots(x)) > most:
+                best, most = b, e
+        return best
+
+    def _pick_be_block(self) -> int | None:
+        """A free block: of the blocks without a BE owner, those have the most empty slots.
+        BE never starts in an RT block's right side: RT's next writes would overwrite it."""
+        return self._free.pop() if self._free else None
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def can_extend(self, rid: int, tokens: int) -> bool:
+        """Whether `extend(rid, tokens)` would find its blocks (and host slots to checkpoint)."""
+        s = self._seqs[rid]
+        if s.swapped or self.displaced(rid):
+            return False
+        new = self._blocks_for(tokens) - len(s.table)
+        if s.reverse:
+            return new + self._be_collides(rid, s, tokens) <= len(self._free)
+        room = len(self._free) + sum(1 for x in self._blocks.values() if x.rt < 0 and x.be >= 0)
+        return new <= room and self._overwrites(rid, s, tokens) <= len(self._free_host)
+
+    def _be_collides(self, rid: int, s: _Seq, tokens: int) -> int:
+        """1 when the BE request's last block must move because an RT guest holds a slot it
+        is about to write."""
+        if not s.table or s.tokens % self.block_size == 0 or tokens <= s.tokens:
+            return 0
+        block, _ = decode(s.table[-1])
+        x = self._blocks[block]
+        last = min(tokens, len(s.table) * self.block_size) - 1
+        lowest = self.block_size - 1 - last % self.block_size
+        return int(x.rt >= 0 and x.rt_fill > lowest)
+
+    def _overwrites(self, rid: int, s: _Seq, tokens: int) -> int:
+        """Upper bound on the BE slots an RT extension to `tokens` overwrites."""
+        return max(0, tokens - s.tokens)
+
+    def extend(self, rid: int, tokens: int) -> SlotCopies:
+        """Make the request hold KV slots for `tokens` tokens (it is about to write positions
+        `tokens()` .. `tokens - 1`). Returns the copies to run first: checkpoints of the BE slots
+        an RT write overwrites, or a BE block moved away from an RT guest."""
+        s = self._seqs[rid]
+        if not self.can_extend(rid, tokens):
+            raise BidirectionalError(f"request {rid} cannot grow to {tokens} tokens")
+        copies = SlotCopies()
+        if s.reverse and self._be_collides(rid, s, tokens):
+            copies = copies + self._move_last_block(rid, s)
+        while len(s.table) < self._blocks_for(tokens):
+            b = self._pick_be_block() if s.reverse else self._pick_rt_block()
+            assert b is not None
+            x = self._blocks[b]
+            if s.reverse:
+                x.be, x.be_fill = rid, 0
+            else:
+                x.rt, x.rt_fill = rid, 0
+            s.table.append(encode(b, s.reverse))
+        out = []
+        for pos in range(s.tokens, tokens):
+            block, _ = decode(s.table[pos // self.block_size])
+            x, i = self._blocks[block], pos % self.block_size
+            if s.reverse:
+                x.be_fill = i + 1
+            else:
+                x.rt_fill = i + 1
+                out.extend(self._checkpoint(block, x, i))
+        s.tokens = max(s.tokens, tokens)
+        return copies + SlotCopies(out=tuple(out))
+
+    def _checkpoint(self, block: int, x: _Block, offset: int) -> list[tuple[int, int]]:
+        """RT is about to write `offset` of `block`: if that slot holds live BE KV, copy it
+        to a host slot first and mark it overwritten (BROS §5.2, lazy checkpointing)."""
+        if x.be < 0 or offset < self.block_size - x.be_fill or offset in x.lost:
+            return []
+        be = self._seqs[x.be]
+        logical = self.block_size - 1 - offset
+        index = next(j for j, e in enumerate(be.table) if decode(e)[0] == block)
+        host = self._free_host.pop()
+        be.host[index * self.block_size + logical] = host
+        x.lost.add(offset)
+        self.checkpointed_slots_total += 1
+        return [(block * self.block_size + offset, host)]
+
+    def _move_last_block(self, rid: int, s: _Seq) -> SlotCopies:
+        """Move the BE request's last block's live slots to another block (an RT guest holds
+        the slot it would write next)."""
+        old, _ = decode(s.table[-1])
+        self._release_be(old)
+        new = self._pick_be_block()
+        assert new is not None and new != old
+        x = self._blocks[new]
+        x.be = rid
+        bs = self.block_size
+        used = s.tokens - (len(s.table) - 1) * bs
+        x.be_fill = used
+        s.table[-1] = encode(new, True)
+        return SlotCopies(move=tuple((old * bs + bs - 1 - i, new * bs + bs - 1 - i)
+                                     for i in range(used)))
+
+    # ------------------------------------------------------------------------ restore
+
+    def restore_blocks_needed(self, rid: int) -> int:
+        """Fresh blocks `restore` would take (blocks whose RT owner is still there)."""
+        s = self._seqs[rid]
+        return sum(1 for j in self._host_blocks(s) if self._blocks[decode(s.table[j])[0]].rt >= 0)
+
+    def _host_blocks(self, s: _Seq) -> list[int]:
+        return sorted({p // self.block_size for p in s.host})
+
+    def can_restore(self, rid: int) -> bool:
+        return self.displaced(rid) and self.restore_blocks_needed(rid) <= len(self._free)
+
+    def restore(self, rid: int) -> SlotCopies:
+        """Swap back exactly the request's checkpointed slots: in place where the RT owner has
+        left the block, else merged with the block's surviving slots into a fresh block."""
+        s = self._seqs[rid]
+        if not self.can_restore(rid):
+            raise BidirectionalError(f"request {rid} cannot be restored now")
+        bs, move, into = self.block_size, [], []
+        for j in self._host_blocks(s):
+            old, _ = decode(s.table[j])
+            x = self._blocks[old]
+            target = old
+            if x.rt >= 0:
+                fill, lost = x.be_fill, set(x.lost)
+                self._release_be(old)
+                target = self._free.pop()
+                y = self._blocks[target]
+                y.be, y.be_fill = rid, fill
+                move += [(old * bs + o, target * bs + o)
+                         for o in range(bs - fill, bs) if o not in lost]
+                s.table[j] = encode(target, True)
+            else:
+                x.lost.clear()
+            for i in range(bs):
+                host = s.host.pop(j * bs + i, None)
+                if host is not None:
+                    into.append((host, target * bs + bs - 1 - i))
+                    self._free_host.append(host)
+        return SlotCopies(move=tuple(move), into=tuple(into))
+
+    # ------------------------------------------------------------------------ swap, free
+
+    def can_swap_out(self, rid: int) -> bool:
+        s = self._seqs[rid]
+        return not s.swapped and s.tokens - len(s.host) <= len(self._free_host)
+
+    def swap_out(self, rid: int) -> SlotCopies:
+        """Copy every live slot of the request to the host and release its blocks (§5.2's
+        extreme case); it keeps its checkpointed slots, and `swap_in` brings all back."""
+        s = self._seqs[rid]
+        if not self.can_swap_out(rid):
+            raise BidirectionalError(f"request {rid} cannot be swapped out now")
+        out = []
+        for pos in range(s.tokens):
+            if pos not in s.host:
+                host = self._free_host.pop()
+                s.host[pos] = host
+                out.append((physical_slot(s.table[pos // self.block_size], pos % self.block_size,
+                                          self.block_size), host))
+        self._release_all(s)
+        s.swapped = True
+        return SlotCopies(out=tuple(out))
+
+    def can_swap_in(self, rid: int) -> bool:
+        s = self._seqs[rid]
+        if not s.swapped:
+            return False
+        n = self._blocks_for(s.tokens)
+        return n <= len(self._free)
+
+    def swap_in(self, rid: int) -> SlotCopies:
+        """Bring a swapped-out request back into blocks of its own (free ones)."""
+        s = self._seqs[rid]
+        if not self.can_swap_in(rid):
+            raise BidirectionalError(f"request {rid} cannot be swapped in now")
+        bs, into = self.block_size, []
+        for _ in range(self._blocks_for(s.tokens)):
+            b = self._free.pop()
+            x = self._blocks[b]
+            if s.reverse:
+                x.be = rid
+            else:
+                x.rt = rid
+            s.table.append(encode(b, s.reverse))
+        for pos in range(s.tokens):
+            host = s.host.pop(pos)
+            into.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))
+            self._free_host.append(host)
+            block, _ = decode(s.table[pos // bs])
+            x = self._blocks[block]
+            if s.reverse:
+                x.be_fill = pos % bs + 1
+            else:
+                x.rt_fill = pos % bs + 1
+        s.swapped = False
+        return SlotCopies(into=tuple(into))
+
+    def free(self, rid: int) -> None:
+        """The request ends: its slots and host checkpoints go back."""
+        s = self._seqs.pop(rid)
+        self._release_all(s)
+        self._free_host.extend(s.host.values())
+
+    def _release_all(self, s: _Seq) -> None:
+        for e in s.table:
+            block, rev = decode(e)
+            if rev:
+                self._release_be(block)
+            else:
+                self._release_rt(block)
+        s.table.clear()
+
+    def _release_be(self, block: int) -> None:
+        x = self._blocks[block]
+        x.be, x.be_fill = -1, 0
+        x.lost.clear()
+        if x.rt < 0:
+            self._free.append(block)
+
+    def _release_rt(self, block: int) -> None:
+        x = self._blocks[block]
+        x.rt, x.rt_fill = -1, 0
+        if x.be < 0:
+            self._free.append(block)
+
+    # ------------------------------------------------------------------------ invariants
+
+    def live_slots(self, rid: int) -> Iterator[tuple[int, int]]:
+        """(logical position, device slot) of every position the request holds on the device."""
+        s = self._seqs[rid]
+        for pos in range(s.tokens if not s.swapped else 0):
+            if pos not in s.host:
+                yield pos, physical_slot(s.table[pos // self.block_size], pos % self.block_size,
+                                         self.block_size)
+
+    def host_slots(self, rid: int) -> dict[int, int]:
+        """Logical position -> host slot of what the request holds only on the host."""
+        return dict(self._seqs[rid].host)

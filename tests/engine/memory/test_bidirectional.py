@@ -1,0 +1,197 @@
+"""The bidirectional block table (BROS §5): placement, block preemption, lazy checkpointing, and
+property tests run against a model of the device and host slots that every copy is applied to."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.memory.bidirectional import (
+    BidirectionalBlocks, BidirectionalError, SlotCopies, decode, encode, physical_slot,
+)
+from tests.conftest import slow_scale
+
+BS = 4
+
+
+class SlotModel:
+    """Device and host slots holding (request, position) tags: the copies each change returns
+    are applied, then the change's new positions are written, as an engine step does."""
+
+    def __init__(self, t: BidirectionalBlocks) -> None:
+        self.t = t
+        self.device: dict[int, tuple[int, int]] = {}
+        self.host: dict[int, tuple[int, int]] = {}
+
+    def apply(self, c: SlotCopies) -> None:
+        for src, dst in c.out:
+            self.host[dst] = self.device[src]
+        moved = {dst: self.device[src] for src, dst in c.move}
+        self.device.update(moved)
+        for src, dst in c.into:
+            self.device[dst] = self.host[src]
+
+    def extend(self, rid: int, tokens: int) -> None:
+        before = self.t.tokens(rid)
+        self.apply(self.t.extend(rid, tokens))
+        table = self.t.table(rid)
+        for pos in range(before, tokens):
+            self.device[physical_slot(table[pos // BS], pos % BS, BS)] = (rid, pos)
+
+    def check(self) -> None:
+        t, seen = self.t, {}
+        for rid in t.requests():
+            host = t.host_slots(rid)
+            for pos, slot in t.live_slots(rid):
+                assert slot not in seen, f"slot {slot} held by {seen.get(slot)} and {rid}"
+                seen[slot] = rid
+                assert self.device[slot] == (rid, pos), "a live slot lost its KV"
+            for pos, h in host.items():
+                assert self.host[h] == (rid, pos), "a checkpoint does not hold its KV"
+            assert len(host) == (t.tokens(rid) if t.swapped(rid) else
+                                 t.tokens(rid) - sum(1 for _ in t.live_slots(rid)))
+        # a checkpoint covers exactly the overwritten slots of each block
+        for b in range(t.num_total):
+            rt, _, be, _, lost = t.block(b)
+            if be >= 0:
+                table = t.table(be)
+                j = next(j for j, e in enumerate(table) if decode(e)[0] == b)
+                ck = {BS - 1 - (p - j * BS) for p in t.host_slots(be) if p // BS == j}
+                assert ck == set(lost)
+            else:
+                assert not lost
+        owned = {decode(e)[0] for rid in t.requests() for e in t.table(rid)}
+        assert t.num_free == t.num_total - len(owned)
+
+
+def test_entries_carry_the_direction():
+    assert encode(3, False) == 3 and encode(3, True) == -4 and encode(0, True) == -1
+    assert decode(-4) == (3, True) and decode(3) == (3, False)
+    assert physical_slot(encode(2, True), 0, 16) == 2 * 16 + 15
+    assert physical_slot(encode(2, False), 0, 16) == 32
+
+
+def test_rt_overwrites_be_slots_after_taking_the_empty_ones():
+    t = BidirectionalBlocks(range(2), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=True)
+    m.extend(1, 6)  # BE: block A full, block B two slots from the right
+    t.add(2, reverse=False)
+    m.extend(2, 4)
+    m.extend(2, 5)  # RT fills ... both blocks have BE owners: the emptier one is taken first
+    tables = t.table(2)
+    rt_block = decode(tables[0])[0]
+    assert t.block(rt_block)[2] == 1, "RT is a guest in a BE block"
+    assert t.checkpointed_slots(1) > 0 and t.displaced(1)
+    assert not t.can_extend(1, 7), "a displaced BE request cannot run"
+    m.check()
+
+
+def test_guest_takes_empty_slots_without_checkpoint():
+    t = BidirectionalBlocks(range(1), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=True)
+    m.extend(1, 2)
+    t.add(2, reverse=False)
+    m.extend(2, 2)
+    assert t.checkpointed_slots(1) == 0 and not t.displaced(1)
+    assert t.shared_blocks() == 1
+    m.extend(2, 3)  # the third RT token lands on BE's second slot
+    assert t.checkpointed_slots(1) == 1 and t.checkpointed_blocks(1) == 1
+    assert t.checkpointed_slots_total == 1
+    m.check()
+    t.free(2)
+    assert t.can_restore(1) and t.restore_blocks_needed(1) == 0
+    c = t.restore(1)
+    assert len(c.into) == 1 and not c.move  # in place: exactly the checkpointed slot
+    m.apply(c)
+    m.check()
+    assert not t.displaced(1)
+
+
+def test_restore_merges_into_a_fresh_block_while_rt_stays():
+    t = BidirectionalBlocks(range(2), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=True)
+    m.extend(1, 4)
+    t.add(2, reverse=False)
+    t.add(3, reverse=False)
+    m.extend(3, 4)  # takes the free block
+    m.extend(2, 1)  # must preempt the BE block: checkpoint one slot
+    assert t.checkpointed_slots(1) == 1
+    t.free(3)
+    c = t.restore(1)
+    assert len(c.move) == 3 and len(c.into) == 1
+    m.apply(c)
+    m.check()
+
+
+def test_be_moves_its_block_away_from_a_guest():
+    t = BidirectionalBlocks(range(3), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=True)
+    m.extend(1, 1)
+    t.add(2, reverse=False)
+    m.extend(2, 1)  # a free block first
+    t.add(3, reverse=False)
+    m.extend(3, 2)
+    t.add(4, reverse=False)
+    m.extend(4, 3)  # no free block left: a guest in BE's block, slots 0..2
+    assert decode(t.table(4)[0])[0] == decode(t.table(1)[0])[0]
+    assert not t.can_extend(1, 2), "BE's next slot is the guest's and no block is free"
+    t.free(2)
+    c = t.extend(1, 2)
+    assert len(c.move) == 1 and not c.out
+    m.apply(c)
+    m.device[physical_slot(t.table(1)[0], 1, BS)] = (1, 1)
+    m.check()
+
+
+def test_refuses_what_it_cannot_do():
+    t = BidirectionalBlocks(range(1), BS, host_slots=0)
+    t.add(1, reverse=True)
+    t.extend(1, 4)
+    t.add(2, reverse=False)
+    assert not t.can_extend(2, 1), "no host slot to checkpoint into"
+    with pytest.raises(BidirectionalError):
+        t.extend(2, 1)
+    with pytest.raises(BidirectionalError):
+        t.add(1, reverse=False)
+
+
+ops = st.lists(st.tuples(st.sampled_from(["add_rt", "add_be", "grow", "grow", "grow", "free",
+                                          "restore", "swap_out", "swap_in"]),
+                         st.integers(0, 7), st.integers(1, 6)), max_size=60)
+
+
+@settings(max_examples=slow_scale(300, 60), deadline=None)
+@given(blocks=st.integers(1, 4), host=st.integers(0, 24), program=ops)
+def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, program):
+    t = BidirectionalBlocks(range(blocks), BS, host_slots=host)
+    m = SlotModel(t)
+    t.add(0, reverse=True)  # BE KV in every block first, so RT growth must preempt it
+    m.extend(0, blocks * BS - 1)
+    next_id = 1
+    for op, pick, n in program:
+        live = t.requests()
+        rid = live[pick % len(live)] if live else None
+        if op in ("add_rt", "add_be"):
+            t.add(next_id, reverse=op == "add_be")
+            next_id += 1
+        elif rid is None:
+            continue
+        elif op == "grow" and t.can_extend(rid, t.tokens(rid) + n):
+            m.extend(rid, t.tokens(rid) + n)
+        elif op == "free":
+            t.free(rid)
+        elif op == "restore" and t.can_restore(rid):
+            m.apply(t.restore(rid))
+        elif op == "swap_out" and t.can_swap_out(rid):
+            m.apply(t.swap_out(rid))
+        elif op == "swap_in" and t.can_swap_in(rid):
+            m.apply(t.swap_in(rid))
+        m.check()
+    for rid in t.requests():
+        t.free(rid)
+    assert t.num_free == blocks and t.free_host_slots == host, "nothing leaks on free"
