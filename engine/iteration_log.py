@@ -36,6 +36,16 @@ class SwapCounters:
     turn_end_blocks_out: int = 0
     """Of `blocks_out`, those copied when a conversation's turn ended, to keep its KV for the
     next turn (the rest were copied to preempt)."""
+    runs: int = 0
+    """Runs of blocks consecutive on both sides among the swapped blocks: the copies a swap
+    takes in our block-major layout (FastSwitch §3.1 groups), whatever the granularity ran."""
+    yields: int = 0
+    """Times the swap copier stopped dispatching to let the copy engine drain (bounded
+    dispatch, FastSwitch §3.2), so the inference stream's own copies are not queued behind
+    all of ours."""
+    step_copy_wait_s: float = 0.0
+    """Time the steps' own host <-> device copies (inputs, sampled tokens) waited behind swap
+    copies on the copy engine (modelled by the simulator; 0 on the torch backend)."""
 
     def minus(self, earlier: SwapCounters) -> SwapCounters:
         return SwapCounters(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
@@ -44,6 +54,31 @@ class SwapCounters:
     def plus(self, other: SwapCounters) -> SwapCounters:
         return SwapCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name)
                                for f in attrs.fields(SwapCounters)})
+
+
+@attrs.define(eq=False)
+class PrefixCacheCounters:
+    """Prefix cache traffic, counted at each admission of a request holding no KV."""
+
+    queried_tokens: int = 0
+    """Context tokens of the requests looked up when admitted."""
+    hit_tokens: int = 0
+    """Of those, tokens found in the cache (not computed again)."""
+    queried_blocks: int = 0
+    """Full blocks of those contexts."""
+    hit_blocks: int = 0
+    evicted_blocks: int = 0
+    """Cached blocks evicted to make room."""
+
+    def plus(self, other: PrefixCacheCounters) -> PrefixCacheCounters:
+        return PrefixCacheCounters(**{f.name: getattr(self, f.name) + getattr(other, f.name)
+                                      for f in attrs.fields(PrefixCacheCounters)})
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = attrs.asdict(self)
+        out["token_hit_rate"] = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        out["block_hit_rate"] = self.hit_blocks / self.queried_blocks if self.queried_blocks else 0.0
+        return out
 
 
 @attrs.define(eq=False)
@@ -63,6 +98,7 @@ class IterationLog:
     used_blocks: array = attrs.field(factory=lambda: array("l"))
     preemptions: int = 0
     swap: SwapCounters = attrs.field(factory=SwapCounters)
+    prefix: PrefixCacheCounters = attrs.field(factory=PrefixCacheCounters)
 
     def add(self, *, now: float, scheduler_s: float, batch_seqs: int, batch_tokens: int,
             queued: int, used_blocks: int) -> None:

@@ -114,6 +114,11 @@ class RequestMetrics:
     met_ttft: bool | None
     """None when the request has no TTFT SLO."""
     met_tpot: bool | None
+    tpot_tokens: int = 0
+    """Output tokens after the first, when the request has a TPOT SLO."""
+    tpot_tokens_met: int = 0
+    """Of those, tokens delivered by their own deadline, the k-th at first + k * TPOT (BROS's
+    fine-grained SLO: attainment counted per token, not per request)."""
 
     @property
     def good(self) -> bool:
@@ -129,6 +134,12 @@ def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetr
     tpot = None if t.tpot_s is None else t.tpot_s * 1000.0
     e2e = t.e2e_s * 1000.0
     met_ttft = met_tpot = None
+    per_token = per_token_met = 0
+    if goal.tpot_ms is not None and len(t.token_times) > 1:
+        first, step = t.token_times[0], goal.tpot_ms / 1000.0
+        per_token = len(t.token_times) - 1
+        per_token_met = sum(at <= first + k * step + 1e-9
+                            for k, at in enumerate(t.token_times[1:], start=1))
     if goal.ttft_ms is not None:
         met_ttft = completed and ttft is not None and ttft <= goal.ttft_ms
     if goal.tpot_ms is not None:
@@ -141,7 +152,8 @@ def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetr
         normalized_latency_ms=e2e / t.output_tokens if t.output_tokens else None,
         queue_ms=None if t.queue_s is None else t.queue_s * 1000.0,
         preemptions=t.preemptions, swap_stall_ms=t.swap_stall_s * 1000.0,
-        met_ttft=met_ttft, met_tpot=met_tpot)
+        met_ttft=met_ttft, met_tpot=met_tpot, tpot_tokens=per_token,
+        tpot_tokens_met=per_token_met)
 
 
 def _failed(goal: Goal) -> RequestMetrics:
@@ -165,6 +177,8 @@ class Attainment:
     tpot: float | None
     all: float | None
     """Met every SLO it has (a failed request meets none)."""
+    tpot_per_token: float | None = None
+    """Share of output tokens (after each request's first) delivered by their deadline."""
 
 
 @attrs.frozen(kw_only=True)
@@ -190,6 +204,12 @@ class RunMetrics:
     """Per request, over the requests that stalled at all."""
     scheduler_ms_per_iteration: Percentiles
     iterations: int
+    by_class: Mapping[str, Mapping[str, Any]] = attrs.field(factory=dict)
+    """The same latency and throughput blocks per request class (RT and BE apart)."""
+    scheduler_share: float | None = None
+    """Scheduler time as a share of iteration time (BROS §7.4.2 reports 7.6-9.5%)."""
+    cost_model_error: Mapping[str, float] | None = None
+    """How far the policy's predicted iteration times were from the measured ones."""
 
     def as_dict(self) -> dict[str, Any]:
         """The bench JSON's `metrics` object."""
@@ -209,6 +229,10 @@ class RunMetrics:
                      "blocks_out": s.blocks_out, "blocks_in": s.blocks_in,
                      "copy_ops_per_block": (s.copy_ops / (s.blocks_out + s.blocks_in)
                                             if s.blocks_out + s.blocks_in else 0.0),
+                     "blocks_per_copy": ((s.blocks_out + s.blocks_in) / s.copy_ops
+                                         if s.copy_ops else 0.0),
+                     "runs": s.runs, "yields": s.yields,
+                     "step_copy_wait_ms": s.step_copy_wait_s * 1000.0,
                      "reused_blocks": s.reused_blocks, "turn_prefix_blocks": s.turn_prefix_blocks,
                      "turn_end_blocks_out": s.turn_end_blocks_out,
                      "sync_swap_ins": s.sync_swap_ins, "async_swap_ins": s.async_swap_ins,
@@ -217,6 +241,8 @@ class RunMetrics:
             "scheduler_ms_per_iteration": self.scheduler_ms_per_iteration.as_dict(),
             "iterations": self.iterations, "duration_s": self.duration_s,
             "requests": {"completed": self.completed, "failed": self.failed},
+            "by_class": dict(self.by_class), "scheduler_share": self.scheduler_share,
+            "cost_model_error": self.cost_model_error,
         }
 
 
@@ -235,7 +261,9 @@ def attainment(per_request: Sequence[RequestMetrics]) -> dict[str, Attainment]:
             requests=len(ms),
             ttft=share([m.met_ttft for m in ms if m.met_ttft is not None]),
             tpot=share([m.met_tpot for m in ms if m.met_tpot is not None]),
-            all=share([m.good for m in with_slo]))
+            all=share([m.good for m in with_slo]),
+            tpot_per_token=(sum(m.tpot_tokens_met for m in ms) / tokens
+                            if (tokens := sum(m.tpot_tokens for m in ms)) else None))
     return out
 
 
@@ -272,4 +300,56 @@ def run_metrics(timelines: Sequence[RequestTimeline], *, duration_s: float,
         scheduler_ms_per_iteration=Percentiles.of(
             [s * 1000.0 for s in log.scheduler_s] if log is not None else []),
         iterations=len(log) if log is not None else 0,
+        by_class=class_blocks(per, dur),
+        scheduler_share=scheduler_share(log),
+        cost_model_error=prediction_error(log),
     )
+
+
+def class_blocks(per: Sequence[RequestMetrics], dur: float) -> dict[str, dict[str, Any]]:
+    """Per class: latency percentiles, normalized latency, attainment and throughput."""
+    out: dict[str, dict[str, Any]] = {}
+    for cls in sorted({m.request_class for m in per}):
+        ms = [m for m in per if m.request_class == cls]
+        done = [m for m in ms if m.completed]
+        out[cls] = {
+            "completed": len(done), "failed": len(ms) - len(done),
+            "ttft_ms": Percentiles.of([m.ttft_ms for m in done if m.ttft_ms is not None]).as_dict(),
+            "tpot_ms": Percentiles.of([m.tpot_ms for m in done if m.tpot_ms is not None]).as_dict(),
+            "tbt_ms": Percentiles.of([g for m in done for g in m.tbt_ms]).as_dict(),
+            "e2e_ms": Percentiles.of([m.e2e_ms for m in done]).as_dict(),
+            "normalized_latency_ms": Percentiles.of(
+                [m.normalized_latency_ms for m in done
+                 if m.normalized_latency_ms is not None]).as_dict(),
+            "slo_attainment": attrs.asdict(attainment(ms)[cls]),
+            "requests_per_s": len(done) / dur,
+            "output_tokens_per_s": sum(m.output_tokens for m in done) / dur,
+        }
+    return out
+
+
+def scheduler_share(log: IterationLog | None) -> float | None:
+    """Scheduler time over the time between consecutive iterations' starts (idle gaps, when
+    nothing ran, left out)."""
+    if log is None or len(log) < 2:
+        return None
+    busy = sched = 0.0
+    for i in range(len(log) - 1):
+        gap = log.time[i + 1] - log.time[i]
+        if log.batch_seqs[i] and gap > 0:
+            busy += gap
+            sched += log.scheduler_s[i]
+    return sched / busy if busy else None
+
+
+def prediction_error(log: IterationLog | None) -> dict[str, float] | None:
+    """|predicted - measured| / measured over the iterations with both (median, p90, mean)."""
+    pairs = getattr(log, "predictions", None)
+    if not pairs:
+        return None
+    errors = [abs(p - m) / m for p, m in pairs if m > 0]
+    if not errors:
+        return None
+    a = np.asarray(errors)
+    return {"median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
+            "mean": float(a.mean()), "iterations": len(errors)}

@@ -80,7 +80,8 @@ class TorchSwapper:
         self._host_busy: dict[int, _Ticket] = {}
         self._yield_every = yield_every
         self._since_yield = 0
-        self._stats = dict(copy_calls=0, copy_calls_in=0, bytes_out=0, bytes_in=0, yields=0, conflict_waits=0)
+        self._stats = dict(copy_calls=0, copy_calls_in=0, bytes_out=0, bytes_in=0, yields=0,
+                           conflict_waits=0, runs=0)
         self._blocks = {"out": 0, "in": 0}
         self._failures: dict[int, str] = {}
         self._failed_ids: dict[int, str] = {}
@@ -147,6 +148,7 @@ class TorchSwapper:
                 self._maybe_yield()
         with self._lock:
             self._stats["copy_calls"] += calls
+            self._stats["runs"] += len(coalesce(pairs))
             self._stats["copy_calls_in"] += calls if direction == "in" else 0
             self._stats["bytes_out" if direction == "out" else "bytes_in"] += len(pairs) * self.block_nbytes
             self._blocks[direction] += len(pairs)
@@ -236,7 +238,7 @@ class TorchSwapper:
 
     def stats(self) -> SwapStats:
         with self._lock:
-            return SwapStats(**self._stats)
+            return SwapStats(**{k: v for k, v in self._stats.items() if k != "runs"})
 
     def next_poll_s(self) -> float | None:
         """How soon the swap pool should poll again: soon while tickets are pending."""
@@ -253,7 +255,8 @@ class TorchSwapper:
             return SwapCounters(copy_ops=s["copy_calls"], copy_ops_in=s["copy_calls_in"],
                                 bytes_out=s["bytes_out"],
                                 bytes_in=s["bytes_in"], blocks_out=self._blocks["out"],
-                                blocks_in=self._blocks["in"], stall_s=self._stall_s)
+                                blocks_in=self._blocks["in"], stall_s=self._stall_s,
+                                runs=s["runs"], yields=s["yields"])
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -5,6 +5,14 @@ then sleeps until then. A GPU has a copy engine per direction that runs beside c
 transfers queue behind earlier ones in the same direction only; swap-outs and swap-ins overlap
 each other and the model's steps. A transfer costs `calls * dispatch + bytes / bandwidth`
 (FastSwitch §2, Challenge #1: per-call dispatch dominates 128 KB per-block copies).
+
+Bounded dispatch (FastSwitch §3.2): the inference stream issues small copies of its own (a
+step's inputs in, its sampled tokens out) on the same copy engine, which runs copies in the order
+they were dispatched, so without a bound a step's copy waits behind every swap copy dispatched
+before it. With `yield_every` set, the swapper synchronises after that many dispatched copies, so
+a step's copy slips in at the next such boundary; each synchronisation costs one more dispatch
+(the copy engine idles while the next copy is issued). `step_copy` answers when a step's copy
+issued now can run and counts the wait.
 """
 
 from __future__ import annotations
@@ -28,9 +36,16 @@ class Transfer:
 
 
 class CopyEngine:
-    def __init__(self, link: CopyLink) -> None:
+    def __init__(self, link: CopyLink, *, yield_every: int | None = None) -> None:
+        if yield_every is not None and yield_every < 1:
+            raise ValueError(f"yield_every must be >= 1 or None, got {yield_every}")
         self.link = link
+        self.yield_every = yield_every
+        """Synchronise after this many dispatched copies (None: never)."""
         self._free_at: dict[Direction, float] = {"out": 0.0, "in": 0.0}
+        self._since_yield: dict[Direction, int] = {"out": 0, "in": 0}
+        self._boundaries: dict[Direction, list[float]] = {"out": [], "in": []}
+        """Times at which a synchronisation lets other copies in, per direction (pending ones)."""
         self.counters = SwapCounters()
 
     def busy_until(self, direction: Direction) -> float:
@@ -42,6 +57,8 @@ class CopyEngine:
             raise ValueError(f"a transfer needs calls >= 0 and nbytes >= 0, got {calls}, {nbytes}")
         start = max(now, self._free_at[direction])
         end = start + self.link.copy_s(calls, nbytes)
+        if self.yield_every is not None and calls:
+            end = self._bounded(direction, start, calls, nbytes)
         self._free_at[direction] = end
         c = self.counters
         c.copy_ops += calls
@@ -51,6 +68,42 @@ class CopyEngine:
             c.bytes_in += nbytes
             c.copy_ops_in += calls
         return Transfer(direction=direction, calls=calls, nbytes=nbytes, start=start, end=end)
+
+    def _bounded(self, direction: Direction, start: float, calls: int, nbytes: int) -> float:
+        """Lay the transfer's copies out in runs that end at a synchronisation; returns its end."""
+        every, link = self.yield_every, self.link
+        assert every is not None
+        per_call_s = link.copy_s(1, nbytes / calls)  # type: ignore[arg-type]
+        marks = self._boundaries[direction]
+        t, left, since = start, calls, self._since_yield[direction]
+        while left:
+            k = min(left, every - since)
+            t += k * per_call_s
+            left -= k
+            since += k
+            if since == every:  # synchronise: drain, then issue the next copy afresh
+                marks.append(t)
+                self.counters.yields += 1
+                since = 0
+                if left:
+                    t += link.dispatch_us * 1e-6
+        self._since_yield[direction] = since
+        return t
+
+    def step_copy(self, now: float, direction: Direction) -> float:
+        """When a step's own copy issued at `now` in `direction` can run: after every swap copy
+        dispatched so far, or with bounded dispatch at the next synchronisation. Counts the
+        wait in `step_copy_wait_s`."""
+        ready = self._free_at[direction]
+        if ready > now and self.yield_every is not None:
+            marks = self._boundaries[direction]
+            while marks and marks[0] < now:
+                marks.pop(0)
+            if marks:
+                ready = min(ready, marks[0])
+        wait = max(0.0, ready - now)
+        self.counters.step_copy_wait_s += wait
+        return wait
 
     def stall(self, now: float, ready_at: float) -> float:
         """A step that needs data arriving at `ready_at` waits this long; counted as stall."""

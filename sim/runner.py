@@ -63,12 +63,21 @@ class SimRunner:
         shape = BatchShape(prefill_tokens=pt, prefill_sq=psq, prefill_prefix=ppre,
                            decode_seqs=ds, decode_context=dc)
         seconds = self.cost.predict_ms(shape) / 1000.0 if step.seqs else 0.0
+        if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out
+            wait_in = self._own_copy_wait("in", 0.0)
+            seconds += wait_in + self._own_copy_wait("out", wait_in + seconds)
         if seconds > 0:
             await anyio.sleep(seconds)
         self.steps += 1
         self.busy_s += seconds
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled), compute_s=seconds,
                             stall_s=stall)
+
+    def _own_copy_wait(self, direction: str, after_s: float) -> float:
+        """How long the step's own copy in `direction`, issued `after_s` into the step, waits
+        behind swap copies (FastSwitch §3.2, bounded dispatch; sim/copy_engine.py)."""
+        assert self.swapper is not None
+        return self.swapper.engine.step_copy(anyio.current_time() + after_s, direction)  # type: ignore[arg-type]
 
     async def _wait_for_swaps(self, step: ExecuteStep) -> float:
         tables = self._tables

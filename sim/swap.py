@@ -19,9 +19,15 @@ from sim.copy_engine import CopyEngine
 from sim.profile import CopyLink
 
 
+YIELD_EVERY = 256
+"""Copies dispatched between synchronisations (bounded dispatch, FastSwitch §3.2): the default
+of the torch backend's swapper (`gpu.swap.TorchSwapper`)."""
+
+
 class SimSwapper:
-    def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int) -> None:
-        self.engine = CopyEngine(link)
+    def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
+                 yield_every: int | None = YIELD_EVERY) -> None:
+        self.engine = CopyEngine(link, yield_every=yield_every)
         self.block_nbytes = block_nbytes
         self.num_layers = num_layers
         self._end: dict[int, float] = {}
@@ -33,9 +39,11 @@ class SimSwapper:
         now = anyio.current_time()
         after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
-        calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else len(coalesce(pairs))
+        runs = len(coalesce(pairs))
+        calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else runs
         t = self.engine.submit(after, direction, calls, len(pairs) * self.block_nbytes)  # type: ignore[arg-type]
         c = self.engine.counters
+        c.runs += runs
         if direction == "out":
             c.blocks_out += len(pairs)
         else:

@@ -104,6 +104,7 @@ def test_run_aggregates_by_hand():
     d = m.as_dict()
     assert d["swap"] == {"copy_ops": 4, "bytes_out": 300, "bytes_in": 100, "avg_copy_bytes": 100.0,
                          "blocks_out": 3, "blocks_in": 1, "copy_ops_per_block": 1.0,
+                         "blocks_per_copy": 1.0, "runs": 0, "yields": 0, "step_copy_wait_ms": 0.0,
                          "reused_blocks": 0, "turn_prefix_blocks": 0, "turn_end_blocks_out": 0,
                          "sync_swap_ins": 0, "async_swap_ins": 0,
                          "stall_ms": 0.0, "request_stall_ms": d["swap"]["request_stall_ms"]}

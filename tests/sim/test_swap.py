@@ -46,3 +46,23 @@ async def test_copies_are_counted_per_call_and_block(autojump_clock):
     c = sw.counters()
     assert (c.copy_ops, c.blocks_out, c.blocks_in) == (2 + 4, 3, 1)
     assert (c.bytes_out, c.bytes_in) == (3 * BLOCK, BLOCK)
+
+
+
+@pytest.mark.parametrize(("yield_every", "wait_ms", "end_ms", "yields"),
+                         [(None, 11.0, 11.0, 0), (2, 2.2, 11.4, 5)])
+async def test_bounded_dispatch_lets_a_steps_own_copy_in_at_the_next_synchronisation(
+        autojump_clock, yield_every, wait_ms, end_ms, yields):
+    """Issue 13, defect 4 (FastSwitch §3.2): after `yield_every` dispatched copies the swapper
+    synchronises, so a step's own copy waits for at most that many of ours, not all of them;
+    each synchronisation is counted and costs one more dispatch."""
+    link = CopyLink(bandwidth_gb_per_s=1.0, dispatch_us=100.0)
+    sw = SimSwapper(link, block_nbytes=BLOCK, num_layers=2, yield_every=yield_every)
+    now = trio.current_time()
+    sw.submit(1, "in", [(b * 2, b) for b in range(10)], "groups")  # 10 copies of 1.1 ms
+    assert sw.engine.step_copy(now, "in") == pytest.approx(wait_ms / 1000)
+    assert sw.engine.step_copy(now, "out") == 0.0                   # the other direction is idle
+    c = sw.counters()
+    assert (c.yields, c.runs, c.copy_ops) == (yields, 10, 10)
+    assert c.step_copy_wait_s == pytest.approx(wait_ms / 1000)
+    assert sw.next_poll_s() == pytest.approx(end_ms / 1000)

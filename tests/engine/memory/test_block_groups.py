@@ -56,6 +56,24 @@ def test_a_second_request_takes_a_fresh_group_then_steals_spare_tails():
     assert len(m.table(3)) == 12
 
 
+def test_a_used_groups_spare_tail_is_split_before_a_shorter_free_group_is_taken():
+    """Issue 13, defect 2 (FastSwitch §3.1): a *matching* free group first; when none matches,
+    another request's active group gives up part of its free space, so the newcomer's KV stays
+    one run instead of a short free run plus a stolen remainder."""
+    m = BlockGroupManager(range(0, 100), expected_group=60)
+    m.allocate(1, 10)      # reserves 25, spare 15
+    m.allocate(2, 70)      # leaves one free run of 5 at the end
+    assert m.free_runs() == [(95, 5)]
+    m.allocate(3, 12)
+    assert m.runs(3) == [(13, 12)] and m.groups(1)[-1].reserved == 13
+    assert m.free_runs() == [(95, 5)]
+    check_invariants(m, range(0, 100))
+    old = BlockGroupManager(range(0, 100), expected_group=60, split_tails=False)
+    for rid, n in ((1, 10), (2, 70), (3, 12)):
+        old.allocate(rid, n)
+    assert old.runs(3) == [(95, 5), (18, 7)]   # the order kept before: a free run first
+
+
 def test_freeing_merges_back_into_one_run():
     m = BlockGroupManager(range(0, 64), expected_group=8)
     for rid in range(1, 6):
@@ -77,10 +95,10 @@ ops = st.lists(st.tuples(st.sampled_from(["alloc", "alloc", "free", "expect"]),
 
 
 @settings(max_examples=slow_scale(1500, 300), deadline=None)
-@given(ops, st.integers(1, 70))
-def test_no_block_owned_twice_none_lost_free_space_merged(seq, expected):
+@given(ops, st.integers(1, 70), st.booleans())
+def test_no_block_owned_twice_none_lost_free_space_merged(seq, expected, split_tails):
     ids = range(1000, 1128)
-    m = BlockGroupManager(ids, expected_group=expected)
+    m = BlockGroupManager(ids, expected_group=expected, split_tails=split_tails)
     for op, rid, n in seq:
         if op == "alloc" and m.can_allocate(n):
             m.allocate(rid, n)
