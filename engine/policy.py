@@ -83,6 +83,14 @@ class RequestView(NamedTuple):
     slack_ms: float = math.inf
     """Milliseconds left until its next token is due, at the view's `now`; inf without a
     deadline."""
+    cached_tokens: int = 0
+    """A waiting request holding no KV: leading tokens of its context whose blocks the device
+    prefix cache holds (it starts computing after them). 0 without `prefix_cache on`."""
+    cached_idle_blocks: int = 0
+    """Of those blocks, the ones no live request holds: taking them uses up free memory."""
+    shared_blocks: int = 0
+    """Blocks it holds that stay in use if it loses its blocks (another request holds them too,
+    or a waiting request's cache hit wants them): preempting it frees `blocks` minus these."""
 
     @property
     def context_tokens(self) -> int:
@@ -142,6 +150,10 @@ class Decision:
     """Most sequences in this iteration's batch; None leaves the engine's limit."""
     displace: bool = False
     """May a request in the order evict running requests that come after it (or are left out)."""
+    batch: int | None = None
+    """Only the first `batch` requests of the order may get work this iteration (a packed
+    batch, BROS §4.2); the rest of the order only ranks running requests as preemption victims
+    (the last first). None: every request in the order may get work."""
     overload: OverloadSignal | None = None
     """An overload trigger firing this iteration (KunServe §4.1, §4.4): `drop` asks for
     parameters to be dropped to free memory, `restore` for them to come back. Until the cluster
@@ -166,6 +178,9 @@ class MemorySettings:
     swap_granularity: SwapGranularity = "per-block"
     swap_in: Literal["sync", "async", "adaptive"] = "sync"
     kv_reuse: bool = False
+    prefix_cache: bool = False
+    """Full device KV blocks are cached by content and reused by later requests with the same
+    prefix (vLLM's automatic prefix caching); per-block allocator only."""
 
 
 @attrs.frozen(kw_only=True)
@@ -177,6 +192,9 @@ class PolicySettings:
     default_class: str = "default"
     preempt_mode: PreemptMode = "recompute"
     memory: MemorySettings = MemorySettings()
+    dispatch: str = "round_robin"
+    """A cluster's rule for which instance a new request goes to (`dispatch` statement; one
+    of engine.cluster.dispatch.DISPATCH_RULES)."""
 
     def class_spec(self, name: str | None) -> ClassSpec | None:
         wanted = name or self.default_class
@@ -252,6 +270,10 @@ class EngineCapabilities:
                         f"match this engine's device allocator, which runs {self.allocator} (it "
                         f"follows the policy the engine started with; restart the engine to "
                         f"change it)"))
+        if m.prefix_cache and self.allocator == "groups":
+            out.append(("prefix_cache", "prefix_cache on does not work with this engine's device "
+                        "allocator, which runs block groups (it follows the policy the engine "
+                        "started with; restart the engine with a per-block policy)"))
         if m.kv_reuse and not self.kv_reuse:
             why = "it keeps no CPU copies across turns" if self.swap else self.no_swap
             out.append(("kv_reuse", f"kv_reuse on is not supported by this engine ({why})"))

@@ -193,6 +193,12 @@ class Overload(Node):
 
 
 @attrs.frozen(kw_only=True)
+class Dispatch(Node):
+    rule: Ident
+    """round_robin, least_load or most_free_kv (engine/cluster/dispatch.py)."""
+
+
+@attrs.frozen(kw_only=True)
 class MemSetting(Node):
     name: Ident
     value: Ident
@@ -205,7 +211,7 @@ class Memory(Node):
 
 
 Statement = Union[Include, ClassDecl, DefaultClass, PriorityRule, Precedence, Alternate, Rerank,
-                  Fair, Pack, BatchMax, BatchAdaptive, Preempt, Overload, Memory]
+                  Fair, Pack, BatchMax, BatchAdaptive, Preempt, Overload, Memory, Dispatch]
 
 
 @attrs.frozen(kw_only=True)
@@ -246,6 +252,8 @@ def rule_keys(stmt: Statement) -> tuple[RuleKey, ...]:
             return (("batch",),)
         case Preempt():
             return (("preempt",),)
+        case Dispatch():
+            return (("dispatch",),)
         case Overload(action=a):
             return (("overload", a.name),)
         case Memory(settings=ss):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from engine.cluster.dispatch import DISPATCH_RULES
 from policy_lang import ast
 from policy_lang.diagnostics import Diagnostic, did_you_mean, one_of
 from policy_lang.exprs import ExprChecker, Where, constant, fmt, names_in, unit_example
@@ -39,7 +40,7 @@ ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1),
             "reset_on": Param(kind="symbol", default="violation",
                               symbols=("violation", "predicted", "observed"))}
 MEMORY = {"swap_granularity": ("per-block", "groups"), "swap_in": ("sync", "async", "adaptive"),
-          "kv_reuse": ("on", "off")}
+          "kv_reuse": ("on", "off"), "prefix_cache": ("on", "off")}
 PREEMPT_MODES = ("swap", "recompute", "never")
 OVERLOAD_ACTIONS = ("drop", "restore")
 
@@ -98,6 +99,7 @@ class Checker:
         self.check_pack()
         self.check_batch()
         self.check_preempt()
+        self.check_dispatch()
         self.check_overload()
         self.check_memory()
         return self.diags
@@ -317,6 +319,13 @@ class Checker:
         elif p.mode.name == "never" and p.displace:
             self.error(p, "preempt never cannot displace running requests")
 
+    def check_dispatch(self) -> None:
+        d = self.rules.get("dispatch")
+        if d is not None and d.rule.name not in DISPATCH_RULES:
+            self.error(d.rule, f"unknown dispatch rule '{d.rule.name}'"
+                               f"{did_you_mean(d.rule.name, DISPATCH_RULES)} "
+                               f"(rules: {', '.join(DISPATCH_RULES)})")
+
     def check_overload(self) -> None:
         for o in self.rules.all("overload"):
             if o.action.name not in OVERLOAD_ACTIONS:
@@ -340,6 +349,21 @@ class Checker:
             elif value not in MEMORY[name]:
                 self.error(m.value, f"{name} must be one of {', '.join(MEMORY[name])}, got "
                                     f"'{value}'{did_you_mean(value, MEMORY[name])}")
+        self.check_prefix_cache()
+
+    def check_prefix_cache(self) -> None:
+        """Prefix caching shares a full block between requests and keeps it after they end;
+        block groups (FastSwitch §3.1) give each request contiguous runs it owns alone, so a
+        swap is one copy per run. A cached block inside a run would stay behind when the run is
+        freed or swapped, cutting free runs into single-block holes and groups into pieces,
+        which is what groups exist to avoid; the two are not combined."""
+        values = {m.name.name: m for m in self.rules.all("memory")}
+        cache, groups = values.get("prefix_cache"), values.get("swap_granularity")
+        if (cache is not None and cache.value.name == "on" and groups is not None
+                and groups.value.name == "groups"):
+            self.error(cache.value, "prefix_cache on needs swap_granularity per-block: block "
+                                    "groups give each request contiguous runs of its own, and "
+                                    "shared cached blocks would break them up")
 
 
 def check(rules: RuleSet) -> list[Diagnostic]:

@@ -173,7 +173,7 @@ def build(rules: RuleSet, *, source: str, filename: str, base_dir: Path) -> Comp
     settings = PolicySettings(
         name=rules.name, classes=tuple(_class_spec(rules, c) for c in classes),
         default_class=default, preempt_mode=preempt.mode.name if preempt else "recompute",
-        memory=_memory(rules))
+        memory=_memory(rules), dispatch=_dispatch(rules))
     spans = {m.name.name: m.span for m in rules.all("memory")}
     if preempt is not None:
         spans["preempt"] = preempt.span
@@ -203,12 +203,18 @@ def _class_spec(rules: RuleSet, name: str) -> ClassSpec:
                      max_running=values.get("max_running"), max_queued=values.get("max_queued"))
 
 
+def _dispatch(rules: RuleSet) -> str:
+    d = rules.get("dispatch")
+    return d.rule.name if d is not None else "round_robin"
+
+
 def _memory(rules: RuleSet) -> MemorySettings:
     values = {m.name.name: m.value.name for m in rules.all("memory")}
     default = MemorySettings()
     return MemorySettings(swap_granularity=values.get("swap_granularity", default.swap_granularity),
                           swap_in=values.get("swap_in", default.swap_in),
-                          kv_reuse=values.get("kv_reuse", "off") == "on")
+                          kv_reuse=values.get("kv_reuse", "off") == "on",
+                          prefix_cache=values.get("prefix_cache", "off") == "on")
 
 
 def _rerank(rules: RuleSet) -> Rerank | None:

@@ -16,7 +16,7 @@ from engine.errors import PolicySyntaxError
 from policy_lang import ast
 from policy_lang.diagnostics import Diagnostic, Span, did_you_mean
 
-STATEMENT_KEYWORDS = ("alternate", "batch", "class", "default", "every", "fair", "frequency",
+STATEMENT_KEYWORDS = ("alternate", "batch", "class", "default", "dispatch", "every", "fair", "frequency",
                       "include", "memory", "overload", "pack", "precedence", "preempt",
                       "priority", "rerank")
 
@@ -270,6 +270,9 @@ class _Build(Transformer):
         hold = children[2] if len(children) > 2 else None
         return ast.Overload(span=self._span(meta), action=self._ident(children[0]),
                             cond=children[1], hold=hold)
+
+    def dispatch(self, meta, children):
+        return ast.Dispatch(span=self._span(meta), rule=self._ident(children[0]))
 
     def memory(self, meta, children):
         return ast.Memory(span=self._span(meta), settings=tuple(children))

@@ -1,0 +1,63 @@
+"""The coordinator actor: the cluster's dispatcher and monitor. It owns the `DispatchTable`
+(what it knows of every instance), answers `ChooseInstance` with the policy's dispatch rule,
+and keeps the table current from the monitor's `StatsReported`, the front door's
+`RequestEnded` and `InstanceDown`. It talks to no instance itself: the front door's instance
+handles carry requests and stats (shunter/cluster/)."""
+
+from __future__ import annotations
+
+from typing import assert_never
+
+import anyio
+import structlog
+from anyio.streams.memory import MemoryObjectReceiveStream
+
+from engine.cluster.dispatch import DispatchRule, DispatchTable, NoInstanceError
+from engine.cluster.messages import (
+    ChooseInstance,
+    CoordinatorMessage,
+    InspectCluster,
+    InstanceDown,
+    RequestEnded,
+    StatsReported,
+)
+
+log = structlog.get_logger(actor="coordinator")
+
+
+class Coordinator:
+    name = "coordinator"
+
+    def __init__(self, *, table: DispatchTable, rule: DispatchRule,
+                 inbox: MemoryObjectReceiveStream[CoordinatorMessage]) -> None:
+        self.table = table
+        self.rule = rule
+        """The running policy's dispatch rule (`engine.cluster.dispatch.DISPATCH_RULES`)."""
+        self._inbox = inbox
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        async for msg in self._inbox:
+            self.handle(msg)
+
+    def handle(self, msg: CoordinatorMessage) -> None:
+        match msg:
+            case ChooseInstance(demand_tokens=demand, reply=reply):
+                try:
+                    index = self.table.choose(self.rule)
+                except NoInstanceError as exc:
+                    reply.fail(exc)
+                    return
+                self.table.dispatched(index, demand)
+                reply.send(index)
+            case RequestEnded(instance=i, demand_tokens=demand):
+                self.table.ended(i, demand)
+            case StatsReported(instance=i, stats=stats):
+                self.table.report(i, stats)
+            case InstanceDown(instance=i, reason=reason):
+                log.warning("instance down", instance=i, reason=reason)
+                self.table.down(i, reason)
+            case InspectCluster(reply=reply):
+                reply.send(tuple(self.table.views()))
+            case _:
+                assert_never(msg)
