@@ -60,7 +60,9 @@ def add_step_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
     g.add_argument("--threads", type=positive_int, default=None,
-                   help="torch CPU threads (default: torch's own choice, one per core)")
+                   help="torch CPU threads, fixed (default on CPU: chosen while serving from "
+                        "the steps' own times, one per core or fewer when other work takes a "
+                        "core)")
 
 
 def resolve_policy(spec: str) -> Path:
