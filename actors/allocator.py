@@ -20,6 +20,7 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.memory.block_pool import BlockPool
 from engine.memory.device_blocks import DeviceBlocks
 from engine.messages import (
     AllocatorMessage,
@@ -73,8 +74,9 @@ class Allocator:
             case InspectAllocator(reply=reply):
                 pool = self._pool
                 reply.send(AllocatorSnapshot(
-                    free_blocks=pool.num_free, allocated_blocks=pool.num_allocated,
-                    total_blocks=pool.num_total, tables=pool.owners()))
+                    free_blocks=pool.num_total - pool.num_allocated,
+                    allocated_blocks=pool.num_allocated, total_blocks=pool.num_total,
+                    tables=pool.owners(), cached_blocks=getattr(pool, "num_cached", 0)))
             case _:
                 assert_never(msg)
 
@@ -82,10 +84,20 @@ class Allocator:
         """Swap-outs read the tables first; then free; then swap-ins and growth take blocks,
         so blocks released by this plan can serve it (the swap pool and the executor wait
         for the copies still reading them)."""
+        if plan.bidirectional is not None:  # BROS §5: the scheduler's table placed every slot
+            return (ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
+                                blocks=plan.bidirectional.blocks, seqs=plan.seqs),
+                    plan.bidirectional.transfers)
         pool = self._pool
         for s in plan.setups:  # block groups size new requests' first groups to fit them
             tokens = len(s.prompt_ids) + s.sampling.max_tokens
             self._expected[s.request_id] = -(-tokens // self._block_size)
+        prefix = plan.prefix
+        if prefix is not None and not isinstance(pool, BlockPool):
+            # the policy checker refuses prefix_cache with block groups (policy_lang/check.py)
+            raise RuntimeError("prefix caching needs the per-block allocator")
+        for rid, index, key in prefix.publish if prefix else ():
+            pool.publish(rid, index, key)
         transfers = self._swap_outs(plan)
         for rid in plan.release:
             pool.free(rid)
@@ -94,6 +106,11 @@ class Allocator:
         for rid in plan.preempt:
             pool.free(rid)
             updates[rid] = BlockUpdate(request_id=rid, reset=True, append=())
+        for key in prefix.evict if prefix else ():
+            pool.evict(key)
+        for rid, keys in prefix.attach if prefix else ():
+            updates[rid] = BlockUpdate(request_id=rid, reset=True,
+                                       append=tuple(pool.attach(rid, keys)))
         for i in plan.swap_in:
             if pool.table(i.request_id):
                 raise RuntimeError(f"request {i.request_id} is swapped in but still holds blocks")

@@ -32,7 +32,7 @@ from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
 from engine.request import Request, refusal
 from engine.scheduler_stats import SchedulerStats
-from engine.step_plan import build_run_step, finish_step, start_step
+from engine.step_plan import BidirectionalMemory, build_run_step, finish_step, start_step
 
 log = structlog.get_logger(actor="scheduler")
 
@@ -47,8 +47,8 @@ class Scheduler:
                  inbox: MemoryObjectReceiveStream[SchedulerMessage],
                  allocator: MemoryObjectSendStream[AllocatorMessage],
                  frontend: MemoryObjectSendStream[FrontendMessage], cost: CostModel | None = None,
-                 cpu_blocks: int = 0) -> None:
-        self._config, self._cost = config, cost
+                 cpu_blocks: int = 0, bidirectional: BidirectionalMemory | None = None) -> None:
+        self._config, self._cost, self._bidi = config, cost, bidirectional
         self._total_blocks = num_blocks
         # a sequence longer than the whole KV pool could never be scheduled again; admission
         # refuses those unless they asked to be truncated, and they end with the limit's name
@@ -65,8 +65,9 @@ class Scheduler:
         self._iteration = 0
         self._step_started = 0.0
         self._last_iteration_ms = 0.0
-        self._stats = SchedulerStats(total_blocks=num_blocks,
-                                     record_iterations=config.record_iterations)
+        self._stats = SchedulerStats(total_blocks=num_blocks, block_size=config.block_size,
+                                     record_iterations=config.record_iterations, cost=cost)
+        self._prefixes = self._stats.prefixes  # the device prefix cache (vLLM's APC)
         self._copies = HostCopies(cpu_blocks, config.block_size) if cpu_blocks else None
         self._profiler = SwapInProfiler()
         self._use(policy, version=1)
@@ -83,6 +84,8 @@ class Scheduler:
                 with anyio.move_on_after(IDLE_POLL_S):
                     await self._handle(await self._inbox.receive())
                 continue
+            if self._config.charge_scheduler_time:  # sim: planning's CPU time, on its clock
+                await anyio.sleep(self._stats.last_scheduler_s)
             await self._allocator.send(step)
             await self._wait_for(step.step_id)
 
@@ -135,6 +138,7 @@ class Scheduler:
 
     def _use(self, policy: Policy, version: int) -> None:
         self._policy, self._policy_version = policy, version
+        self._prefixes.enabled = policy.settings.memory.prefix_cache
         if self._copies is not None:
             self._copies.kv_reuse = policy.settings.memory.kv_reuse
 
@@ -156,6 +160,8 @@ class Scheduler:
 
     def _abort(self, request_id: int, reason: str) -> None:
         req = self._live.get(request_id)
+        if req is not None and req.abort_reason is None:  # counted once, where it was
+            self._stats.note_cancel(req.state)
         if req is not None and req.in_flight_tokens:
             req.abort_reason = reason  # ends when its step comes back
         elif req is not None:
@@ -174,22 +180,22 @@ class Scheduler:
             metrics=req.timeline(anyio.current_time(), reason)))
 
     def _free_blocks(self) -> int:
-        """Device blocks no live request holds: derived, never counted by hand."""
-        return self._total_blocks - sum(r.blocks for r in self._live.values())
+        """Device blocks no live request holds (a shared cached block counts once): derived."""
+        used = sum(r.blocks for r in self._live.values()) - self._prefixes.shared_extra
+        return self._bidi.planning_free() if self._bidi else self._total_blocks - used
 
     # ------------------------------------------------------------------------ iterations
 
     def _view(self, now: float) -> SchedulerView:
         c = self._config
         return SchedulerView(
-            now=now, iteration=self._iteration, requests=[r.view(now) for r in self._live.values()],
+            now=now, iteration=self._iteration, requests=self._prefixes.views(self._live, now),
             free_blocks=self._free_blocks(), total_blocks=self._total_blocks,
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-            max_batched_tokens=c.max_batched_tokens, last_iteration_ms=self._last_iteration_ms,
-            cost=self._cost)
+            block_size=c.block_size, max_num_seqs=c.max_num_seqs, cost=self._stats.cost_model,
+            max_batched_tokens=c.max_batched_tokens, last_iteration_ms=self._last_iteration_ms)
 
     def _next_step(self) -> RunStep | None:
-        began = time.perf_counter()
+        began = time.thread_time()
         now = anyio.current_time()
         view = self._view(now)
         decision = self._policy.decide(view)
@@ -214,9 +220,9 @@ class Scheduler:
             return None
         step = self._start_step(plan, view, rank)
         self._stats.record_iteration(
-            now=now, scheduler_s=time.perf_counter() - began, batch_seqs=len(plan.work),
+            now=now, scheduler_s=time.thread_time() - began, batch_seqs=len(plan.work),
             batch_tokens=sum(plan.work.values()), queued=len(self._live) - len(plan.work),
-            used_blocks=self._total_blocks - self._free_blocks())
+            used_blocks=self._total_blocks - self._free_blocks(), seqs=step.seqs)
         return step
 
     def _preempt(self, req: Request, rank: int) -> None:
@@ -242,15 +248,16 @@ class Scheduler:
                                                valid_tokens=live[v.id].computed_tokens,
                                                rank=rank.get(v.id, len(rank)))
                           for v in plan.swapped_in} if copies is not None else {}
+        self._prefixes.admit(plan, live)  # cache hits start their requests after the hit
         step = build_run_step(
             plan, step_id=self._iteration, requests=live, swap_in_blocks=swap_in_blocks,
             release=self._release, swap_out=copies.take_orders() if copies else (),
-            granularity=self._policy.settings.memory.swap_granularity)
+            granularity=self._policy.settings.memory.swap_granularity, bidirectional=self._bidi)
         self._release = []
         self._profiler.count(step.swap_in)
         self._in_flight = start_step(plan, step, live, view.now)
         self._step_started, self._step_views = view.now, view.requests
-        return step
+        return self._prefixes.attach_ops(step, live)
 
     def _on_step_finished(self, msg: StepFinished) -> None:
         now = anyio.current_time()
@@ -262,7 +269,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
         self._in_flight = {}
-        self._last_iteration_ms = (now - self._step_started) * 1000.0
+        self._last_iteration_ms = self._stats.step_done((now - self._step_started) * 1000.0)
         self._policy.observe(IterationOutcome(
             iteration=self._iteration, duration_ms=self._last_iteration_ms,
             served=result.served, deadline_misses=result.deadline_misses))

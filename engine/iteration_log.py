@@ -89,8 +89,8 @@ class IterationLog:
     time: array = attrs.field(factory=lambda: array("d"))
     """Engine clock (s) when the iteration was planned."""
     scheduler_s: array = attrs.field(factory=lambda: array("d"))
-    """Wall seconds (`time.perf_counter`) the scheduler spent planning it: CPU work, never the
-    simulated clock."""
+    """CPU seconds (`time.thread_time`) the scheduler spent planning it, never the simulated
+    clock (the simulator may charge them to it: `EngineConfig.charge_scheduler_time`)."""
     batch_seqs: array = attrs.field(factory=lambda: array("l"))
     batch_tokens: array = attrs.field(factory=lambda: array("l"))
     queued: array = attrs.field(factory=lambda: array("l"))
@@ -98,6 +98,8 @@ class IterationLog:
     used_blocks: array = attrs.field(factory=lambda: array("l"))
     preemptions: int = 0
     swap: SwapCounters = attrs.field(factory=SwapCounters)
+    predictions: list[tuple[float, float]] = attrs.field(factory=list)
+    """(predicted, measured) ms of iterations the policy had a cost-model prediction for."""
     prefix: PrefixCacheCounters = attrs.field(factory=PrefixCacheCounters)
 
     def add(self, *, now: float, scheduler_s: float, batch_seqs: int, batch_tokens: int,

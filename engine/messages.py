@@ -24,8 +24,9 @@ from engine.reply import Reply
 from engine.snapshots import AllocatorSnapshot, SchedulerSnapshot
 from engine.timeline import RequestTimeline
 
-SwapDirection = Literal["out", "in"]
-"""`out`: device -> host (swap out); `in`: host -> device (swap in)."""
+SwapDirection = Literal["out", "in", "move"]
+"""`out`: device -> host (swap out); `in`: host -> device (swap in); `move`: device -> device,
+only for slot copies (BROS's bidirectional blocks)."""
 
 # ---------------------------------------------------------------------------------- frontend
 
@@ -221,6 +222,21 @@ class SwapIn:
 
 
 @attrs.frozen(kw_only=True)
+class PrefixOps:
+    """What the scheduler's prefix cache (engine/memory/prefix_cache.py) changed since the last
+    step, for the allocator to map onto block ids, in this order: `publish` before anything is
+    freed, `evict` after freeing, `attach` before any block is allocated."""
+
+    publish: tuple[tuple[int, int, bytes], ...] = ()
+    """(request_id, block index, key): that block of the request is now cached under key."""
+    evict: tuple[bytes, ...] = ()
+    """Keys no request holds whose blocks go back to the free list."""
+    attach: tuple[tuple[int, tuple[bytes, ...]], ...] = ()
+    """(request_id, keys): a request holding no blocks starts its table with these cached
+    blocks (a prefix hit)."""
+
+
+@attrs.frozen(kw_only=True)
 class RunStep:
     """The scheduler's whole plan for one iteration, sent to the allocator.
 
@@ -245,6 +261,21 @@ class RunStep:
     """Done after freeing, before the block targets are met."""
     granularity: SwapGranularity = "per-block"
     """How the swap pool copies."""
+    bidirectional: BidirectionalOrders | None = None
+    """With BROS's bidirectional blocks (the scheduler's table places KV slot by slot): the
+    allocator passes these on instead of allocating from its pool."""
+    prefix: PrefixOps | None = None
+    """Prefix cache changes; None when there are none."""
+
+
+@attrs.frozen(kw_only=True)
+class BidirectionalOrders:
+    """A step's bidirectional block table changes and its slot copies (BROS §5.2)."""
+
+    blocks: tuple[BlockUpdate, ...]
+    """Whole new tables (signed entries: `-b - 1` is block b filled right to left)."""
+    transfers: tuple[SwapTransfer, ...]
+    """Slot copies (`pairs` of flat slots), all done before the step computes, in this order."""
 
 
 @attrs.frozen(kw_only=True)

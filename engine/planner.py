@@ -75,10 +75,12 @@ class _Planner:
         self.seq_limit = min(budget.max_num_seqs, decision.max_batch or budget.max_num_seqs)
         self.displace = decision.displace
         self.rank = {r.id: i for i, r in enumerate(decision.order)}
-        self.order = decision.order
+        # a packed batch (BROS §4.2): only its requests get work; the rest of the order ranks
+        # the running requests that may be preempted for it
+        self.order = decision.order if decision.batch is None else decision.order[:decision.batch]
         unranked = [r for r in requests if r.state == "running" and r.id not in self.rank]
         ranked = [r for r in decision.order if r.state == "running"]
-        self.running = ranked
+        self.running = [r for r in self.order if r.state == "running"]
         self.victims = deque(unranked + ranked[::-1])  # least deserving first
         self.per_class: dict[str, int] = {}
         for r in requests:
@@ -93,16 +95,24 @@ class _Planner:
         return len(self.plan.work) >= self.seq_limit or self.tokens <= 0
 
     def need(self, r: RequestView, n: int) -> int:
-        return blocks_for(r.computed_tokens + n, self.budget.block_size) - r.blocks
+        """Blocks r takes from the free count to compute n more tokens. A waiting request with
+        a prefix cache hit starts after its cached blocks and pays only for those no live
+        request holds (idle ones count as free until taken)."""
+        bs = self.budget.block_size
+        if r.cached_tokens:
+            return blocks_for(r.cached_tokens + n, bs) - r.cached_tokens // bs + r.cached_idle_blocks
+        return blocks_for(r.computed_tokens + n, bs) - r.blocks
 
     def commit(self, r: RequestView, n: int, need: int) -> None:
         self.free -= need
         self.tokens -= n
         self.plan.work[r.id] = n
-        self.plan.block_targets[r.id] = r.blocks + need
+        self.plan.block_targets[r.id] = (r.blocks + need - r.cached_idle_blocks
+                                         + r.cached_tokens // self.budget.block_size)
 
     def preempt(self, v: RequestView) -> None:
-        self.free += self.plan.block_targets.pop(v.id, v.blocks)
+        # blocks other requests hold too (a shared cached prefix) stay in use
+        self.free += self.plan.block_targets.pop(v.id, v.blocks) - v.shared_blocks
         self.tokens += self.plan.work.pop(v.id, 0)
         self.preempted_ids.add(v.id)
         self.plan.preempted.append(v)
@@ -154,7 +164,7 @@ class _Planner:
             if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
                 continue
             swap_only = r.state == "swapped" and self.budget.async_swap_in
-            n = 0 if swap_only else min(r.remaining_tokens, self.tokens)
+            n = 0 if swap_only else min(r.remaining_tokens - r.cached_tokens, self.tokens)
             need = self.need(r, n)
             if self.displace:
                 self.make_room(r, need)

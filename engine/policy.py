@@ -23,9 +23,10 @@ from engine.errors import PolicyError
 RequestState = Literal["waiting", "running", "swapped", "swapping_in"]
 PreemptMode = Literal["recompute", "swap", "never"]
 OverloadSignal = Literal["drop", "restore"]
-SwapGranularity = Literal["per-block", "groups"]
+SwapGranularity = Literal["per-block", "groups", "slots"]
 """`per-block`: one copy per block per layer per K/V (vLLM 0.3.3); `groups`: one copy per run
-of blocks consecutive on both sides (FastSwitch §3.1)."""
+of blocks consecutive on both sides (FastSwitch §3.1); `slots`: single KV slots, one strided copy
+per run of them (BROS's lazy checkpointing; never written in a policy)."""
 
 
 def token_deadline(*, arrival: float, ttft_ms: float | None, tpot_ms: float | None,
@@ -181,6 +182,9 @@ class MemorySettings:
     prefix_cache: bool = False
     """Full device KV blocks are cached by content and reused by later requests with the same
     prefix (vLLM's automatic prefix caching); per-block allocator only."""
+    bidirectional: bool = False
+    """BROS §5: RT and BE requests share blocks from opposite ends, RT overwriting BE slots
+    after checkpointing them to the host (engine/memory/bidirectional.py); chosen at start."""
 
 
 @attrs.frozen(kw_only=True)
@@ -231,6 +235,9 @@ class EngineCapabilities:
     allocator: SwapGranularity | None = None
     """The granularity of the device allocator once the engine has chosen it (from the policy
     it starts with): a later policy that swaps, or writes `swap_granularity`, must match it."""
+    bidirectional: bool | None = None
+    """Whether the engine runs BROS's bidirectional block table, once chosen (from the policy
+    it starts with); a later policy cannot turn it on."""
 
     @property
     def swap(self) -> bool:
@@ -239,7 +246,8 @@ class EngineCapabilities:
     def running(self, settings: PolicySettings) -> EngineCapabilities:
         """These capabilities once the device allocator follows `settings` (the policy the
         engine starts with)."""
-        return attrs.evolve(self, allocator=settings.memory.swap_granularity)
+        return attrs.evolve(self, allocator=settings.memory.swap_granularity,
+                            bidirectional=settings.memory.bidirectional)
 
     def unsupported(self, settings: PolicySettings,
                     written: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -274,6 +282,13 @@ class EngineCapabilities:
             out.append(("prefix_cache", "prefix_cache on does not work with this engine's device "
                         "allocator, which runs block groups (it follows the policy the engine "
                         "started with; restart the engine with a per-block policy)"))
+        if m.bidirectional and (not self.swap or self.bidirectional is False):
+            why = (self.no_swap if not self.swap else "it started without it; restart the engine "
+                   "with this policy") + "; BROS checkpoints overwritten slots to host memory"
+            out.append(("bidirectional", f"bidirectional on is not supported by this engine ({why})"))
+        if m.bidirectional and settings.preempt_mode == "swap":
+            out.append(("bidirectional", "bidirectional on swaps slot by slot through its own "
+                        "table: use preempt recompute with it, not preempt swap"))
         if m.kv_reuse and not self.kv_reuse:
             why = "it keeps no CPU copies across turns" if self.swap else self.no_swap
             out.append(("kv_reuse", f"kv_reuse on is not supported by this engine ({why})"))

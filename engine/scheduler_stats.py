@@ -7,10 +7,13 @@ from collections.abc import Iterable
 
 import structlog
 
+from engine.cost_model import CostModel
 from engine.iteration_log import IterationLog
+from engine.memory.device_prefixes import DevicePrefixes
 from engine.memory.host_copies import HostCopies
 from engine.memory.swap_in_profiler import SwapInProfiler
 from engine.policy import OverloadSignal
+from engine.prediction import IterationPredictor
 from engine.request import Request
 from engine.snapshots import SchedulerSnapshot
 
@@ -18,15 +21,27 @@ log = structlog.get_logger(actor="scheduler")
 
 
 class SchedulerStats:
-    def __init__(self, *, total_blocks: int, record_iterations: bool) -> None:
+    def __init__(self, *, total_blocks: int, record_iterations: bool, block_size: int = 16,
+                 cost: CostModel | None = None) -> None:
         self.total_blocks = total_blocks
+        self.predictor = IterationPredictor(cost)
+        """Iteration-time predictions for the policy (BROS §4.1) and their errors."""
+        self.last_scheduler_s = 0.0
+        """CPU seconds the scheduler spent planning the last iteration."""
+        self.prefixes = DevicePrefixes(block_size, total_blocks)
+        """The device prefix cache's bookkeeping (the scheduler drives it; counted here)."""
         self.preemptions = 0
         """Preemptions since the engine started (by swap and by recompute)."""
+        self.cancelled_by_state: dict[str, int] = {}
+        """Cancellations since the engine started, by the state the request was in."""
         self.overload: OverloadSignal | None = None
         """The overload trigger firing now (KunServe §4.1, §4.4)."""
         self.overload_fired = {"drop": 0, "restore": 0}
         """How often each trigger started firing."""
         self._log = IterationLog(total_blocks=total_blocks) if record_iterations else None
+
+    def note_cancel(self, state: str) -> None:
+        self.cancelled_by_state[state] = self.cancelled_by_state.get(state, 0) + 1
 
     @property
     def recording(self) -> bool:
@@ -47,8 +62,21 @@ class SchedulerStats:
                      free_blocks=free_blocks, total_blocks=self.total_blocks)
         self.overload = signal
 
+    @property
+    def cost_model(self) -> CostModel | None:
+        return self.predictor.model
+
+    def step_done(self, measured_ms: float) -> float:
+        """The iteration just ended took `measured_ms`; returns it."""
+        pair = self.predictor.finished(measured_ms)
+        if pair is not None and self._log is not None:
+            self._log.predictions.append(pair)
+        return measured_ms
+
     def record_iteration(self, *, now: float, scheduler_s: float, batch_seqs: int,
-                         batch_tokens: int, queued: int, used_blocks: int) -> None:
+                         batch_tokens: int, queued: int, used_blocks: int, seqs=()) -> None:
+        self.last_scheduler_s = scheduler_s
+        self.predictor.started(seqs)
         if self._log is not None:
             self._log.add(now=now, scheduler_s=scheduler_s, batch_seqs=batch_seqs,
                           batch_tokens=batch_tokens, queued=queued, used_blocks=used_blocks)
@@ -63,6 +91,7 @@ class SchedulerStats:
         if taken is not None:
             taken.preemptions = self.preemptions
             taken.swap = swap
+            taken.prefix = self.prefixes.take_counters()
             self._log = IterationLog(total_blocks=self.total_blocks)
         return taken
 
@@ -85,4 +114,6 @@ class SchedulerStats:
             cpu_total_blocks=copies.num_total if copies else 0,
             cpu_copies=copies.num_copies if copies else 0,
             cpu_kept_blocks=copies.kept_blocks if copies else 0,
+            prefix_cache=self.prefixes.snapshot(),
+            cancelled_by_state=tuple(sorted(self.cancelled_by_state.items())),
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from engine.iteration_log import SwapCounters
+from engine.iteration_log import PrefixCacheCounters, SwapCounters
 
 
 @attrs.frozen(kw_only=True)
@@ -35,6 +35,11 @@ class SchedulerSnapshot:
     cpu_kept_blocks: int = 0
     """Of the host blocks in use, those holding conversations' ended turns kept for reuse: once
     idle, every other host block is free (the soak's leak check)."""
+    prefix_cache: PrefixCacheCounters | None = None
+    cancelled_by_state: tuple[tuple[str, int], ...] = ()
+    """Requests cancelled (by their client or a deadline) since the engine started, by the
+    state they were in: waiting, running, swapped, swapping_in."""
+    """Device prefix cache lookups, hits and evictions since the engine started."""
 
 
 @attrs.frozen(kw_only=True)
@@ -43,6 +48,9 @@ class AllocatorSnapshot:
     allocated_blocks: int
     total_blocks: int
     tables: dict[int, list[int]]
+    cached_blocks: int = 0
+    """Blocks the prefix cache holds by key, whether a request holds them or they are idle
+    (idle ones count as free: they are evicted the moment a block is needed)."""
 
 
 @attrs.frozen(kw_only=True)

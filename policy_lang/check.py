@@ -40,7 +40,7 @@ ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1),
             "reset_on": Param(kind="symbol", default="violation",
                               symbols=("violation", "predicted", "observed"))}
 MEMORY = {"swap_granularity": ("per-block", "groups"), "swap_in": ("sync", "async", "adaptive"),
-          "kv_reuse": ("on", "off"), "prefix_cache": ("on", "off")}
+          "kv_reuse": ("on", "off"), "prefix_cache": ("on", "off"), "bidirectional": ("on", "off")}
 PREEMPT_MODES = ("swap", "recompute", "never")
 OVERLOAD_ACTIONS = ("drop", "restore")
 
@@ -357,13 +357,18 @@ class Checker:
         swap is one copy per run. A cached block inside a run would stay behind when the run is
         freed or swapped, cutting free runs into single-block holes and groups into pieces,
         which is what groups exist to avoid; the two are not combined."""
-        values = {m.name.name: m for m in self.rules.all("memory")}
-        cache, groups = values.get("prefix_cache"), values.get("swap_granularity")
-        if (cache is not None and cache.value.name == "on" and groups is not None
-                and groups.value.name == "groups"):
+        values = {m.name.name: m.value.name for m in self.rules.all("memory")}
+        cache = next((m for m in self.rules.all("memory") if m.name.name == "prefix_cache"), None)
+        if cache is None or cache.value.name != "on":
+            return
+        if values.get("swap_granularity") == "groups":
             self.error(cache.value, "prefix_cache on needs swap_granularity per-block: block "
                                     "groups give each request contiguous runs of its own, and "
                                     "shared cached blocks would break them up")
+        if values.get("bidirectional") == "on":
+            self.error(cache.value, "prefix_cache on needs bidirectional off: a bidirectional "
+                                    "block holds two requests' KV, one from each end, so it is "
+                                    "no one prefix's block to share")
 
 
 def check(rules: RuleSet) -> list[Diagnostic]:

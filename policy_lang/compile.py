@@ -214,7 +214,8 @@ def _memory(rules: RuleSet) -> MemorySettings:
     return MemorySettings(swap_granularity=values.get("swap_granularity", default.swap_granularity),
                           swap_in=values.get("swap_in", default.swap_in),
                           kv_reuse=values.get("kv_reuse", "off") == "on",
-                          prefix_cache=values.get("prefix_cache", "off") == "on")
+                          prefix_cache=values.get("prefix_cache", "off") == "on",
+                          bidirectional=values.get("bidirectional", "off") == "on")
 
 
 def _rerank(rules: RuleSet) -> Rerank | None:

@@ -32,6 +32,13 @@ _MEMORY = {
     ("kv_reuse", "on"): "host copies of a conversation's KV are reused across turns "
                         "(FastSwitch §3.3)",
     ("kv_reuse", "off"): "no KV reuse across turns",
+    ("prefix_cache", "on"): "full device KV blocks are cached by their tokens and reused by any "
+                            "later request with the same prefix, least recently used evicted first",
+    ("prefix_cache", "off"): "no prefix caching",
+    ("bidirectional", "on"): "RT requests fill KV blocks from the left and BE requests from the "
+                             "right; RT overwrites BE slots after checkpointing just those to the "
+                             "host (BROS §5)",
+    ("bidirectional", "off"): "no block is shared between requests",
 }
 
 

@@ -94,6 +94,9 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
           doc="the most tokens it asked for"),
     Field(name="blocks", type=Type.BLOCKS, scope=_R, attr="blocks",
           doc="device KV blocks it holds"),
+    Field(name="cached_tokens", type=Type.TOKENS, scope=_R, attr="cached_tokens",
+          doc="leading tokens of a waiting request the device prefix cache holds (SGLang's "
+              "longest-prefix-match order: cached_tokens desc)"),
     Field(name="swapped_blocks", type=Type.BLOCKS, scope=_R, attr="swapped_blocks",
           doc="its KV blocks swapped out to host memory"),
     Field(name="checkpointed_blocks", type=Type.BLOCKS, scope=_R, attr="checkpointed_blocks",

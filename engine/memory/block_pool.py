@@ -5,6 +5,8 @@ Pure mechanism: it answers `can_allocate` and does `allocate`/`free`; the schedu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class BlockPoolError(Exception):
     """An invariant of the pool was broken by its caller (a bug, not a user error)."""
@@ -20,6 +22,13 @@ class BlockPool:
         self._all = block_ids
         self._free: list[int] = list(reversed(block_ids))
         self._tables: dict[int, list[int]] = {}
+        # the prefix cache's blocks (engine/memory/prefix_cache.py decides, this maps): a cached
+        # block is never on the free stack; `_users` counts the tables holding it, and one no
+        # table holds (idle) is free memory only once the scheduler evicts its key
+        self._cached: dict[bytes, int] = {}
+        self._key_of: dict[int, bytes] = {}
+        self._users: dict[int, int] = {}
+        self._idle = 0
 
     @property
     def num_total(self) -> int:
@@ -31,7 +40,18 @@ class BlockPool:
 
     @property
     def num_allocated(self) -> int:
-        return len(self._all) - len(self._free)
+        """Blocks some request's table holds."""
+        return len(self._all) - len(self._free) - self._idle
+
+    @property
+    def num_cached(self) -> int:
+        """Blocks the prefix cache knows by key (held or idle)."""
+        return len(self._cached)
+
+    @property
+    def num_idle(self) -> int:
+        """Cached blocks no table holds."""
+        return self._idle
 
     def can_allocate(self, n: int) -> bool:
         return n <= len(self._free)
@@ -56,8 +76,44 @@ class BlockPool:
     def free(self, request_id: int) -> int:
         """Return all of the request's blocks to the pool; returns how many."""
         table = self._tables.pop(request_id, [])
-        self._free.extend(reversed(table))
+        for b in reversed(table):
+            if b in self._key_of:
+                self._users[b] -= 1
+                self._idle += self._users[b] == 0
+            else:
+                self._free.append(b)
         return len(table)
+
+    def publish(self, request_id: int, index: int, key: bytes) -> None:
+        """Block `index` of the request's table is cached under `key` from now on."""
+        table = self._tables.get(request_id, [])
+        if index >= len(table):
+            raise BlockPoolError(f"request {request_id} publishes block {index} of {len(table)}")
+        b = table[index]
+        if key in self._cached or b in self._key_of:
+            raise BlockPoolError(f"request {request_id}: block {b} or its key is cached already")
+        self._cached[key], self._key_of[b], self._users[b] = b, key, 1
+
+    def attach(self, request_id: int, keys: Sequence[bytes]) -> list[int]:
+        """Start the table of a request holding no blocks with the cached blocks of `keys`."""
+        if self._tables.get(request_id):
+            raise BlockPoolError(f"request {request_id} takes cached blocks while holding blocks")
+        blocks = [self._cached[k] for k in keys]
+        for b in blocks:
+            self._idle -= self._users[b] == 0
+            self._users[b] += 1
+        self._tables[request_id] = list(blocks)
+        return blocks
+
+    def evict(self, key: bytes) -> int:
+        """The block cached under `key`, which no table holds, goes back to the free stack."""
+        b = self._cached.pop(key)
+        if self._users[b]:
+            raise BlockPoolError(f"evicting block {b}, which {self._users[b]} requests hold")
+        del self._key_of[b], self._users[b]
+        self._idle -= 1
+        self._free.append(b)
+        return b
 
     def owners(self) -> dict[int, list[int]]:
         """Every request's table (for invariant checks and inspection)."""

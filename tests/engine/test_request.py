@@ -48,7 +48,8 @@ def test_the_view_carries_every_field_of_the_request_at_its_moment():
         arrival=10.0, prompt_tokens=3, max_tokens=5, ttft_ms=500.0, tpot_ms=50.0,
         state="running", output_tokens=2, computed_tokens=4, blocks=2, swapped_blocks=1,
         checkpointed_blocks=5, preemptions=6, first_token_at=10.25, last_token_at=10.5,
-        last_scheduled_at=11.0, waited_s=1.0, slack_ms=pytest.approx((10.35 - 12.0) * 1000))
+        last_scheduled_at=11.0, waited_s=1.0, slack_ms=pytest.approx((10.35 - 12.0) * 1000),
+        cached_tokens=0, cached_idle_blocks=0, shared_blocks=0)  # the prefix cache fills these
     assert (v.context_tokens, v.remaining_tokens, v.next_deadline()) == (5, 1, r.next_deadline())
     with pytest.raises(AttributeError):
         v.state = "waiting"  # type: ignore[misc]

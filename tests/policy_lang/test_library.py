@@ -19,7 +19,8 @@ from tests.factories import make_scheduler_view, make_view
 
 SHIPPED = ["bros", "fastswitch_markov", "fastswitch_random", "fcfs", "groups_markov",
            "groups_random", "kunserve", "priority", "reuse_markov", "reuse_random",
-           "round_robin_rtbe", "rtbe_classes", "vllm_baseline_markov", "vllm_baseline_random", "vtc"]
+           "round_robin_rtbe", "rtbe_classes", "vllm_baseline_markov", "vllm_baseline_random",
+           "vllm_prefix_markov", "vllm_prefix_random", "vtc"]
 
 # iteration time = 10 ms + 1 ms per decoding sequence + 0.1 ms per prefill token
 COST = CostModel(a_ms=10.0, b_ms_per_prefill_token=0.1, c_ms_per_prefill_token_sq=0.0,
@@ -64,6 +65,8 @@ CITED = {  # the paper sections each file's header comment cites, in order
     "rtbe_classes": ["BROS §7.1"],
     "vllm_baseline_markov": ["FastSwitch §4", "§4"],
     "vllm_baseline_random": ["FastSwitch §4"],
+    "vllm_prefix_markov": ["FastSwitch §4"],
+    "vllm_prefix_random": ["FastSwitch §4"],
     "vtc": ["FastSwitch §2.2"],
 }
 
@@ -132,30 +135,53 @@ def test_round_robin_alternates_rt_and_be_and_passes_an_empty_turn():
     assert [ids(policy.decide(only_be)) for _ in range(2)] == [[4, 3], [4, 3]]
 
 
+def waiting(id: int, prompt: int, **kw) -> object:
+    return make_view(id=id, state="waiting", prompt_tokens=prompt, **kw)
+
+
 BROS = [
-    # (requests, expected order, predicted violation)
+    # (requests, view overrides, expected batch, expected rest of the order, predicted violation)
     ("calm: every RT fits, BE fill stops at the deadline, then BE replaces slack-rich RT",
      [decode(1, request_class="rt", slack_ms=100.0), decode(2, request_class="rt", slack_ms=30.0),
       decode(3, request_class="rt", slack_ms=14.0), decode(4, request_class="be", checkpointed_blocks=2),
       decode(5, request_class="be", checkpointed_blocks=0)],
-     [3, 5, 4], False),
+     {}, [3, 5, 4], [2, 1], False),
     ("tight: the second RT would make the first miss, so packing stops and predicts a violation",
      [decode(1, request_class="rt", slack_ms=11.5), decode(2, request_class="rt", slack_ms=12.0),
       decode(3, request_class="be")],
-     [1], True),
-    ("late: an RT request that cannot make its deadline is still served, first",
+     {}, [1], [2, 3], True),
+    ("late: an RT request that cannot make its deadline is served after those that can",
      [decode(1, request_class="rt", slack_ms=-40.0), decode(2, request_class="rt", slack_ms=50.0),
       decode(3, request_class="be")],
-     [1, 2, 3], False),
+     {}, [2, 1, 3], [], False),
+    # 1,500 prompt tokens in 512-token chunks: 3 iterations of 61 ms, more than its 150 ms slack,
+    # though one iteration alone would fit: the constraint is over the remaining iterations
+    ("iterations: a prompt needing more iterations than its slack allows goes after one that fits",
+     [waiting(1, 1500, request_class="rt", slack_ms=150.0),
+      waiting(2, 100, request_class="rt", slack_ms=300.0)],
+     {}, [2, 1], [], False),
+    ("memory: an RT prompt that does not fit is skipped and the BE request behind it runs",
+     [waiting(1, 100, request_class="rt", slack_ms=300.0), waiting(2, 20, request_class="be")],
+     {"free_blocks": 2}, [2], [], False),
+    ("lender: an RT prompt takes the blocks of a running BE request left out of the batch",
+     [waiting(1, 100, request_class="rt", slack_ms=300.0),
+      make_view(id=2, request_class="be", state="running", blocks=10, computed_tokens=150,
+                prompt_tokens=150, output_tokens=1),
+      waiting(3, 20, request_class="be")],
+     {"free_blocks": 2}, [1], [2], False),
 ]
+
+
+def batch_ids(decision) -> list[int]:
+    return [r.id for r in decision.order[:decision.batch]]
 
 
 @pytest.mark.parametrize("case", BROS, ids=[c[0].split(":")[0] for c in BROS])
 def test_bros_packs_by_slack_and_predicted_iteration_time(case):
-    _, requests, want, violated = case
+    _, requests, overrides, want, rest, violated = case
     policy = load("bros")
-    d = policy.decide(make_scheduler_view(requests, cost=COST))
-    assert (ids(d), d.max_batch, d.displace) == (want, 8, True)
+    d = policy.decide(make_scheduler_view(requests, cost=COST, **overrides))
+    assert (batch_ids(d), ids(d)[d.batch:], d.max_batch, d.displace) == (want, rest, 8, True)
     assert policy.parts["order"].violated is violated
 
 
@@ -183,10 +209,10 @@ def test_bros_without_a_cost_model_predicts_the_moving_average():
                             base_dir=policy_dir())
     requests = [decode(1, request_class="rt", slack_ms=100.0), decode(2, request_class="be")]
     # nothing observed yet: 0 ms predicted, so BE replaces the RT request (100 ms > 2 * 0 ms)
-    assert ids(policy.decide(make_scheduler_view(requests))) == [2]
+    assert batch_ids(policy.decide(make_scheduler_view(requests))) == [2]
     policy.observe(IterationOutcome(iteration=1, duration_ms=60.0, served=[], deadline_misses=0))
     assert policy.parts["timer"].average_ms == 60.0
-    assert ids(policy.decide(make_scheduler_view(requests))) == [1]  # 100 ms < 2 * 60 ms
+    assert batch_ids(policy.decide(make_scheduler_view(requests))) == [1]  # 100 ms < 2 * 60 ms
 
 
 def kv_view(iteration: int, free_blocks: int, queued_prompt: int):
