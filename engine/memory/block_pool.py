@@ -107,10 +107,10 @@ class BlockPool:
 
     def evict(self, key: bytes) -> int:
         """The block cached under `key`, which no table holds, goes back to the free stack."""
-        b = self._cached.pop(key)
+        b = self._cached[key]
         if self._users[b]:
             raise BlockPoolError(f"evicting block {b}, which {self._users[b]} requests hold")
-        del self._key_of[b], self._users[b]
+        del self._cached[key], self._key_of[b], self._users[b]
         self._idle -= 1
         self._free.append(b)
         return b

@@ -1,0 +1,61 @@
+"""`memory { prefix_cache on|off }`: refused where the engine cannot honour it, pointing at the
+setting; turned on and off while serving (on the simulator: the bookkeeping is the same)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from policies import policy_path
+from policy_lang import compile_policy
+from shunter import Engine, EngineConfig, PolicyCheckError, SamplingParams
+
+pytestmark = pytest.mark.anyio
+
+SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=64, cpu_swap_blocks=64,
+                   block_size=16)
+ON = 'policy apc extends "fcfs.policy" {\n  memory { prefix_cache on }\n}\n'
+
+
+def test_block_groups_and_prefix_caching_are_refused_together_at_the_setting():
+    text = "policy p {\n  memory { swap_granularity groups; prefix_cache on }\n}\n"
+    with pytest.raises(PolicyCheckError) as info:
+        compile_policy(text, filename="t.policy")
+    assert str(info.value) == (
+        "t.policy:2:50: prefix_cache on needs swap_granularity per-block: block groups give "
+        "each request contiguous runs of its own, and shared cached blocks would break them up\n"
+        "    memory { swap_granularity groups; prefix_cache on }\n"
+        "                                                   ^~")
+
+
+async def test_an_engine_running_block_groups_refuses_a_policy_that_caches_prefixes():
+    async with Engine.start(attrs.evolve(SIM, policy=policy_path("groups_markov"))) as engine:
+        with pytest.raises(PolicyCheckError) as info:
+            await engine.replace_policy(ON, base_dir=policy_path("fcfs").parent)
+        assert str(info.value) == (
+            "<replacement>:2:12: prefix_cache on does not work with this engine's device "
+            "allocator, which runs block groups (it follows the policy the engine started with; "
+            "restart the engine with a per-block policy)\n"
+            "    memory { prefix_cache on }\n"
+            "             ^~~~~~~~~~~~~~~")
+        assert engine.policy.settings.name == "groups_markov"
+
+
+async def test_turned_on_a_repeated_prompt_hits_and_turned_off_the_cache_empties():
+    prompt, params = list(range(2, 70)), SamplingParams(max_tokens=4, ignore_eos=True)
+    async with Engine.start(SIM) as engine:
+        await engine.complete(prompt, params)
+        assert (await engine.wait_idle()).allocator.cached_blocks == 0  # off by default
+        await engine.replace_policy(ON, base_dir=policy_path("fcfs").parent)
+        await engine.complete(prompt, params)
+        await engine.complete(prompt + [5], params)
+        snap = await engine.wait_idle()
+        # 68 + 4 tokens: 4 full blocks published; the second request hits all 4 of them
+        assert snap.allocator.cached_blocks == 4 and snap.allocator.allocated_blocks == 0
+        counts = snap.scheduler.prefix_cache
+        assert (counts.hit_blocks, counts.hit_tokens, counts.queried_tokens) == (4, 64, 68 + 69)
+        await engine.replace_policy(policy_path("fcfs").read_text(),
+                                    base_dir=policy_path("fcfs").parent)
+        await engine.complete([3, 4, 5], params)
+        snap = await engine.wait_idle()
+        assert snap.allocator.cached_blocks == 0 and snap.scheduler.free_blocks == 64
