@@ -14,7 +14,9 @@ favour neither), and moves to the candidate when its median time is at least `ma
 Probes come soon after start, then at intervals that double while the choice holds (up to
 `max_interval` steps), and at once when steps of one shape turn `drift` times slower than they
 were after the last probe (another process has just started). A probe costs `pairs` steps at
-the other count; at the defaults, under 2% of the steps even where it is 2x slower.
+the other count, or one when a pair differs `decisive` times or more (a 2-thread step next to a
+busy process took 10x as long here): at the defaults under 2% of the steps even where the other
+count is 2x slower.
 
 Only when the user named no `--threads`: an explicit count is kept as given.
 """
@@ -49,9 +51,9 @@ class ThreadTuner:
     (the runner passes the number of sequences and tokens)."""
 
     def __init__(self, candidates: Sequence[int], set_threads: Callable[[int], None], *,
-                 first_probe: int = 8, min_interval: int = 32, max_interval: int = 256,
+                 first_probe: int = 2, min_interval: int = 32, max_interval: int = 256,
                  pairs: int = 4, margin: float = 0.1, patience: int = 64,
-                 drift: float = 1.5) -> None:
+                 drift: float = 1.5, decisive: float = 2.0) -> None:
         if not candidates:
             raise ValueError("ThreadTuner needs at least one candidate thread count")
         self._candidates = tuple(candidates)
@@ -62,8 +64,11 @@ class ThreadTuner:
         self._margin = margin
         self._patience = patience
         self._drift = drift
-        self.current = self._candidates[0]
-        """The thread count steps run at outside probes."""
+        self._decisive = decisive
+        self.current = min(self._candidates)
+        """The thread count steps run at outside probes. It starts at the fewest: a count too
+        low costs at most the parallel speed-up until the first probe, one too high next to a
+        busy process made steps 10x slower here (`bench/contention.py`)."""
         self.switches: list[ThreadSwitch] = []
         """Every change of `current`, oldest first."""
         self.probes = 0
@@ -95,7 +100,9 @@ class ThreadTuner:
             self._watch_drift(seconds)
             return
         self._probe.record(seconds)
-        if len(self._probe.ratios) >= self._pairs or self._steps >= self._probe.deadline:
+        ratios = self._probe.ratios
+        decided = bool(ratios) and not 1 / self._decisive < ratios[-1] < self._decisive
+        if decided or len(ratios) >= self._pairs or self._steps >= self._probe.deadline:
             self._finish_probe()
 
     def _watch_drift(self, seconds: float) -> None:
