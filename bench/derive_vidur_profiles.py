@@ -34,8 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.cost_model import LLAMA3_8B_A100, BatchShape  # noqa: E402
+from sim.copy_costs import PCIE4_X16, PCIE5_X16  # noqa: E402
 from sim.fit import fit_cost_model  # noqa: E402
-from sim.profile import CopyLink, ModelShape, Profile, save_profile  # noqa: E402
+from sim.profile import ModelShape, Profile, save_profile  # noqa: E402
 
 OPS = ("input_layernorm", "attn_pre_proj", "attn_rope", "attn_post_proj",
        "post_attention_layernorm", "mlp_up_proj", "mlp_act", "mlp_down_proj", "add")
@@ -47,12 +48,9 @@ LLAMA3_8B = ModelShape(name="Meta-Llama-3-8B", num_layers=32, hidden_size=4096,
 LLAMA2_7B = ModelShape(name="Llama-2-7b-hf", num_layers=32, hidden_size=4096,
                        intermediate_size=11008, num_heads=32, num_kv_heads=32, head_dim=128,
                        vocab_size=32000, max_context=4096)
-# Host link: PCIe 4.0 x16 (A100, A40) is 32 GB/s in theory (FastSwitch §5 setup); ~25 GB/s is
-# what pinned cudaMemcpyAsync reaches. H100 has PCIe 5.0 (64 GB/s theory, ~50 effective).
-# Dispatch: ~10 us per cudaMemcpyAsync call (FastSwitch §2, Challenge #1).
-LINKS = {"a100": CopyLink(bandwidth_gb_per_s=25.0, dispatch_us=10.0),
-         "a40": CopyLink(bandwidth_gb_per_s=25.0, dispatch_us=10.0),
-         "h100": CopyLink(bandwidth_gb_per_s=50.0, dispatch_us=10.0)}
+# Host link: FastSwitch's published copy costs (sim/copy_costs.py): PCIe 4.0 x16 for the A100
+# and A40 hosts, PCIe 5.0 x16 for the H100.
+LINKS = {"a100": PCIE4_X16, "a40": PCIE4_X16, "h100": PCIE5_X16}
 MEMORY_GIB = {"a100": 80.0, "a40": 48.0, "h100": 80.0}
 
 

@@ -68,6 +68,10 @@ class SchedulingParams:
     """User or tenant, for fairness counters."""
     conversation_id: str | None = None
     """Requests of one conversation share it; the turn number is counted by the engine."""
+    trace_id: str | None = None
+    """The request's identity in a replayed workload (the bench sends `SEED/INDEX`): periodic
+    priority updates draw from it, so every policy replaying the workload gives the request the
+    same priorities (FastSwitch §4 precomputes them); None: the engine's request id is used."""
     ttft_ms: float | None = None
     """Time-to-first-token deadline overriding the class's one."""
     tpot_ms: float | None = None

@@ -84,6 +84,8 @@ class RequestView(NamedTuple):
     slack_ms: float = math.inf
     """Milliseconds left until its next token is due, at the view's `now`; inf without a
     deadline."""
+    trace_id: str | None = None
+    """`SchedulingParams.trace_id`: what periodic priority updates draw from."""
     cached_tokens: int = 0
     """A waiting request holding no KV: leading tokens of its context whose blocks the device
     prefix cache holds (it starts computing after them). 0 without `prefix_cache on`."""

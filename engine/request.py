@@ -42,6 +42,9 @@ class Request:
     swapped_blocks: int = 0
     """KV blocks held in host swap space, to be swapped in."""
     checkpointed_blocks: int = 0
+    """Blocks with KV slots lazily checkpointed on the host (BROS §5.2), to swap back in."""
+    checkpointed_slots: int = 0
+    """Those slots (BROS's lazy checkpoints copy slots, not blocks)."""
     preemptions: int = 0
     output_ids: list[int] = attrs.field(factory=list)
     token_times: list[float] = attrs.field(factory=list)
@@ -63,6 +66,8 @@ class Request:
     swap-ins or conflicts, and its own asynchronous swap-ins."""
     swap_started: float = 0.0
     """When its asynchronous swap-in was ordered."""
+    trace_id: str | None = None
+    """`SchedulingParams.trace_id`."""
 
     @classmethod
     def admit(cls, msg: AddRequest, settings: PolicySettings, turn: int) -> Request:
@@ -79,7 +84,7 @@ class Request:
             ttft_ms=sched.ttft_ms or (spec.ttft_ms if spec else None),
             tpot_ms=sched.tpot_ms or (spec.tpot_ms if spec else None),
             prompt_ids=msg.prompt_ids, sampling=msg.sampling, stop_ids=frozenset(stop),
-            eos_token_ids=msg.eos_token_ids)
+            eos_token_ids=msg.eos_token_ids, trace_id=sched.trace_id)
 
     @property
     def prompt_tokens(self) -> int:
@@ -110,7 +115,8 @@ class Request:
             self.blocks, self.swapped_blocks, self.checkpointed_blocks, self.preemptions,
             self.first_token_at, self.last_token_at, self.last_scheduled_at,
             now - (self.last_scheduled_at or self.arrival),     # waited_s
-            (self.next_deadline() - now) * 1000.0)              # slack_ms
+            (self.next_deadline() - now) * 1000.0,              # slack_ms
+            self.trace_id)
 
     # ------------------------------------------------------------------------ transitions
 

@@ -3,9 +3,8 @@ the adaptive batch size and the overload triggers. Plain Python; no Lark."""
 
 from __future__ import annotations
 
-import random
+import hashlib
 from collections.abc import Callable
-from operator import attrgetter
 from typing import Any, Literal
 
 from engine.policy import IterationOutcome, OverloadSignal, SchedulerView
@@ -18,38 +17,55 @@ class Rerank:
     live request gets a new priority value, held until the next rerank; a request that arrives
     in between gets one on arrival.
 
-    `markov`: a request running at the rerank stays in the top band with probability `stay`; one
-    that is not gets in with the probability that keeps the band's size steady, so recently
-    served requests are likelier to stay on top. `random`: uniform values, no memory.
+    The paper precomputes its priority traces, so every system it compares sees the same ones.
+    Here too: the value a request gets at its k-th update (k = 0 on arrival) depends only on the
+    policy's seed, the request's trace id (`SchedulingParams.trace_id`, which the bench sets to
+    the workload's seed and the request's index in it; the engine's request id without one) and
+    k, never on what the engine did, so two policies replaying one workload give every request
+    the same sequence of priorities.
+
+    `markov`: each request walks a two-state chain, top or not: it stays on top with probability
+    `stay` and gets there from below with probability `1 - stay` (half the requests on top in the
+    long run). Its value is the number of consecutive updates it has been on top plus a tie-break
+    drawn when it got there, so those that have been on top longest, most recently served, come
+    first and newcomers queue behind them (FastSwitch §4: "requests that have been frequently or
+    recently served are given higher priority"). `random`: a fresh uniform value at every update.
     """
 
     def __init__(self, *, pattern: Literal["markov", "random"], stay: float, seed: int,
                  every_iterations: int | None, every_ms: float | None) -> None:
         self.pattern = pattern
         self.stay = stay
+        self.seed = seed
         self.every_iterations = every_iterations
         self.every_ms = every_ms
         self.values: dict[int, float] = {}
         """request id -> assigned priority (larger is more important); updated in place."""
         self.reranks = 0
-        self._rng = random.Random(seed)
+        self._walks: dict[int, list] = {}
+        """request id -> [trace key, updates seen, consecutive updates on top, tie-break]."""
         self._last_iteration: int | None = None
         self._last_now = 0.0
-        self._promote = 0.0
-        """markov: chance that a request not on top is put on top."""
 
     def before(self, view: SchedulerView) -> None:
-        if self._due(view):
-            self._rerank(view)
-            return
-        values, draw = self.values, self._draw
+        due = self._due(view)
+        if due:
+            self._last_iteration, self._last_now = view.iteration, view.now
+            self.reranks += 1
+        walks, values = self._walks, self.values
         for r in view.requests:
-            if r.id not in values:
-                values[r.id] = draw()
-        if len(values) > 2 * len(view.requests) + 64:  # forget finished requests
-            live = {r.id: values[r.id] for r in view.requests}
-            values.clear()
-            values.update(live)
+            walk = walks.get(r.id)
+            if walk is None:
+                key = r.trace_id if r.trace_id is not None else f"engine/{r.id}"
+                walk = walks[r.id] = [key, -1, 0, 0.0]
+                values[r.id] = self._step(walk)
+            elif due:
+                values[r.id] = self._step(walk)
+        if len(walks) > 2 * len(view.requests) + 64:  # forget finished requests
+            live = {r.id for r in view.requests}
+            for rid in [rid for rid in walks if rid not in live]:
+                del walks[rid]
+                values.pop(rid, None)
 
     def _due(self, view: SchedulerView) -> bool:
         if self._last_iteration is None:
@@ -59,27 +75,27 @@ class Rerank:
         assert self.every_ms is not None
         return (view.now - self._last_now) * 1000.0 >= self.every_ms
 
-    def _rerank(self, view: SchedulerView) -> None:
-        self._last_iteration, self._last_now = view.iteration, view.now
-        self.reranks += 1
-        requests = sorted(view.requests, key=attrgetter("id"))
-        rng, values = self._rng, self.values
-        values.clear()
+    def _step(self, walk: list) -> float:
+        """The request's next update: its value at update k = walk[1] + 1."""
+        key, k = walk[0], walk[1] + 1
+        walk[1] = k
         if self.pattern == "random":
-            for r in requests:
-                values[r.id] = rng.random()
-            return
-        top = sum(r.state == "running" for r in requests)
-        rest = len(requests) - top
-        self._promote = min(1.0, (1.0 - self.stay) * top / rest) if rest else 0.0
-        for r in requests:
-            chance = self.stay if r.state == "running" else self._promote
-            values[r.id] = float(rng.random() < chance) + rng.random()
+            return self._uniform(key, k, "value")
+        on_top = walk[2] > 0
+        chance = 0.5 if k == 0 else (self.stay if on_top else 1.0 - self.stay)
+        if self._uniform(key, k, "top") < chance:
+            if not on_top:
+                walk[3] = self._uniform(key, k, "tie")
+            walk[2] += 1
+        else:
+            walk[2] = 0
+            walk[3] = self._uniform(key, k, "tie")
+        return walk[2] + walk[3]
 
-    def _draw(self) -> float:
-        if self.pattern == "random":
-            return self._rng.random()
-        return float(self._rng.random() < self._promote) + self._rng.random()
+    def _uniform(self, key: str, k: int, what: str) -> float:
+        """A uniform [0, 1) value that depends only on the seed, the trace key, k and `what`."""
+        digest = hashlib.blake2b(f"{self.seed}/{key}/{k}/{what}".encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "little") / 2.0**64
 
 
 class FairCounters:

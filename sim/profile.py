@@ -66,6 +66,9 @@ class CopyLink:
     """CPU-side cost of issuing one copy call (`cudaMemcpyAsync`): paid per call, so many small
     per-block copies are slow however fast the link is."""
 
+    source: str = ""
+    """Where the two numbers come from (sim/copy_costs.py for the shipped profiles)."""
+
     def copy_s(self, calls: int, nbytes: int) -> float:
         return calls * self.dispatch_us * 1e-6 + nbytes / (self.bandwidth_gb_per_s * 1e9)
 
@@ -80,12 +83,14 @@ class Profile:
     link: CopyLink
     memory_utilization: float = 0.9
     """Share of device memory the engine may use for weights + KV (vLLM's default)."""
+    activation_gib: float = 0.0
+    """Device memory the steps' activations take out of that share (vLLM's profiling step)."""
     source: str = ""
 
     def num_blocks(self, block_size: int, memory_utilization: float | None = None) -> int:
         """KV blocks that fit in the device memory left after the weights."""
         usable = self.gpu_memory_gib * 2**30 * (memory_utilization or self.memory_utilization)
-        free = usable - self.model.weight_bytes
+        free = usable - self.model.weight_bytes - self.activation_gib * 2**30
         n = int(free // self.model.block_bytes(block_size))
         if n <= 0:
             raise ConfigError(
@@ -99,6 +104,7 @@ class Profile:
         return {"name": self.name, "source": self.source, "gpu": self.gpu,
                 "gpu_memory_gib": self.gpu_memory_gib,
                 "memory_utilization": self.memory_utilization,
+                **({"activation_gib": self.activation_gib} if self.activation_gib else {}),
                 "model": attrs.asdict(self.model), "cost_model": cost,
                 "copy_link": attrs.asdict(self.link)}
 
@@ -110,6 +116,7 @@ class Profile:
                 name=data["name"], source=source, gpu=data["gpu"],
                 gpu_memory_gib=float(data["gpu_memory_gib"]),
                 memory_utilization=float(data.get("memory_utilization", 0.9)),
+                activation_gib=float(data.get("activation_gib", 0.0)),
                 model=ModelShape(**data["model"]),
                 cost=CostModel(**data["cost_model"], source=f"profile {data['name']}: {source}"),
                 link=CopyLink(**data["copy_link"]))

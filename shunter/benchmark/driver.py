@@ -128,7 +128,8 @@ class Driver:
         sched = SchedulingParams(
             priority=spec.priority, tenant=spec.tenant, conversation_id=spec.conversation_id,
             request_class=spec.request_class if spec.request_class in self.declared else None,
-            ttft_ms=spec.ttft_ms, tpot_ms=spec.tpot_ms)
+            ttft_ms=spec.ttft_ms, tpot_ms=spec.tpot_ms,
+            trace_id=f"{self.workload.seed}/{spec.index}")
         params = SamplingParams(max_tokens=spec.output_tokens, ignore_eos=True)
         output: Sequence[int] = ()
         try:

@@ -36,8 +36,8 @@ def test_admit_takes_deadlines_from_the_class_unless_the_request_sets_its_own():
 
 
 def test_the_view_carries_every_field_of_the_request_at_its_moment():
-    r = Request.admit(_make_add(request_class="rt", conversation_id="c", priority=4),
-                      SETTINGS, turn=3)
+    r = Request.admit(_make_add(request_class="rt", conversation_id="c", priority=4,
+                                trace_id="1/7"), SETTINGS, turn=3)
     r.state, r.computed_tokens, r.blocks, r.swapped_blocks = "running", 4, 2, 1
     r.checkpointed_blocks, r.preemptions, r.last_scheduled_at = 5, 6, 11.0
     r.add_token(40, now=10.25)
@@ -49,6 +49,7 @@ def test_the_view_carries_every_field_of_the_request_at_its_moment():
         state="running", output_tokens=2, computed_tokens=4, blocks=2, swapped_blocks=1,
         checkpointed_blocks=5, preemptions=6, first_token_at=10.25, last_token_at=10.5,
         last_scheduled_at=11.0, waited_s=1.0, slack_ms=pytest.approx((10.35 - 12.0) * 1000),
+        trace_id="1/7",
         cached_tokens=0, cached_idle_blocks=0, shared_blocks=0)  # the prefix cache fills these
     assert (v.context_tokens, v.remaining_tokens, v.next_deadline()) == (5, 1, r.next_deadline())
     with pytest.raises(AttributeError):
