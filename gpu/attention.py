@@ -103,19 +103,21 @@ class DecodeGroup:
     rows: torch.Tensor
     """int64 [b]: the group's sequences, as rows of the decode batch."""
     blocks: torch.Tensor
-    """int64 [b, S]: the block of each slot a sequence reads, S the group's longest length."""
-    offsets: torch.Tensor
-    """int64 [b, S]: the slot's offset in that block."""
+    """int64 [b * n]: the n blocks each sequence reads, whole (n: the group's most blocks)."""
     valid: torch.Tensor
-    """bool [b, 1, 1, S]: slots within the sequence's length."""
+    """bool [b, 1, 1, n * block_size]: the slots, in block and slot order, that hold one of the
+    sequence's tokens (a reversed block's tokens sit at its end)."""
 
 
 @attrs.frozen
 class DecodePlan:
-    """Which cache slots each decoding sequence reads, worked out once per step for every layer
-    (the torch path). A slot past a sequence's length points at the sequence's own first token,
-    which is written and finite, so the gather never touches another request's data (stale KV,
-    maybe NaN) and the mask alone takes the padding out of the softmax."""
+    """Which cache blocks each decoding sequence reads, worked out once per step for every layer
+    (the torch path). Whole blocks are gathered: `index_select` of whole blocks is 5-10x faster
+    on CPU than gathering slot by slot, and attention does not care about the order of its keys.
+    A block's slots outside the sequence (its unwritten tail, a bidirectional block's other
+    owner) are masked; they may hold stale KV or, in fresh memory, anything, so the gathered
+    copy is made finite before the mask (0 x NaN would still be NaN). Table entries past a
+    sequence's blocks are never read: they name its first block again, all of it masked."""
 
     groups: tuple[DecodeGroup, ...]
 
@@ -128,20 +130,23 @@ def plan_decode(block_tables: torch.Tensor, seq_lens_host: Sequence[int], block_
     tables = block_tables.cpu().numpy()
     lens = np.asarray(seq_lens_host, dtype=np.int64)
     order = np.argsort(lens, kind="stable")
+    slot = np.arange(block_size)
     groups = []
     for first in range(0, len(order), bucket):
         rows = order[first:first + bucket]
-        length = int(lens[rows].max())
-        pos = np.arange(length)
-        valid = pos[None, :] < lens[rows, None]  # [b, S]
-        own = tables[rows].astype(np.int64)
-        entries = np.where(valid, own[:, pos // block_size], own[:, :1])
-        blocks, offsets = _physical(entries, np.where(valid, pos % block_size, 0), block_size)
+        n = -(-int(lens[rows].max()) // block_size)
+        owned = np.arange(n)[None, :] < -(-lens[rows, None] // block_size)  # [b, n]
+        entries = np.where(owned, tables[rows, :n].astype(np.int64), tables[rows, :1])
+        reverse = entries < 0  # filled right to left (bidirectional blocks)
+        blocks = np.where(reverse, -entries - 1, entries)
+        # the token position each physical slot holds: i * bs + o, or i * bs + (bs - 1 - o)
+        position = (np.arange(n)[None, :, None] * block_size
+                    + np.where(reverse[:, :, None], block_size - 1 - slot, slot))  # [b, n, bs]
+        valid = owned[:, :, None] & (position < lens[rows, None, None])
         groups.append(DecodeGroup(
             rows=torch.from_numpy(rows.astype(np.int64)).to(device),
-            blocks=torch.from_numpy(blocks).to(device),
-            offsets=torch.from_numpy(offsets).to(device),
-            valid=torch.from_numpy(valid).to(device).view(len(rows), 1, 1, length)))
+            blocks=torch.from_numpy(blocks.reshape(-1)).to(device),
+            valid=torch.from_numpy(valid).to(device).view(len(rows), 1, 1, n * block_size)))
     return DecodePlan(groups=tuple(groups))
 
 
@@ -162,10 +167,14 @@ def decode_attention_torch(
         plan = plan_decode(block_tables, lens, k_cache.shape[1])
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
+    num_kv_heads = k_cache.shape[2]
     for g in plan.groups:
-        b = g.blocks.shape[0]
-        k = k_cache[g.blocks, g.offsets]  # [b, S, Hkv, D]
-        v = v_cache[g.blocks, g.offsets]
+        b, span = g.rows.shape[0], g.valid.shape[-1]
+        # whole blocks, made finite (see DecodePlan): [b, S, Hkv, D]
+        k = k_cache.index_select(0, g.blocks).view(b, span, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, g.blocks).view(b, span, num_kv_heads, head_dim)
+        k.nan_to_num_(0.0, 0.0, 0.0)
+        v.nan_to_num_(0.0, 0.0, 0.0)
         o = F.scaled_dot_product_attention(
             q[g.rows].view(b, num_heads, 1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=g.valid, scale=scale, enable_gqa=True)  # [b, Hq, 1, D]

@@ -108,28 +108,35 @@ def test_decode_ignores_padding_slots_and_table_entries() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=40),
-       block_size=st.sampled_from([4, 16]), bucket=st.integers(1, 17), seed=st.integers(0, 99))
-def test_decode_plan_reads_only_each_sequences_own_slots(
-        lens: list[int], block_size: int, bucket: int, seed: int) -> None:
-    # tables padded with blocks of other sequences: a plan that read a slot past a length, or a
-    # table entry past a sequence's blocks, would name a block or offset it does not own
+       block_size=st.sampled_from([4, 16]), bucket=st.integers(1, 17), seed=st.integers(0, 99),
+       reversed_share=st.sampled_from([0.0, 0.5]))
+def test_decode_plan_reads_only_each_sequences_own_blocks_and_unmasks_exactly_its_tokens(
+        lens: list[int], block_size: int, bucket: int, seed: int, reversed_share: float) -> None:
+    # tables padded with blocks of other sequences, some entries reversed (-b-1: filled right to
+    # left): a plan that read a table entry past a sequence's blocks would name a block it does
+    # not own, and one that got a reversed block's slots backwards would unmask the wrong ones
     gen = torch.Generator().manual_seed(seed)
     width = max(-(-n // block_size) for n in lens) + 2
     tables = torch.randperm(len(lens) * width, generator=gen).view(len(lens), width)
+    flip = torch.rand(tables.shape, generator=gen) < reversed_share
+    tables = torch.where(flip, -tables - 1, tables)
     plan = plan_decode(tables.int(), lens, block_size, bucket=bucket)
     seen = []
     for g in plan.groups:
-        assert g.blocks.shape[0] <= bucket
+        b = g.rows.shape[0]
+        assert b <= bucket
+        blocks = g.blocks.view(b, -1)
+        valid = g.valid.view(b, blocks.shape[1], block_size)
         for i, row in enumerate(g.rows.tolist()):
             n = lens[row]
-            owned = {(int(tables[row, p // block_size]), p % block_size) for p in range(n)}
-            read = set(zip(g.blocks[i].tolist(), g.offsets[i].tolist()))
-            assert read <= owned
-            valid = g.valid[i].flatten()
-            assert valid.sum() == n and valid[:n].all()
-            for p in range(n):  # the valid slots are the sequence's tokens, in order
-                assert (int(g.blocks[i, p]), int(g.offsets[i, p])) == \
-                    (int(tables[row, p // block_size]), p % block_size)
+            entries = tables[row, :-(-n // block_size)].tolist()
+            assert set(blocks[i].tolist()) <= {-e - 1 if e < 0 else e for e in entries}
+            want = set()
+            for p in range(n):
+                e, o = int(tables[row, p // block_size]), p % block_size
+                want.add((-e - 1, block_size - 1 - o) if e < 0 else (e, o))
+            got = {(int(blocks[i, j]), o) for j, o in valid[i].nonzero().tolist()}
+            assert got == want and int(valid[i].sum()) == n
             seen.append(row)
     assert sorted(seen) == list(range(len(lens)))
 
