@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from engine.iteration_log import IterationLog, SwapCounters
+from engine.iteration_log import IterationLog, PrefixCacheCounters, SwapCounters
 from engine.timeline import RequestTimeline
 
 
@@ -210,6 +210,8 @@ class RunMetrics:
     """Scheduler time as a share of iteration time (BROS §7.4.2 reports 7.6-9.5%)."""
     cost_model_error: Mapping[str, float] | None = None
     """How far the policy's predicted iteration times were from the measured ones."""
+    prefix_cache: PrefixCacheCounters = attrs.field(factory=PrefixCacheCounters)
+    """Device prefix cache lookups and hits (zeros unless the policy turns it on)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The bench JSON's `metrics` object."""
@@ -243,6 +245,7 @@ class RunMetrics:
             "requests": {"completed": self.completed, "failed": self.failed},
             "by_class": dict(self.by_class), "scheduler_share": self.scheduler_share,
             "cost_model_error": self.cost_model_error,
+            "prefix_cache": self.prefix_cache.as_dict(),
         }
 
 
@@ -303,6 +306,7 @@ def run_metrics(timelines: Sequence[RequestTimeline], *, duration_s: float,
         by_class=class_blocks(per, dur),
         scheduler_share=scheduler_share(log),
         cost_model_error=prediction_error(log),
+        prefix_cache=log.prefix if log is not None else PrefixCacheCounters(),
     )
 
 

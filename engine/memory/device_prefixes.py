@@ -30,8 +30,28 @@ from engine.policy import RequestView
 from engine.request import Request
 
 
+class _Context(Sequence[int]):
+    """A request's prompt and output as one sequence, read a block at a time and never
+    copied whole (a simulated prompt computes its ids as they are read)."""
+
+    def __init__(self, r: Request) -> None:
+        self._prompt, self._output = r.prompt_ids, r.output_ids
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._output)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if not isinstance(i, slice):
+            n = len(self._prompt)
+            return self._prompt[i] if i < n else self._output[i - n]
+        start, stop, _ = i.indices(len(self))
+        n = len(self._prompt)
+        head = list(self._prompt[start:min(stop, n)]) if start < n else []
+        return head + list(self._output[max(start - n, 0):max(stop - n, 0)])
+
+
 def _context(r: Request) -> Sequence[int]:
-    return [*r.prompt_ids, *r.output_ids] if r.output_ids else r.prompt_ids
+    return _Context(r) if r.output_ids else r.prompt_ids
 
 
 class DevicePrefixes:
@@ -72,7 +92,7 @@ class DevicePrefixes:
         (some may have ended since, still holding their blocks on the allocator until the next
         step releases them, after publishing) and now."""
         for r in {**self._seen, **live}.values():
-            if r.blocks and r.state == "running":
+            if r.blocks and r.state == "running" and self.cache.publishable(r.id, r.computed_tokens):
                 for index, key in self.cache.publish(r.id, _context(r), r.computed_tokens):
                     self._publish.append((r.id, index, key))
 
@@ -81,21 +101,23 @@ class DevicePrefixes:
         cache is off and holds nothing)."""
         self._sync(live)
         cache, self._hits = self.cache, {}
+        idle: dict[int, int] = {}
+        wanted: set[Key] = set()  # hit keys a live request holds
         if self.enabled:
             for v in views:
                 if v.state == "waiting" and v.computed_tokens == 0 and v.blocks == 0:
                     hit = cache.lookup(v.id, _context(live[v.id]))
                     if hit:
                         self._hits[v.id] = hit
+                        idle[v.id] = cache.idle_count(hit, held_into=wanted)
         if not (self._hits or cache.shared_extra):
             return views
-        wanted = {k for hit in self._hits.values() for k in hit if cache.holders(k)}
         out = []
         for v in views:
             hit = self._hits.get(v.id)
             if hit:
                 v = v._replace(cached_tokens=len(hit) * cache.block_size,
-                               cached_idle_blocks=cache.idle_count(hit))
+                               cached_idle_blocks=idle[v.id])
             elif v.blocks and (shared := cache.shared_blocks(v.id, wanted)):
                 v = v._replace(shared_blocks=shared)
             out.append(v)

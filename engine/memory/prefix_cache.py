@@ -98,22 +98,36 @@ class PrefixCache:
         """The cached keys a request with context `tokens` can start from: its longest run of
         leading full blocks that are cached, leaving at least its last token to compute (the
         step that computes it samples the next token)."""
-        hits: list[Key] = []
-        for key in self.keys(request_id, tokens, (len(tokens) - 1) // self.block_size):
-            if key not in self._refs:
+        limit = (len(tokens) - 1) // self.block_size
+        chain = self._chains.get(request_id)
+        if chain is None or len(chain) < limit:
+            self.keys(request_id, tokens, limit)
+            chain = self._chains[request_id]
+        refs, hits = self._refs, []
+        for i in range(limit):
+            if chain[i] not in refs:
                 break
-            hits.append(key)
+            hits.append(chain[i])
         return hits
 
-    def idle_count(self, keys: Iterable[Key]) -> int:
-        """Of `keys`, those no request holds (taking them uses up free memory)."""
-        return sum(1 for k in keys if self._refs.get(k) == 0)
+    def idle_count(self, keys: Iterable[Key], held_into: set[Key] | None = None) -> int:
+        """Of `keys`, those no request holds (taking them uses up free memory); the others are
+        added to `held_into` when given."""
+        idle, refs = 0, self._refs
+        for k in keys:
+            if refs.get(k) == 0:
+                idle += 1
+            elif held_into is not None:
+                held_into.add(k)
+        return idle
 
     def shared_blocks(self, request_id: int, wanted: set[Key] | frozenset[Key] = frozenset()) -> int:
         """Blocks the request holds that stay in use if it lets go of them: held by another
         request too, or in `wanted` (keys another request is about to take)."""
-        return sum(1 for k in self._held.get(request_id, ())
-                   if self._refs[k] > 1 or k in wanted)
+        refs = self._refs
+        if not wanted:
+            return sum(1 for k in self._held.get(request_id, ()) if refs[k] > 1)
+        return sum(1 for k in self._held.get(request_id, ()) if refs[k] > 1 or k in wanted)
 
     # ---------------------------------------------------------------------------- changing
 
@@ -137,6 +151,10 @@ class PrefixCache:
         """The request's first `blocks` blocks were filled by a copy, not a step (a swap-in):
         they stay private (an asynchronous copy may still be writing them)."""
         self._next[request_id] = max(self._next.get(request_id, 0), blocks)
+
+    def publishable(self, request_id: int, computed: int) -> bool:
+        """The request filled a block since it last published."""
+        return computed // self.block_size > self._next.get(request_id, 0)
 
     def publish(self, request_id: int, tokens: Sequence[int],
                 computed: int) -> list[tuple[int, Key]]:

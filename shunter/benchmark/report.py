@@ -45,4 +45,44 @@ def table(outcomes: Sequence[RunOutcome]) -> str:
             errors.append(f"{o.label}: {cells[-1]}")
             cells = [o.label] + ["-"] * (len(COLUMNS) - 1)
         grid.add_row(*cells)
-    return "\n".join([plain_text(grid)] + errors)
+    return "\n".join([plain_text(grid)] + errors + prefix_cache_lines(outcomes))
+
+
+def prefix_cache_lines(outcomes: Sequence[RunOutcome]) -> list[str]:
+    """A line per run whose policy turned the device prefix cache on."""
+    lines = []
+    for o in outcomes:
+        c = o.metrics.prefix_cache if o.metrics is not None else None
+        if c is not None and c.queried_tokens:
+            lines.append(f"{o.label}: prefix cache hit {100 * c.hit_tokens / c.queried_tokens:.1f}% "
+                         f"of tokens ({c.hit_tokens}/{c.queried_tokens}), "
+                         f"{100 * c.hit_blocks / max(c.queried_blocks, 1):.1f}% of blocks "
+                         f"({c.hit_blocks}/{c.queried_blocks}), {c.evicted_blocks} evicted")
+    return lines
+
+
+CLASS_COLUMNS = ("policy", "class", "done", "TTFT p50", "TTFT p99", "TPOT p50", "norm lat",
+                 "TTFT ok", "TPOT ok", "TPOT ok/token", "out tok/s", "req/s")
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def class_table(outcomes: Sequence[RunOutcome]) -> str | None:
+    """Each request class apart (BROS: RT latency and SLOs, BE throughput): latencies in ms,
+    `norm lat` the mean end-to-end latency per output token, `TPOT ok/token` the share of
+    tokens on time. None when every run has a single class."""
+    runs = [o for o in outcomes if o.metrics is not None]
+    if not any(len(o.metrics.by_class) > 1 for o in runs):
+        return None
+    grid = plain_table(CLASS_COLUMNS)
+    for o in runs:
+        for cls, b in o.metrics.by_class.items():
+            a = b["slo_attainment"]
+            grid.add_row(o.label, cls, str(b["completed"]), _num(b["ttft_ms"]["p50"]),
+                         _num(b["ttft_ms"]["p99"]), _num(b["tpot_ms"]["p50"]),
+                         _num(b["normalized_latency_ms"]["mean"]), _pct(a["ttft"]),
+                         _pct(a["tpot"]), _pct(a["tpot_per_token"]),
+                         _num(b["output_tokens_per_s"]), _num(b["requests_per_s"], 2))
+    return plain_text(grid)

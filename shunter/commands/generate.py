@@ -79,12 +79,17 @@ async def generate_all(config: EngineConfig, prompts: list[PromptLine],
 def preemption_report(snap: EngineSnapshot) -> str:
     """`generate -v`'s last line: how often requests lost their KV blocks, and the swap traffic."""
     line = f"preemptions: {snap.scheduler.preemptions}"
+    c = snap.scheduler.prefix_cache
+    cache = "" if c is None or not c.queried_tokens else (
+        f"; prefix cache: {c.hit_tokens} of {c.queried_tokens} tokens hit "
+        f"({100 * c.hit_tokens / c.queried_tokens:.1f}%), {c.hit_blocks} of {c.queried_blocks} "
+        f"blocks, {c.evicted_blocks} evicted")
     if snap.swap is None:
-        return f"{line}; swap: none (this engine has no swap space)"
+        return f"{line}; swap: none (this engine has no swap space){cache}"
     s = snap.swap
     return (f"{line}; swap: {s.blocks_out} KV blocks out, {s.blocks_in} in "
             f"({s.sync_swap_ins} sync and {s.async_swap_ins} async swap-ins, "
-            f"{s.stall_s * 1e3:.1f} ms stalled)")
+            f"{s.stall_s * 1e3:.1f} ms stalled){cache}")
 
 
 def run(args: argparse.Namespace) -> int:

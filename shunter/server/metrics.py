@@ -170,6 +170,7 @@ class _EngineCollector(Collector):
         yield counter("shunter:num_preemptions", "Cumulative number of preemptions.",
                       s.preemptions)
         yield from self._swap(snap)
+        yield from self._prefix_cache(snap)
         trigger = GaugeMetricFamily("shunter:overload_trigger",
                                     "1 while the policy's overload trigger fires (KunServe).",
                                     labels=["model_name", "trigger"])
@@ -181,6 +182,29 @@ class _EngineCollector(Collector):
             fired.add_metric([self.model_name, name], count)
         yield trigger
         yield fired
+
+    def _prefix_cache(self, snap: EngineSnapshot) -> Iterator[Any]:
+        """Device prefix cache lookups and hits since the start, in tokens as vLLM counts them
+        (`vllm:prefix_cache_queries`, `vllm:prefix_cache_hits`) and in blocks; zeros while no
+        policy has turned the cache on."""
+        c, m = snap.scheduler.prefix_cache, [self.model_name]
+        for name, doc, value in (
+                ("queries", "Tokens of admitted requests looked up in the prefix cache.",
+                 c.queried_tokens if c else 0),
+                ("hits", "Of those, tokens found cached (not computed again).",
+                 c.hit_tokens if c else 0),
+                ("block_queries", "Full KV blocks looked up in the prefix cache.",
+                 c.queried_blocks if c else 0),
+                ("block_hits", "Of those, blocks found cached.", c.hit_blocks if c else 0),
+                ("evictions", "Cached blocks evicted (least recently used) to make room.",
+                 c.evicted_blocks if c else 0)):
+            counter = CounterMetricFamily(f"shunter:prefix_cache_{name}", doc, labels=["model_name"])
+            counter.add_metric(m, value)
+            yield counter
+        blocks = GaugeMetricFamily("shunter:prefix_cache_blocks", "Device KV blocks the prefix "
+                                   "cache holds (in use or idle).", labels=["model_name"])
+        blocks.add_metric(m, snap.allocator.cached_blocks)
+        yield blocks
 
     def _swap(self, snap: EngineSnapshot) -> Iterator[Any]:
         """Swap traffic since the start; zeros for an engine that cannot swap."""

@@ -59,3 +59,26 @@ async def test_turned_on_a_repeated_prompt_hits_and_turned_off_the_cache_empties
         await engine.complete([3, 4, 5], params)
         snap = await engine.wait_idle()
         assert snap.allocator.cached_blocks == 0 and snap.scheduler.free_blocks == 64
+
+
+async def test_metrics_and_the_iteration_log_report_the_hits():
+    from shunter.server.metrics import ServerMetrics
+    from tests.shunter.server.test_metrics import scrape, value
+
+    prompt, params = list(range(2, 70)), SamplingParams(max_tokens=4, ignore_eos=True)
+    config = attrs.evolve(SIM, record_iterations=True)
+    async with Engine.start(config, policy=compile_policy(ON, base_dir=policy_path("fcfs").parent)
+                            ) as engine:
+        metrics = ServerMetrics(engine, model_name="m")
+        await engine.complete(prompt, params)
+        await engine.complete(prompt, params)
+        await engine.wait_idle()
+        samples = await scrape(metrics)
+        taken = await engine.take_iteration_log()
+    # the second request finds 4 of its 4 full blocks (67 of its 68 tokens must leave one)
+    assert value(samples, "shunter:prefix_cache_queries_total") == 2 * 68
+    assert value(samples, "shunter:prefix_cache_hits_total") == 64
+    assert value(samples, "shunter:prefix_cache_block_queries_total") == 2 * 4
+    assert value(samples, "shunter:prefix_cache_block_hits_total") == 4
+    assert value(samples, "shunter:prefix_cache_blocks") == 4
+    assert taken.prefix.as_dict()["token_hit_rate"] == pytest.approx(64 / 136)
