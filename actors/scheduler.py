@@ -204,7 +204,7 @@ class Scheduler:
         order, settings = list(decision.order), self._policy.settings
         swap_in_async = self._copies is not None and self._profiler.asynchronous(
             settings.memory.swap_in, order, max_num_seqs=view.max_num_seqs,
-            iteration_ms=view.last_iteration_ms)
+            iteration_ms=view.last_iteration_ms, free_blocks=view.free_blocks)
         plan = plan_iteration(decision, view.requests,
                               Budget.for_view(view, settings, async_swap_in=swap_in_async))
         if plan.forced:

@@ -287,7 +287,8 @@ class EngineCapabilities:
         if m.bidirectional and (not self.swap or self.bidirectional is False):
             why = (self.no_swap if not self.swap else "it started without it; restart the engine "
                    "with this policy") + "; BROS checkpoints overwritten slots to host memory"
-            out.append(("bidirectional", f"bidirectional on is not supported by this engine ({why})"))
+            out.append(("bidirectional",
+                        f"bidirectional on is not supported by this engine ({why})"))
         if m.bidirectional and settings.preempt_mode == "swap":
             out.append(("bidirectional", "bidirectional on swaps slot by slot through its own "
                         "table: use preempt recompute with it, not preempt swap"))

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import attrs
 
+from engine.bidirectional_step import BidirectionalMemory
 from engine.messages import RequestSetup, RunStep, SeqWork, StepFinished, SwapIn, SwapOut
 from engine.planner import IterationPlan
 from engine.policy import RequestView, SwapGranularity
@@ -21,9 +22,17 @@ from engine.request import Request
 
 def build_run_step(plan: IterationPlan, *, step_id: int, requests: Mapping[int, Request],
                    swap_in_blocks: Mapping[int, tuple[int, ...]], release: Sequence[int],
-                   swap_out: Sequence[SwapOut], granularity: SwapGranularity) -> RunStep:
+                   swap_out: Sequence[SwapOut], granularity: SwapGranularity,
+                   bidirectional: BidirectionalMemory | None = None) -> RunStep:
     """`requests`: live requests by id, as they were when `plan` was made; `swap_in_blocks`:
-    for each request in `plan.swapped_in`, the host blocks its KV comes back from."""
+    for each request in `plan.swapped_in`, the host blocks its KV comes back from. With BROS's
+    bidirectional blocks the plan is first fitted to them (engine/bidirectional_step.py: the
+    one change made to `plan` here) and the step carries its tables and slot copies."""
+    if bidirectional is not None:
+        orders = bidirectional.fit(plan, requests, release)
+        return RunStep(step_id=step_id, release=tuple(release), preempt=(), block_targets=(),
+                       setups=_setups(plan, requests), seqs=_seqs(plan, requests),
+                       granularity="slots", bidirectional=orders)
     swap_in = tuple(SwapIn(request_id=v.id, cpu_blocks=swap_in_blocks[v.id],
                            sync=v.id in plan.work) for v in plan.swapped_in)
     return RunStep(

@@ -28,6 +28,8 @@ from engine.iteration_log import SwapCounters
 from engine.memory.block_groups import coalesce
 from engine.messages import SwapDirection as Direction
 from engine.policy import SwapGranularity as Granularity
+from engine.memory.slot_runs import slot_blocks
+from gpu.slot_copy import copy_slots
 
 __all__ = ["SwapStats", "TorchSwapper", "coalesce"]
 
@@ -83,6 +85,8 @@ class TorchSwapper:
         self._stats = dict(copy_calls=0, copy_calls_in=0, bytes_out=0, bytes_in=0, yields=0,
                            conflict_waits=0, runs=0)
         self._blocks = {"out": 0, "in": 0}
+        self._slots = {"out": 0, "in": 0, "move": 0}
+        """Slots copied by BROS's slot copies, per direction (`slot_counts`)."""
         self._failures: dict[int, str] = {}
         self._failed_ids: dict[int, str] = {}
         """Every ticket that failed (few), so a late `wait` for one still raises."""
@@ -93,7 +97,10 @@ class TorchSwapper:
     def submit(self, ticket_id: int, direction: Direction, pairs: Sequence[tuple[int, int]],
                granularity: Granularity) -> None:
         """Queue the copies of one ticket; returns at once."""
-        ticket = _Ticket(ticket_id, ([g for g, _ in pairs], [c for _, c in pairs]))
+        if granularity == "slots":  # BROS's slot copies (gpu/slot_copy.py)
+            ticket = _Ticket(ticket_id, slot_blocks(direction, pairs, self.device_kv.shape[3]))
+        else:
+            ticket = _Ticket(ticket_id, ([g for g, _ in pairs], [c for _, c in pairs]))
         with self._lock:
             # sharing a device block only orders the copies; sharing a host block means this
             # ticket reads (or overwrites) what the other wrote, so it needs that one to succeed
@@ -130,6 +137,14 @@ class TorchSwapper:
         dev, host = self.device_kv, self.host_kv
         layers = dev.shape[1]
         calls = 0
+        if granularity == "slots":
+            calls, nbytes = copy_slots(direction, pairs, dev, host)
+            with self._lock:
+                self._stats["copy_calls"] += calls
+                self._stats["copy_calls_in"] += calls if direction == "in" else 0
+                self._stats["bytes_in" if direction == "in" else "bytes_out"] += nbytes
+                self._slots[direction] += len(pairs)
+            return
         if granularity == "per-block":
             for g, c in pairs:
                 for layer in range(layers):
@@ -235,6 +250,12 @@ class TorchSwapper:
         with self._lock:
             self._stats["conflict_waits"] += len(involved)
         return len(involved)
+
+    def slot_counts(self) -> dict[str, int]:
+        """Slots copied by slot copies so far: checkpoints and swap-outs (`out`), swapped back
+        (`in`), merged into fresh blocks (`move`)."""
+        with self._lock:
+            return dict(self._slots)
 
     def stats(self) -> SwapStats:
         with self._lock:

@@ -133,11 +133,15 @@ class _Explainer:
                 lines.append(f"  {i}. each {s.cls.name} request left over replaces the least urgent "
                              f"{s.victim.name} request in the batch while, for that request, "
                              f"{self.text(s.cond)}.")
-        lines.append("  Requests not packed get no work this iteration and are the first to lose "
-                     "their memory when it runs short.")
-        lines.append("  est_iteration is predicted by the engine's cost model; when the engine has "
-                     "none (the torch backend today), by the moving average of observed iteration "
-                     "times (BROS Table 1).")
+        lines.append("  A request's deadline counts the iterations its token still needs "
+                     "(min_slack is slack over them); one that cannot make it comes after those "
+                     "that can. A waiting request joins only if its blocks are free or held by "
+                     "running requests of a class packed later, which lose them first.")
+        lines.append("  Requests not packed get no work this iteration; running ones keep their "
+                     "memory unless a packed request needs it.")
+        lines.append("  est_iteration is predicted by the engine's cost model (a profile, or one "
+                     "fitted in the engine from its own iterations); before the engine has one, "
+                     "by the moving average of observed iteration times (BROS Table 1).")
         return "\n".join(lines)
 
     def rerank(self) -> str:

@@ -25,6 +25,7 @@ from actors.executor import Executor
 from actors.frontend import Frontend, Limits
 from actors.scheduler import Scheduler
 from actors.swap_pool import Swapper, SwapPool
+from engine.bidirectional_step import BidirectionalMemory
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.iteration_log import IterationLog, SwapCounters
@@ -159,6 +160,11 @@ class Engine:
         groups = self.capabilities.allocator == "groups"
         pool = BlockGroupManager(block_ids) if groups else BlockPool(block_ids)
         swapping = self.swapper is not None
+        # BROS §5: with bidirectional blocks the scheduler's table places KV slot by slot and
+        # keeps its lazy checkpoints in the host swap space, which host copies then do not use
+        host = cpu_swap_blocks(c, block_ids) if swapping else 0
+        bidi = (BidirectionalMemory(block_ids, c.block_size, host * c.block_size)
+                if host and self.capabilities.bidirectional else None)
         actors: list[Actor] = [
             Executor(runner=b.runner, inbox=exec_recv, scheduler=sched_send),
             Allocator(pool=pool, inbox=alloc_recv, executor=exec_send, block_size=c.block_size,
@@ -166,7 +172,7 @@ class Engine:
             Scheduler(config=c, policy=self._policy, num_blocks=len(block_ids),
                       max_context=b.max_context, inbox=sched_recv, allocator=alloc_send,
                       frontend=front_send, cost=b.cost_model,
-                      cpu_blocks=cpu_swap_blocks(c, block_ids) if swapping else 0),
+                      cpu_blocks=0 if bidi else host, bidirectional=bidi),
             Frontend(codec=b.codec, limits=limits, inbox=front_recv, scheduler=sched_send),
         ]
         if self.swapper is not None:

@@ -38,7 +38,7 @@ class SimRunner:
         if self._link is None or self._model is None:
             raise RuntimeError("this simulated runner has no copy link to swap over")
         self.swapper = SimSwapper(self._link, block_nbytes=self._model.block_bytes(self._block_size),
-                                  num_layers=self._model.num_layers)
+                                  num_layers=self._model.num_layers, block_size=self._block_size)
         return self.swapper
 
     async def step(self, step: ExecuteStep) -> StepFinished:

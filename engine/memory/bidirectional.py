@@ -31,44 +31,14 @@ from collections.abc import Iterator
 
 import attrs
 
+from engine.memory.slot_runs import SlotCopies, decode, encode, physical_slot
+
+__all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
+           "physical_slot"]
+
 
 class BidirectionalError(Exception):
     """The caller asked for something the table cannot do (a bug, not a user error)."""
-
-
-def encode(block: int, reverse: bool) -> int:
-    """The block table entry of `block` read in one direction."""
-    return -block - 1 if reverse else block
-
-
-def decode(entry: int) -> tuple[int, bool]:
-    """(block, reversed) of a block table entry."""
-    return (-entry - 1, True) if entry < 0 else (entry, False)
-
-
-def physical_slot(entry: int, offset: int, block_size: int) -> int:
-    """Flat slot of logical `offset` within the block `entry` names."""
-    block, rev = decode(entry)
-    return block * block_size + (block_size - 1 - offset if rev else offset)
-
-
-@attrs.frozen(kw_only=True)
-class SlotCopies:
-    """Copies one change needs, to run in this order before the step that writes the KV."""
-
-    out: tuple[tuple[int, int], ...] = ()
-    """(device slot, host slot): checkpoints and swap-outs, device -> host."""
-    move: tuple[tuple[int, int], ...] = ()
-    """(device slot, device slot): a BE block's surviving slots merged into a fresh block."""
-    into: tuple[tuple[int, int], ...] = ()
-    """(host slot, device slot): checkpointed or swapped-out slots coming back."""
-
-    def __add__(self, other: SlotCopies) -> SlotCopies:
-        return SlotCopies(out=self.out + other.out, move=self.move + other.move,
-                          into=self.into + other.into)
-
-    def __bool__(self) -> bool:
-        return bool(self.out or self.move or self.into)
 
 
 @attrs.define(slots=True)
@@ -100,6 +70,7 @@ class BidirectionalBlocks:
         self._ids = block_ids
         self._blocks = {b: _Block() for b in block_ids}
         self._free = list(reversed(block_ids))  # blocks with no owner at all
+        self._be_only: set[int] = set()  # blocks with a BE owner and no RT one
         self._free_host = list(reversed(range(host_slots)))
         self._host_total = host_slots
         self._seqs: dict[int, _Seq] = {}
@@ -123,6 +94,13 @@ class BidirectionalBlocks:
 
     def requests(self) -> list[int]:
         return list(self._seqs)
+
+    def __contains__(self, rid: int) -> bool:
+        return rid in self._seqs
+
+    def rt_room(self) -> int:
+        """Blocks an RT request may still take: free ones and BE blocks without an RT guest."""
+        return len(self._free) + len(self._be_only)
 
     def table(self, rid: int) -> list[int]:
         """The request's signed block table entries, in token order."""
@@ -156,6 +134,7 @@ class BidirectionalBlocks:
         return x.rt, x.rt_fill, x.be, x.be_fill, frozenset(x.lost)
 
     def shared_blocks(self) -> int:
+        """Blocks holding both an RT and a BE request's KV."""
         return sum(1 for x in self._blocks.values() if x.rt >= 0 and x.be >= 0)
 
     # ------------------------------------------------------------------------ placement
@@ -174,11 +153,8 @@ class BidirectionalBlocks:
         """A free block, else the BE-only block with the most empty slots (block preemption)."""
         if self._free:
             return self._free.pop()
-        best, most = None, -1
-        for b, x in self._blocks.items():
-            if x.rt < 0 and x.be >= 0 and (e := self._empty_slots(x)) > most:
-                best, most = b, e
-        return best
+        return max(self._be_only, key=lambda b: (self._empty_slots(self._blocks[b]), -b),
+                   default=None)
 
     def _pick_be_block(self) -> int | None:
         """A free block: of the blocks without a BE owner, those have the most empty slots.
@@ -196,8 +172,8 @@ class BidirectionalBlocks:
         new = self._blocks_for(tokens) - len(s.table)
         if s.reverse:
             return new + self._be_collides(rid, s, tokens) <= len(self._free)
-        room = len(self._free) + sum(1 for x in self._blocks.values() if x.rt < 0 and x.be >= 0)
-        return new <= room and self._overwrites(rid, s, tokens) <= len(self._free_host)
+        # each new token overwrites at most one BE slot, which needs a host slot first
+        return new <= self.rt_room() and tokens - s.tokens <= len(self._free_host)
 
     def _be_collides(self, rid: int, s: _Seq, tokens: int) -> int:
         """1 when the BE request's last block must move because an RT guest holds a slot it
@@ -209,10 +185,6 @@ class BidirectionalBlocks:
         last = min(tokens, len(s.table) * self.block_size) - 1
         lowest = self.block_size - 1 - last % self.block_size
         return int(x.rt >= 0 and x.rt_fill > lowest)
-
-    def _overwrites(self, rid: int, s: _Seq, tokens: int) -> int:
-        """Upper bound on the BE slots an RT extension to `tokens` overwrites."""
-        return max(0, tokens - s.tokens)
 
     def extend(self, rid: int, tokens: int) -> SlotCopies:
         """Make the request hold KV slots for `tokens` tokens (it is about to write positions
@@ -227,11 +199,7 @@ class BidirectionalBlocks:
         while len(s.table) < self._blocks_for(tokens):
             b = self._pick_be_block() if s.reverse else self._pick_rt_block()
             assert b is not None
-            x = self._blocks[b]
-            if s.reverse:
-                x.be, x.be_fill = rid, 0
-            else:
-                x.rt, x.rt_fill = rid, 0
+            self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
         out = []
         for pos in range(s.tokens, tokens):
@@ -266,11 +234,10 @@ class BidirectionalBlocks:
         self._release_be(old)
         new = self._pick_be_block()
         assert new is not None and new != old
-        x = self._blocks[new]
-        x.be = rid
+        self._own(new, rid, True)
         bs = self.block_size
         used = s.tokens - (len(s.table) - 1) * bs
-        x.be_fill = used
+        self._blocks[new].be_fill = used
         s.table[-1] = encode(new, True)
         return SlotCopies(move=tuple((old * bs + bs - 1 - i, new * bs + bs - 1 - i)
                                      for i in range(used)))
@@ -303,8 +270,8 @@ class BidirectionalBlocks:
                 fill, lost = x.be_fill, set(x.lost)
                 self._release_be(old)
                 target = self._free.pop()
-                y = self._blocks[target]
-                y.be, y.be_fill = rid, fill
+                self._own(target, rid, True)
+                self._blocks[target].be_fill = fill
                 move += [(old * bs + o, target * bs + o)
                          for o in range(bs - fill, bs) if o not in lost]
                 s.table[j] = encode(target, True)
@@ -355,11 +322,7 @@ class BidirectionalBlocks:
         bs, into = self.block_size, []
         for _ in range(self._blocks_for(s.tokens)):
             b = self._free.pop()
-            x = self._blocks[b]
-            if s.reverse:
-                x.be = rid
-            else:
-                x.rt = rid
+            self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
         for pos in range(s.tokens):
             host = s.host.pop(pos)
@@ -389,10 +352,21 @@ class BidirectionalBlocks:
                 self._release_rt(block)
         s.table.clear()
 
+    def _own(self, block: int, rid: int, reverse: bool) -> None:
+        x = self._blocks[block]
+        if reverse:
+            x.be, x.be_fill = rid, 0
+            if x.rt < 0:
+                self._be_only.add(block)
+        else:
+            x.rt, x.rt_fill = rid, 0
+            self._be_only.discard(block)
+
     def _release_be(self, block: int) -> None:
         x = self._blocks[block]
         x.be, x.be_fill = -1, 0
         x.lost.clear()
+        self._be_only.discard(block)
         if x.rt < 0:
             self._free.append(block)
 
@@ -401,6 +375,8 @@ class BidirectionalBlocks:
         x.rt, x.rt_fill = -1, 0
         if x.be < 0:
             self._free.append(block)
+        else:
+            self._be_only.add(block)
 
     # ------------------------------------------------------------------------ invariants
 

@@ -87,3 +87,32 @@ def torch_backend(config: EngineConfig, swapper_factory: SwapperFactory) -> Back
     runner = TorchRunner(config, ModelConfig.from_dir(config.model), backend.runner.num_blocks,
                          swapper_factory=swapper_factory)
     return attrs.evolve(backend, runner=runner)
+
+
+class PoisonedHostSwapper(SlowSwapper):
+    """A slow link whose host space starts as NaN: KV read back from a host slot that no copy
+    wrote poisons every token computed from it."""
+
+    def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, **options) -> None:
+        super().__init__(device_kv, num_host_blocks, **options)
+        self.host_kv.fill_(float("nan"))
+        self.slot_tickets = {"out": 0, "in": 0, "move": 0}
+
+    def _copy(self, direction: SwapDirection, pairs: Pairs, granularity: SwapGranularity) -> None:
+        if granularity == "slots":
+            self.slot_tickets[direction] += 1
+        super()._copy(direction, pairs, granularity)
+
+
+class SkipOneCheckpointSwapper(PoisonedHostSwapper):
+    """The bug BROS's lazy checkpointing must not have: the first checkpoint (the first slot
+    copy to the host, made just before RT overwrites those BE slots) is not copied, so its BE
+    request gets back KV that was never saved."""
+
+    skipped = False
+
+    def _copy(self, direction: SwapDirection, pairs: Pairs, granularity: SwapGranularity) -> None:
+        if granularity == "slots" and direction == "out" and not self.skipped:
+            self.skipped = True
+            return
+        super()._copy(direction, pairs, granularity)

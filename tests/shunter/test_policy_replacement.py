@@ -55,9 +55,9 @@ async def test_replacing_the_policy_while_100_requests_stream_loses_none():
     prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 24))] for _ in range(100)]
     results: list = [None] * 100
     replacements = [policy_path(n).read_text() for n in
-                    ("priority", "fcfs", "vtc", "round_robin_rtbe", "kunserve", "bros")]
+                    ("priority", "fcfs", "vtc", "round_robin_rtbe", "kunserve", "bros_no_bicache")]
     config = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=32,
-                          policy=policy_path("bros"))
+                          policy=policy_path("bros_no_bicache"))
     with captured_logs() as logs:
         async with Engine.start(config, backend=fake_backend(40, 4, step_delay=0.0005)) as engine:
             async def one(i: int) -> None:
@@ -69,7 +69,7 @@ async def test_replacing_the_policy_while_100_requests_stream_loses_none():
             async with anyio.create_task_group() as tg:
                 for i in range(100):
                     tg.start_soon(one, i)
-                # every request is in the engine (classes rt and be are bros's; a request
+                # every request is in the engine (classes rt and be are bros_no_bicache's; a request
                 # arriving later under a policy without them would be refused by design)
                 while len((await engine.inspect()).scheduler.live_requests) + \
                         sum(r is not None for r in results) < 100:
@@ -84,11 +84,12 @@ async def test_replacing_the_policy_while_100_requests_stream_loses_none():
             snap = await engine.wait_idle()
     for p, r in zip(prompts, results):
         assert list(r.token_ids) == expected_continuation(p, 12, {EOS})
-    assert snap.scheduler.policy == "bros" and snap.allocator.allocated_blocks == 0
+    assert snap.scheduler.policy == "bros_no_bicache" and snap.allocator.allocated_blocks == 0
     replaced = [e for e in logs if e["event"] == "policy replaced" and e.get("actor") == "engine"]
     assert [e["new"] for e in replaced] == ["priority", "fcfs", "vtc", "round_robin_rtbe",
-                                            "kunserve", "bros"]
-    assert "+policy priority {" in replaced[0]["diff"] and "-policy bros {" in replaced[0]["diff"]
+                                            "kunserve", "bros_no_bicache"]
+    assert "+policy priority {" in replaced[0]["diff"]
+    assert "-policy bros_no_bicache {" in replaced[0]["diff"]
 
 
 async def test_a_broken_or_unsupported_replacement_leaves_the_old_policy_running():

@@ -54,30 +54,32 @@ def test_the_command_layer_shows_loads_edits_diffs_and_rolls_back():
         assert rt[0] == "rt" and int(rt[1]) > 0 and rt[-2].endswith("%")
 
         assert s.execute("diff") == "no previous policy: nothing has been loaded or edited yet"
-        assert s.execute("load bros") == (
-            f"applied: policy bros v2 from {policy_path('bros')} (was fcfs v1)")
+        assert s.execute("load bros_no_bicache") == (
+            f"applied: policy bros_no_bicache v2 from {policy_path('bros_no_bicache')} "
+            f"(was fcfs v1)")
         assert s.execute("show").startswith(
-            f"# running: bros v2 ({policy_path('bros')})\n# BROS")
+            f"# running: bros_no_bicache v2 ({policy_path('bros_no_bicache')})\n# BROS")
         wait_for(lambda: finished(s, s.workload.epoch) >= 5)
-        assert "since bros v2 was loaded (latencies in ms):" in s.execute("status")
+        assert "since bros_no_bicache v2 was loaded (latencies in ms):" in s.execute("status")
 
         edited = s.execute("edit priority rt = slack asc, waited desc").split("\n", 1)
-        assert edited[0] == "applied: policy bros v3"
+        assert edited[0] == "applied: policy bros_no_bicache v3"
         assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in edited[1]
-        assert s.engine.policy.settings.name == "bros" and s.engine.policy_version == 3
+        assert s.engine.policy.settings.name == "bros_no_bicache" and s.engine.policy_version == 3
         assert s.execute("edit priority rt = slak asc") == (
-            "not applied: the running policy is still bros v3\n"
+            "not applied: the running policy is still bros_no_bicache v3\n"
             "<edit>:1:15: unknown field 'slak'; did you mean 'slack'?\n"
             "  priority rt = slak asc\n"
             "                ^~~~")
         assert "waited desc" in s.execute("show")  # the broken edit changed nothing
-        assert s.execute("diff") == "v2 -> v3 (bros)\n" + edited[1]
+        assert s.execute("diff") == "v2 -> v3 (bros_no_bicache)\n" + edited[1]
         assert s.execute("rollback") == (
-            "rolled back: v3 -> v4, policy bros as it ran in v2 (was bros)")
+            "rolled back: v3 -> v4, policy bros_no_bicache as it ran in v2 (was bros_no_bicache)")
         assert "waited desc" not in s.execute("show")
-        assert s.execute("diff").startswith("v1 -> v4 (bros)\n--- fcfs (running)\n+++ bros (new)")
+        assert s.execute("diff").startswith(
+            "v1 -> v4 (bros_no_bicache)\n--- fcfs (running)\n+++ bros_no_bicache (new)")
         assert s.execute("rollback") == (
-            "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros)")
+            "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros_no_bicache)")
         assert s.execute("rollback") == "nothing to roll back to"
 
         refused = s.execute("load fastswitch_random")
@@ -206,23 +208,25 @@ def test_the_commands_drive_a_running_server_with_connect():
                                 status[0])
             assert status[3] == "since fcfs v1 was loaded (latencies in ms):"
             assert s.execute("show").startswith(f"# running: fcfs v1 ({policy_path('fcfs')})")
-            assert s.execute("load bros") == (
-                f"applied: policy bros v2 from {policy_path('bros')} (was fcfs v1)")
+            assert s.execute("load bros_no_bicache") == (
+                f"applied: policy bros_no_bicache v2 from {policy_path('bros_no_bicache')} "
+                f"(was fcfs v1)")
             edited = s.execute("edit priority rt = slack asc, waited desc").split("\n", 1)
-            assert edited[0] == "applied: policy bros v3"
+            assert edited[0] == "applied: policy bros_no_bicache v3"
             assert "-  priority rt = slack asc\n+  priority rt = slack asc, waited desc" in edited[1]
-            assert s.execute("diff") == "v2 -> v3 (bros)\n" + edited[1]
+            assert s.execute("diff") == "v2 -> v3 (bros_no_bicache)\n" + edited[1]
             # the server knows only the start of each error: the caret is one character wide
             assert s.execute("edit priority rt = slak asc") == (
-                "not applied: the running policy is still bros v3\n"
+                "not applied: the running policy is still bros_no_bicache v3\n"
                 "<edit>:1:15: unknown field 'slak'; did you mean 'slack'?\n"
                 "  priority rt = slak asc\n"
                 "                ^")
             assert "waited desc" in s.execute("show")
             assert s.execute("rollback") == (
-                "rolled back: v3 -> v4, policy bros as it ran in v2 (was bros)")
+                "rolled back: v3 -> v4, policy bros_no_bicache as it ran in v2 "
+                "(was bros_no_bicache)")
             assert s.execute("rollback") == (
-                "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros)")
+                "rolled back: v4 -> v5, policy fcfs as it ran in v1 (was bros_no_bicache)")
             assert s.execute("rollback") == "nothing to roll back to"
             assert s.execute("explain").startswith(f"Policy fcfs ({policy_path('fcfs')}).")
             assert s.execute("workload pause").startswith("no workload here")

@@ -63,6 +63,8 @@ class SlotModel:
                 assert not lost
         owned = {decode(e)[0] for rid in t.requests() for e in t.table(rid)}
         assert t.num_free == t.num_total - len(owned)
+        be_only = sum(1 for b in range(t.num_total) if t.block(b)[0] < 0 and t.block(b)[2] >= 0)
+        assert t.rt_room() == t.num_free + be_only
 
 
 def test_entries_carry_the_direction():

@@ -1,0 +1,142 @@
+"""One iteration's plan fitted to BROS's bidirectional blocks (§5.2), for a policy that turns them
+on (`memory { bidirectional on }`).
+
+The planner (engine/planner.py) chose the requests and their tokens against a block budget in
+which a best-effort (BE) block still counts as room for a real-time (RT) request
+(`planning_free`). This fits that choice to the slots, RT requests first, then BE:
+- RT requests grow left to right into free blocks, then into BE blocks with the most empty slots,
+  overwriting BE slots only after lazily checkpointing them to the host (block preemption);
+- a BE request (a request with no TTFT or TPOT goal) grows right to left in free blocks; one whose
+  slots were overwritten first swaps back exactly its checkpointed slots, or waits;
+- when an RT request still finds no room (§5.2's extreme case), requests outside the step are
+  swapped out whole, BE first, then RT, the one with the most time left first;
+- a request that cannot be placed leaves the step (it keeps its KV and tries again next time).
+The result is one `BidirectionalOrders`: the changed block tables and every slot copy, all done
+before the step computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from engine.memory.bidirectional import BidirectionalBlocks, SlotCopies
+from engine.messages import BidirectionalOrders, BlockUpdate, SwapTransfer
+from engine.planner import IterationPlan
+from engine.request import Request
+
+
+def best_effort(r: Request) -> bool:
+    """BROS's BE requests: those with neither a TTFT nor a TPOT goal."""
+    return r.ttft_ms is None and r.tpot_ms is None
+
+
+class BidirectionalMemory:
+    def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
+        self.table = BidirectionalBlocks(block_ids, block_size, host_slots)
+        self._sent: dict[int, tuple[int, ...]] = {}
+        """The block table the executor holds for each request."""
+        self.swapped_out = 0
+        """Requests swapped out whole by the extreme case since the start."""
+
+    def planning_free(self) -> int:
+        """The planner's free blocks: those an RT request could still take (free ones and BE
+        blocks without an RT guest) and as many as the host could take by swapping requests
+        out (§5.2's extreme case), so the planner leaves memory to `fit` rather than preempt
+        whole requests by recompute (which would drop their checkpoints)."""
+        t = self.table
+        return t.rt_room() + t.free_host_slots // t.block_size
+
+    def fit(self, plan: IterationPlan, requests: Mapping[int, Request],
+            release: Sequence[int]) -> BidirectionalOrders:
+        """Fit `plan` (changed in place: requests that cannot be placed leave it) and return
+        the step's table changes and slot copies."""
+        t, transfers = self.table, []
+        for rid in [*release, *(v.id for v in plan.preempted)]:
+            if rid in self._sent or rid in t:
+                self._forget(rid)
+        left: list[tuple[int, int]] = []
+        for rid in sorted(plan.work, key=lambda i: best_effort(requests[i])):
+            r = requests[rid]
+            if rid not in t:
+                t.add(rid, reverse=best_effort(r))
+            if not self._place(rid, r.computed_tokens + plan.work[rid], plan, requests, transfers):
+                left.append((rid, plan.work[rid]))
+                _leave(plan, rid)
+        if left and not plan.work:  # nobody fits: the others make room for the most deserving
+            (rid, n), tokens = left[0], requests[left[0][0]].computed_tokens + left[0][1]
+            self._make_room(rid, tokens, plan, requests, transfers, force=True)
+            if self._place(rid, tokens, plan, requests, transfers):
+                plan.work[rid], plan.block_targets[rid] = n, 0
+        blocks = []
+        for rid in plan.work:
+            table = tuple(t.table(rid))
+            plan.block_targets[rid] = len(table)
+            if self._sent.get(rid) != table:
+                self._sent[rid] = table
+                blocks.append(BlockUpdate(request_id=rid, reset=True, append=table))
+        for rid in t.requests():
+            if (r := requests.get(rid)) is not None:
+                r.blocks = len(t.table(rid))
+                r.checkpointed_blocks = t.checkpointed_blocks(rid)
+                r.checkpointed_slots = t.checkpointed_slots(rid)
+        return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
+
+    def _forget(self, rid: int) -> None:
+        self._sent.pop(rid, None)
+        if rid in self.table:
+            self.table.free(rid)
+
+    def _place(self, rid: int, tokens: int, plan: IterationPlan, requests: Mapping[int, Request],
+               transfers: list[SwapTransfer]) -> bool:
+        t = self.table
+        if t.swapped(rid):
+            if not t.can_swap_in(rid):
+                return False
+            _add(transfers, rid, t.swap_in(rid))
+        elif t.displaced(rid):
+            if not t.can_restore(rid):
+                return False
+            _add(transfers, rid, t.restore(rid))
+        if not t.is_reversed(rid):
+            self._make_room(rid, tokens, plan, requests, transfers)
+        if t.swapped(rid) or t.displaced(rid):
+            return False
+        if not t.can_extend(rid, tokens):
+            return False
+        _add(transfers, rid, t.extend(rid, tokens))
+        return True
+
+    def _make_room(self, rid: int, tokens: int, plan: IterationPlan,
+                   requests: Mapping[int, Request], transfers: list[SwapTransfer], *,
+                   force: bool = False) -> None:
+        """§5.2's extreme case: swap out requests outside the step, BE first, then RT with the
+        most time to their next deadline first, until request `rid` fits (`force`: also when it
+        is displaced, which its swap-back needs room for too)."""
+        t = self.table
+        if t.can_extend(rid, tokens) or (not force and (t.swapped(rid) or t.displaced(rid))):
+            return
+        idle = [i for i in t.requests()
+                if i != rid and i not in plan.work and not t.swapped(i) and i in requests]
+        idle.sort(key=lambda i: (not t.is_reversed(i), -requests[i].next_deadline()))
+        for victim in idle:
+            if not t.can_swap_out(victim):
+                continue
+            _add(transfers, victim, t.swap_out(victim))
+            self._sent.pop(victim, None)
+            self.swapped_out += 1
+            if t.can_extend(rid, tokens) or t.can_restore(rid) or t.can_swap_in(rid):
+                return
+
+
+def _add(transfers: list[SwapTransfer], rid: int, copies: SlotCopies) -> None:
+    """The copies as swap transfers, in the order they must run, each waited for by the step."""
+    for direction, pairs in (("out", copies.out), ("move", copies.move), ("in", copies.into)):
+        if pairs:
+            transfers.append(SwapTransfer(request_id=rid, direction=direction, pairs=pairs,
+                                          sync=True))
+
+
+def _leave(plan: IterationPlan, rid: int) -> None:
+    plan.work.pop(rid, None)
+    plan.block_targets.pop(rid, None)
+    plan.admitted = [v for v in plan.admitted if v.id != rid]

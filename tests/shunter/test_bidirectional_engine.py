@@ -1,0 +1,120 @@
+"""BROS's bidirectional KV cache on the real engine (issue 14, "Correctness").
+
+RT and BE requests share KV blocks from opposite ends in a pool small enough that RT overwrites BE
+slots in most iterations: BE requests are lazily checkpointed slot by slot and swapped back. Greedy
+outputs must equal transformers' token for token (up to near-ties), under asyncio and trio, with
+copies slowed so that a step that did not wait for them would read them half done and the host
+space poisoned with NaN; with one checkpoint copy skipped (a planted bug) the outputs must go wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import anyio
+import pytest
+
+from policies import policy_dir
+from policy_lang import compile_policy
+from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
+from tests.conftest import slow_scale
+from tests.gpu.swap_doubles import PoisonedHostSwapper, SkipOneCheckpointSwapper, torch_backend
+from tests.shunter.test_fastswitch import mismatches
+
+pytestmark = pytest.mark.anyio
+
+MAX_TOKENS = 12
+BE = slow_scale(16, 6)
+"""BE requests (all at once), and three times as many RT requests (two at a time)."""
+VOCAB = 320
+POLICY = """
+policy bros_pressure {
+  include "rtbe_classes.policy"
+  priority rt = slack asc
+  priority be = checkpointed_blocks asc, arrival asc
+  precedence rt > be
+  preempt recompute
+  memory { bidirectional on }
+}
+"""
+
+
+async def serve(model_dir, *, plant_bug: bool = False, seed: int = 0):
+    rng = random.Random(seed)
+    config = EngineConfig(model=model_dir, num_blocks=8, block_size=8, max_batched_tokens=64,
+                          max_num_seqs=16, cpu_swap_blocks=40, record_iterations=True)
+    policy = compile_policy(POLICY, base_dir=policy_dir())
+    be = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([21, 30, 40]))] for _ in range(BE)]
+    rt = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([3, 9, 17]))]
+          for _ in range(3 * BE)]
+    swapper = SkipOneCheckpointSwapper if plant_bug else PoisonedHostSwapper
+    backend = torch_backend(config, functools.partial(swapper, copy_delay_s=0.002))
+    served: list[tuple[list[int], list[int], str]] = []
+    async with Engine.start(config, policy=policy, backend=backend) as engine:
+        async def one(prompt: list[int], label: str, cls: str) -> None:
+            r = await engine.complete(prompt, SamplingParams(max_tokens=MAX_TOKENS),
+                                      scheduling=SchedulingParams(request_class=cls))
+            served.append((prompt, r.token_ids, label))
+
+        async def rt_chain(first: int) -> None:  # RT requests one after another
+            await anyio.sleep(0.01)
+            for i in range(first, len(rt), 2):
+                await one(rt[i], f"rt {i}", "rt")
+
+        async with anyio.create_task_group() as tg:
+            for i in range(BE):
+                tg.start_soon(one, be[i], f"be {i}", "be")
+            tg.start_soon(rt_chain, 0)
+            tg.start_soon(rt_chain, 1)
+        snap = await engine.wait_idle()
+        log = await engine.take_iteration_log()
+    return served, log, snap, backend.runner.swapper
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
+async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llama_dir):
+    served, log, snap, swapper = await serve(tiny_llama_dir)
+    assert len(served) == 4 * BE
+    assert mismatches(tiny_llama_dir, served) == []
+    slots = swapper.slot_counts()
+    # real slot copies: checkpoints out, exactly those back in (plus any extreme-case swaps)
+    assert slots["out"] >= BE and slots["in"] >= BE, slots
+    assert slots["out"] >= slots["in"], slots
+    # the pressure was real: slot copies out (checkpoints, mostly) in many of the iterations
+    assert swapper.slot_tickets["out"] >= len(log.time) // 4, (swapper.slot_tickets, len(log.time))
+    assert log.swap.bytes_out > 0 and log.swap.copy_ops > 0
+    assert snap.scheduler.live_requests == ()
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_skipping_one_checkpoint_copy_corrupts_outputs(tiny_llama_dir):
+    served, _, _, swapper = await serve(tiny_llama_dir, plant_bug=True)
+    assert swapper.skipped
+    assert mismatches(tiny_llama_dir, served), "a lost checkpoint went unnoticed"
+
+
+def test_an_engine_that_cannot_honour_bidirectional_refuses_it_at_load():
+    from engine.errors import PolicyCheckError
+    from engine.policy import EngineCapabilities
+    from policies import policy_path
+    from policy_lang import load_policy_file
+    from shunter.policy_source import engine_capabilities
+
+    path = policy_path("bros")
+    line = next(i for i, t in enumerate(path.read_text().splitlines(), 1)
+                if "bidirectional on" in t and not t.startswith("#"))
+    no_swap = engine_capabilities(EngineConfig(cpu_swap_blocks=0))
+    with pytest.raises(PolicyCheckError, match=rf"bros.policy:{line}:12: bidirectional on is not "
+                                               r"supported by this engine \(this engine has no "
+                                               r"swap space: --cpu-swap-blocks is 0"):
+        load_policy_file(path, capabilities=no_swap)
+    swapping = EngineCapabilities(preempt_modes=frozenset({"recompute", "swap", "never"}),
+                                  swap_granularities=frozenset({"per-block"}))
+    started_with_fcfs = swapping.running(load_policy_file(policy_path("fcfs")).settings)
+    with pytest.raises(PolicyCheckError, match=r"it started without it; restart the engine"):
+        load_policy_file(path, capabilities=started_with_fcfs)
+    assert load_policy_file(path, capabilities=swapping.running(
+        load_policy_file(path).settings)).settings.memory.bidirectional
+    assert not load_policy_file(policy_path("bros_no_bicache"),
+                                capabilities=started_with_fcfs).settings.memory.bidirectional
