@@ -64,6 +64,10 @@ class EngineConfig:
     """Sim backend: the timing profile (a name from `shunter profile list`, or a JSON path)."""
     record_iterations: bool = False
     """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
+    charge_scheduler_time: bool = False
+    """Sim backend: the scheduler's measured CPU time per iteration passes on the virtual
+    clock too, so scheduling overhead shows in latencies (BROS §7.4.2). Real backends pay it
+    already."""
     pipeline_stages: int = 1
     """Torch backend: run the model as a pipeline of this many stage processes, each holding a
     contiguous range of layers (gpu/pipeline.py); 1 runs it in this process."""
@@ -77,6 +81,9 @@ class EngineConfig:
                      "max_batched_tokens", "max_queued_requests", "max_prompt_tokens",
                      "threads", "inbox_size", "pipeline_stages", "pipeline_microbatches"):
             _positive(name, getattr(self, name))
+        if self.charge_scheduler_time and self.backend != "sim":
+            raise ConfigError("charge_scheduler_time is for the sim backend (a real backend's "
+                              f"clock already includes the scheduler), got backend {self.backend!r}")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be 'torch' or 'sim', got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

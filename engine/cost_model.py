@@ -1,17 +1,23 @@
 """Iteration latency as a function of the batch's shape (BROS §4.1; vidur-style composition).
 
-    t_ms = a + b*P + c*sum(p_i^2) + f*sum(p_i*prefix_i) + d*D + e*sum(ctx_j)
+    t_ms = a + [b*P + c*sum(p_i^2) + f*sum(p_i*prefix_i)] + [d*D + e*sum(ctx_j)]
 
 P: prefill tokens; p_i: chunk length of prefill i and prefix_i the tokens cached before it;
-D: decoding sequences; ctx_j: context length of decode j. The simulator waits this long for a
-step; policies use it to predict whether a batch meets its deadlines.
+D: decoding sequences; ctx_j: context length of decode j. The first bracket is the prefill
+model, the second the decode model: BROS fits them apart (`fit_split`: decode-only batches give
+a, d, e; prefill-only batches the rest) and sums them per batch. Beside it, `CopyCost` models a
+swap (calls x dispatch + bytes / bandwidth); with asynchronous copies the iteration takes
+max(model, swap) (§4.1). The simulator waits this long for a step; policies use it to predict
+whether a batch meets its deadlines. `OnlineCostModel` fits the same model in a running engine
+from its own steps, for a backend with no profile (the torch backend).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
+import numpy as np
 
 
 @attrs.frozen(kw_only=True)
@@ -86,3 +92,98 @@ LLAMA3_8B_A100 = CostModel(
            "(variant_with_prefill_context_term), fitted from microsoft/vidur profiling data",
 )
 """The default when nothing better is known; profiles (issue 4) provide others."""
+
+
+@attrs.frozen(kw_only=True)
+class CopyCost:
+    """Time of host <-> device copies (BROS §4.1's swapping model, FastSwitch's copy engine)."""
+
+    bandwidth_gb_per_s: float
+    dispatch_us: float
+    """CPU cost of issuing one copy call."""
+
+    def copy_ms(self, calls: int, nbytes: int) -> float:
+        return calls * self.dispatch_us * 1e-3 + nbytes / (self.bandwidth_gb_per_s * 1e6)
+
+
+def iteration_ms(model_ms: float, swap_ms: float, *, overlapped: bool = True) -> float:
+    """One iteration: asynchronous swaps overlap the model (max), synchronous ones add."""
+    return max(model_ms, swap_ms) if overlapped else model_ms + swap_ms
+
+
+COLUMNS = ("a_ms", "b_ms_per_prefill_token", "c_ms_per_prefill_token_sq",
+           "d_ms_per_decode_seq", "e_ms_per_decode_context_token", "f_ms_per_prefill_prefix_token")
+_DECODE, _PREFILL = (0, 3, 4), (1, 2, 5)
+
+
+def features(shape: BatchShape) -> list[float]:
+    return [1.0, shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
+            shape.decode_context, shape.prefill_prefix]
+
+
+def nonnegative_fit(x: np.ndarray, y: np.ndarray, active: Sequence[int]) -> np.ndarray:
+    """Least squares on relative error over the `active` columns, coefficients >= 0 (a
+    negative one is dropped and the rest refitted): more work never predicts less time."""
+    coef = np.zeros(x.shape[1])
+    active = [i for i in active if np.any(x[:, i] != 0)]
+    while active:
+        xs = x[:, active] / y[:, None]
+        norm = np.linalg.norm(xs, axis=0)  # ms/token^2 is ~1e-6: scale for conditioning
+        sol, *_ = np.linalg.lstsq(xs / norm, np.ones_like(y), rcond=None)
+        sol = sol / norm
+        if np.all(sol >= 0):
+            coef[:] = 0
+            coef[active] = sol
+            return coef
+        active = [i for i, v in zip(active, sol) if v >= 0]
+    return coef
+
+
+def fit_coefficients(rows: Sequence[tuple[BatchShape, float]], *, split: bool = True,
+                     with_prefix: bool = True) -> np.ndarray:
+    """Coefficients (in COLUMNS order) for `rows` of (shape, measured ms). With `split` and
+    enough decode-only and prefill-only rows, the decode model (a, d, e) is fitted on the
+    decode-only rows and the prefill model on the prefill-only rows' time above a (BROS §4.1);
+    otherwise one joint fit."""
+    x = np.array([features(s) for s, _ in rows], dtype=np.float64)
+    y = np.array([ms for _, ms in rows], dtype=np.float64)
+    prefill_cols = [i for i in _PREFILL if with_prefix or i != 5]
+    decode_only = (x[:, 1] == 0) & (x[:, 3] > 0)
+    prefill_only = (x[:, 3] == 0) & (x[:, 1] > 0)
+    if split and decode_only.sum() >= 3 and prefill_only.sum() >= 3:
+        coef = nonnegative_fit(x[decode_only], y[decode_only], _DECODE)
+        rest = y[prefill_only] - coef[0]
+        if np.all(rest > 0):
+            coef += nonnegative_fit(x[prefill_only], rest, prefill_cols)
+            return coef
+    return nonnegative_fit(x, y, list(_DECODE) + prefill_cols)
+
+
+def model_from(coef: np.ndarray, source: str) -> CostModel:
+    return CostModel(**{name: float(v) for name, v in zip(COLUMNS, coef)}, source=source)
+
+
+class OnlineCostModel:
+    """The cost model fitted in a running engine from its own iterations (measured from plan to
+    result, so the engine's own overhead is in it): refitted every `refit_every` iterations over
+    a window of the latest `window`; starts from `prior` (a profile's model) when given."""
+
+    def __init__(self, prior: CostModel | None = None, *, window: int = 512,
+                 refit_every: int = 16, min_rows: int = 8) -> None:
+        self.model = prior
+        self._rows: list[tuple[BatchShape, float]] = []
+        self._window, self._every, self._min = window, refit_every, min_rows
+        self._new = 0
+
+    def observe(self, shape: BatchShape, ms: float) -> None:
+        if ms <= 0 or (shape.prefill_tokens == 0 and shape.decode_seqs == 0):
+            return
+        self._rows.append((shape, ms))
+        if len(self._rows) > self._window:
+            del self._rows[: len(self._rows) - self._window]
+        self._new += 1
+        if len(self._rows) >= self._min and (self.model is None or self._new >= self._every):
+            self._new = 0
+            self.model = model_from(fit_coefficients(self._rows),
+                                    f"fitted in this engine from its last {len(self._rows)} "
+                                    f"iterations")

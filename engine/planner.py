@@ -132,6 +132,18 @@ class _Planner:
         return self.victims.popleft()
 
     def make_room(self, r: RequestView, need: int) -> None:
+        """Preempt running requests below r until `need` blocks are free, but only if that
+        can succeed: victims evicted for a request that then does not fit come straight back
+        next iteration, and are evicted again (a swap ping-pong, issue 13)."""
+        if need <= self.free or not self.budget.can_preempt:
+            return
+        last = len(self.rank)
+        mine = self.rank.get(r.id, last)
+        room = self.free + sum(
+            self.plan.block_targets.get(v.id, v.blocks) - v.shared_blocks for v in self.victims
+            if v is not r and v.id not in self.preempted_ids and self.rank.get(v.id, last) > mine)
+        if room < need:
+            return
         while need > self.free and self.budget.can_preempt:
             victim = self.victim_below(r)
             if victim is None:
@@ -164,11 +176,15 @@ class _Planner:
             if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
                 continue
             swap_only = r.state == "swapped" and self.budget.async_swap_in
-            n = 0 if swap_only else min(r.remaining_tokens - r.cached_tokens, self.tokens)
-            need = self.need(r, n)
+            n = min(r.remaining_tokens - r.cached_tokens, self.tokens)
+            # an asynchronous swap-in takes only its KV's blocks now, but comes back only if it
+            # could also compute as a synchronous one would: one that cannot grow when it lands
+            # preempts itself, and comes back, and preempts itself (a ping-pong, issue 13)
+            fits = self.need(r, n)
+            need = self.need(r, 0) if swap_only else fits
             if self.displace:
-                self.make_room(r, need)
-            if need > self.free:
+                self.make_room(r, fits)
+            if fits > self.free:
                 return
             if swap_only:
                 self.free -= need

@@ -29,22 +29,26 @@ Batch = Sequence[tuple[int, int]]
 
 def default_grid(max_context: int, max_tokens: int = 512,
                  max_batch_context: int = 16384) -> list[Batch]:
-    """Prefills alone, prefills after a cached prefix, decode batches over context lengths, and
-    a few mixed batches, within the model's context, one iteration's token budget and at most
-    `max_batch_context` cached tokens per decode batch (on a CPU, attention over more falls
-    out of cache and grows faster than linearly, which the linear cost model cannot follow)."""
+    """BROS §4.1: lengths at exponential intervals of 2. Prefills alone (8 tokens up to one
+    iteration's budget), prefills after a cached prefix, decode batches (1 to 64 sequences) over
+    context lengths 16 up to the model's context, within at most `max_batch_context` cached
+    tokens per decode batch (on a CPU, attention over more falls out of cache and grows faster
+    than linearly, which the linear cost model cannot follow); and a few mixed batches, which
+    the split fit holds out to check the per-batch sum."""
+    powers = [2 ** k for k in range(3, 17)]
     grid: list[Batch] = []
-    for p in (8, 32, 64, 128, 256, 384, 512):
+    for p in powers:
         if p <= min(max_tokens, max_context):
             grid.append([(0, p)])
     for p, prefix in itertools.product((64, 256), (256, 1024)):
         if p + prefix <= max_context and p <= max_tokens:
             grid.append([(prefix, p)])
-    for b, ctx in itertools.product((1, 2, 4, 8, 16, 32, 64), (32, 128, 512, 1024)):
+    for b, ctx in itertools.product((1, 2, 4, 8, 16, 32, 64), powers[1:]):
         if ctx < max_context and b * ctx <= max_batch_context:
             grid.append([(ctx, 1)] * b)
     for p, b in ((64, 8), (128, 16), (256, 32)):
-        grid.append([(0, p)] + [(256, 1)] * b)
+        if p <= max_tokens and 256 < max_context:
+            grid.append([(0, p)] + [(256, 1)] * b)
     return grid
 
 

@@ -1,19 +1,34 @@
 """Priority-based packing (BROS §4.2, Alg. 1): build this iteration's batch class by class.
 
 - `rt while COND`: take RT requests in their priority order (ascending slack) while COND holds
-  for the batch with the next one in it; the first that fails stops the step and counts as a
+  for the batch with the next one in it; the first that fails stops the class and counts as a
   predicted violation (Alg. 1 lines 11-12, which resets an adaptive batch size);
 - `be fill [while COND]`: take BE requests while the batch has room (and COND holds);
 - `be replaces rt when COND`: each BE request left over replaces the least urgent RT request
   in the batch, as long as COND holds for that RT request.
 
-The batch is what the order contains: requests left out get no work this iteration and are the
-first victims when memory is needed. The iteration time is predicted by the engine's cost model
-(BROS §4.1); without one, by the moving average of observed iteration times (BROS Table 1).
+The SLO constraint is (6) of §4.1: a request's current token needs `r` more iterations (the
+rest of its prefill in chunks of the token budget, or one decode) and makes its deadline if
+`r * est_iteration <= slack`. So `min_slack` is the tightest per-iteration budget, `slack / r`,
+among the batch's requests that can still make their deadline. A request that cannot (its
+budget is below the predicted iteration) is deferred behind the class's requests that can, and
+does not count toward `min_slack`: it would otherwise block every other request and, its slack
+never recovering, starve itself and the rest (issue 14's thrashing).
 
-`min_slack` is the tightest slack among the batch's requests that can still make their deadline:
-a request already too late (its slack below the predicted iteration time) does not count, or it
-would block every other RT request and, its slack never recovering, starve itself.
+Memory is checked while packing (FindBlock / FindPreemptBlock): a waiting request joins only if
+its next chunk's blocks are free or held by running requests of a class packed later (RT may
+take BE memory, never the reverse, and never another RT request's: displacing running RT
+requests by recompute to admit new ones is what made the shipped policy thrash). A request that
+does not fit is skipped, so it blocks nobody behind it.
+
+Request pulling (§4.2, Fig. 8): each class's pending requests (running, swapped) are sorted;
+its waiting queue is already in arrival order, which for one class's TTFT is deadline order, so
+the two runs merge in linear time; requests are then pulled until the batch is full.
+
+The decision's order is the batch, then the running requests left out (ranked, so the planner
+preempts the least deserving first: BE before RT). The iteration time is predicted by the
+engine's cost model (engine/cost_model.py); only an engine without one falls back to the moving
+average of observed iteration times (BROS Table 1).
 """
 
 from __future__ import annotations
@@ -81,18 +96,31 @@ class Replace:
     cond: Condition
 
 
+def _blocks(tokens: int, block_size: int) -> int:
+    return -(-tokens // block_size)
+
+
 class _Batch:
     def __init__(self, view: SchedulerView, cost: CostModel | None, average_ms: float,
                  limit: int) -> None:
         self.cost, self.average_ms, self.limit = cost, average_ms, limit
+        self.budget_tokens = view.max_batched_tokens
         self.tokens_left = view.max_batched_tokens
+        self.block_size = view.block_size
+        self.free = view.free_blocks
         self.selected: list[RequestView] = []
         self.classes: list[int] = []
         self.chunks: list[tuple[int, int]] = []
-        self.slacks: list[float] = []
-        """Slack each request counts with toward min_slack (inf when it is already late)."""
+        self.needs: list[int] = []
+        self.budgets: list[float] = []
+        """Per-iteration time budget each request counts with toward min_slack (inf: none)."""
         self.shape = BatchShape()
         self.min_slack = math.inf
+        self.ids: set[int] = set()
+        self.borrowers: set[int] = set()
+        """Requests in the batch that took memory from a later class's requests."""
+        self.lent: set[int] = set()
+        """Requests whose memory was taken: they cannot join the batch."""
 
     def full(self) -> bool:
         return len(self.selected) >= self.limit or self.tokens_left <= 0
@@ -100,89 +128,200 @@ class _Batch:
     def chunk(self, r: RequestView, extra_tokens: int = 0) -> tuple[int, int]:
         return r.computed_tokens, max(1, min(r.remaining_tokens, self.tokens_left + extra_tokens))
 
+    def need(self, r: RequestView, chunk: tuple[int, int]) -> int:
+        return max(0, _blocks(chunk[0] + chunk[1], self.block_size) - r.blocks)
+
+    def iterations(self, r: RequestView, chunk: tuple[int, int]) -> int:
+        """Iterations until r's current token: this one, then the rest of its prefill."""
+        rest = r.remaining_tokens - chunk[1]
+        return 1 + (_blocks(rest, self.budget_tokens) if rest > 0 else 0)
+
     def predict(self, shape: BatchShape) -> float:
         return self.cost.predict_ms(shape) if self.cost is not None else self.average_ms
 
-    def add(self, r: RequestView, cls: int, chunk: tuple[int, int], shape: BatchShape,
-            slack: float) -> None:
+    def add(self, r: RequestView, cls: int, chunk: tuple[int, int], need: int,
+            shape: BatchShape, budget: float) -> None:
         self.selected.append(r)
         self.classes.append(cls)
         self.chunks.append(chunk)
-        self.slacks.append(slack)
+        self.needs.append(need)
+        self.budgets.append(budget)
+        self.ids.add(r.id)
         self.shape = shape
         self.tokens_left -= chunk[1]
-        self.min_slack = min(self.min_slack, slack)
+        self.free -= need
+        self.min_slack = min(self.min_slack, budget)
 
     def remove(self, i: int) -> None:
         self.tokens_left += self.chunks[i][1]
-        del self.selected[i], self.classes[i], self.chunks[i], self.slacks[i]
+        self.free += self.needs[i]
+        self.ids.discard(self.selected[i].id)
+        for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets):
+            del seq[i]
         self.shape = BatchShape.of(self.chunks) if self.cost is not None else self.shape
-        self.min_slack = min(self.slacks, default=math.inf)
+        self.min_slack = min(self.budgets, default=math.inf)
+
+
+class _Lender:
+    """Blocks a class may take from running requests of classes packed after it and left out
+    of the batch (FindPreemptBlock): the least deserving lender first."""
+
+    def __init__(self, groups: list[list[RequestView]], pack_rank: list[int]) -> None:
+        self._by_rank: list[list[RequestView]] = [[] for _ in range(max(pack_rank) + 2)]
+        for cls, group in enumerate(groups):
+            self._by_rank[pack_rank[cls]] += [r for r in group if r.state == "running" and r.blocks]
+        self.claimed: set[int] = set()
+
+    def available(self, rank: int) -> int:
+        return sum(r.blocks for lenders in self._by_rank[rank + 1:] for r in lenders
+                   if r.id not in self.claimed)
+
+    def claim(self, rank: int, blocks: int, batch_ids: set[int]) -> None:
+        for lenders in reversed(self._by_rank[rank + 1:]):
+            for r in reversed(lenders):
+                if blocks <= 0:
+                    return
+                if r.id not in self.claimed and r.id not in batch_ids:
+                    self.claimed.add(r.id)
+                    blocks -= r.blocks
 
 
 class PackOrder:
-    """The order is the packed batch; `violated` says whether packing predicted a miss."""
+    """The order is the packed batch, then the running requests left out; `batch` says how many
+    lead it and `violated` whether packing predicted a miss."""
 
     def __init__(self, *, split: Callable[[Sequence[RequestView]], list[list[RequestView]]],
                  sort: list[Callable[[list[RequestView]], list[RequestView]]],
                  steps: Sequence[Take | Replace], env: Env, timer: IterationTimer) -> None:
         self._split, self._sort, self._steps = split, sort, steps
         self._env, self._timer = env, timer
+        ranks: dict[int, int] = {}
+        for s in steps:
+            ranks.setdefault(s.cls, len(ranks))
+        self._pack_rank = ranks
         self.violated = False
+        self.batch = 0
 
     def __call__(self, view: SchedulerView, limit: int | None) -> list[RequestView]:
         self.violated = False
         groups = self._split(view.requests)
+        n = len(groups)
+        rank = [self._pack_rank.get(c, len(self._pack_rank)) for c in range(n)]
+        lender = _Lender(groups, rank)
+        sorted_groups: dict[int, list[RequestView]] = {}
         left: dict[int, list[RequestView]] = {}
         batch = _Batch(view, view.cost, self._timer.average_ms, limit or view.max_num_seqs)
         for step in self._steps:
             if isinstance(step, Take):
-                group = self._sort[step.cls](groups[step.cls])
-                left[step.cls] = group[self._take(batch, step, group):]
+                group = sorted_groups.get(step.cls)
+                if group is None:
+                    group = sorted_groups[step.cls] = self._pull(step.cls, groups[step.cls])
+                left[step.cls] = self._take(batch, step, group, lender, rank[step.cls])
             else:
-                done = self._replace(batch, step, left.get(step.cls, []))
-                left[step.cls] = left.get(step.cls, [])[done:]
-        return batch.selected
+                left[step.cls] = self._replace(batch, step, left.get(step.cls, []))
+        self.batch = len(batch.selected)
+        rest = [r for c in sorted(range(n), key=rank.__getitem__)
+                for r in sorted_groups.get(c) or self._sort[c](groups[c])
+                if r.state == "running" and r.id not in batch.ids]
+        return batch.selected + rest
 
-    def _take(self, batch: _Batch, step: Take, group: list[RequestView]) -> int:
-        env = self._env
-        for i, r in enumerate(group):
-            if batch.full():
-                return i
-            chunk = batch.chunk(r)
-            shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
-            est = batch.predict(shape)
-            slack = r.slack_ms if r.slack_ms >= est else math.inf
-            if step.cond is not None:
-                env.est_iteration = est
-                env.min_slack = min(batch.min_slack, slack)
-                env.batch_size = len(batch.selected) + 1
-                if not step.cond(r):
-                    self.violated = self.violated or step.violation
-                    return i
-            batch.add(r, step.cls, chunk, shape, slack)
-        return len(group)
+    def _pull(self, cls: int, group: list[RequestView]) -> list[RequestView]:
+        """Pending requests sorted, merged with the waiting queue (already nearly in order:
+        timsort merges the two runs in linear time)."""
+        sort = self._sort[cls]
+        pending = [r for r in group if r.state != "waiting"]
+        waiting = [r for r in group if r.state == "waiting"]
+        if not pending or not waiting:
+            return sort(group)
+        return sort(sort(pending) + sort(waiting))
 
-    def _replace(self, batch: _Batch, step: Replace, candidates: list[RequestView]) -> int:
+    def _take(self, batch: _Batch, step: Take, group: list[RequestView], lender: _Lender,
+              rank: int) -> list[RequestView]:
+        """Take from `group` in order; returns the requests not taken (for `replaces`)."""
+        left: list[RequestView] = []
+        late: list[RequestView] = []
+        stopped = False
+        for r in group:
+            if stopped or batch.full() or r.id in lender.claimed:
+                left.append(r)
+                continue
+            verdict = self._try(batch, step, r, lender, rank, late_ok=False)
+            if verdict == "late":
+                late.append(r)
+            elif verdict == "stop":
+                stopped = True
+                left.append(r)
+            elif verdict == "skip":
+                left.append(r)
+        for r in late:  # requests that cannot make their deadline: served after those that can
+            if stopped or batch.full() or self._try(batch, step, r, lender, rank, late_ok=True) != "taken":
+                left.append(r)
+        return left
+
+    def _try(self, batch: _Batch, step: Take, r: RequestView, lender: _Lender, rank: int,
+             late_ok: bool) -> str:
+        chunk = batch.chunk(r)
+        need = batch.need(r, chunk)
+        admits = r.state != "running" or chunk[1] > 1
+        if need > batch.free and admits:
+            # FindPreemptBlock: only classes packed later lend memory for a new request or a
+            # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
+            if need > batch.free + lender.available(rank):
+                return "skip"
+        shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
+        est = batch.predict(shape)
+        budget = r.slack_ms / batch.iterations(r, chunk)
+        if budget < est:
+            if not late_ok:
+                return "late"
+            budget = math.inf
+        if step.cond is not None:
+            env = self._env
+            env.est_iteration = est
+            env.min_slack = min(batch.min_slack, budget)
+            env.batch_size = len(batch.selected) + 1
+            if not step.cond(r):
+                self.violated = self.violated or (step.violation and not late_ok)
+                return "stop"
+        if need > batch.free and admits:
+            lender.claim(rank, need - batch.free, batch.ids)
+            batch.free = need  # the claimed blocks are freed for r by the planner
+            batch.borrowers.add(r.id)
+            batch.lent = lender.claimed
+        batch.add(r, step.cls, chunk, need, shape, budget)
+        return "taken"
+
+    def _replace(self, batch: _Batch, step: Replace, candidates: list[RequestView]) -> list[RequestView]:
         env = self._env
         for done, cand in enumerate(candidates):
             i = _last_index(batch.classes, step.victim)
             if i is None:
-                return done
+                return candidates[done:]
             victim = batch.selected[i]
+            if victim.id in batch.borrowers:  # its memory comes from BE requests left out
+                return candidates[done:]
+            if cand.id in batch.lent:
+                continue
             chunk = batch.chunk(cand, extra_tokens=batch.chunks[i][1])
+            if chunk[1] < cand.remaining_tokens:
+                continue  # a sliver of a prompt in a decode's place serves nobody
+            need = batch.need(cand, chunk)
+            if need > batch.free + batch.needs[i]:
+                continue  # BE takes no memory from RT
             rest = batch.chunks[:i] + batch.chunks[i + 1:]
             shape = BatchShape.of(rest + [chunk]) if batch.cost is not None else batch.shape
             est = batch.predict(shape)
-            slack = cand.slack_ms if cand.slack_ms >= est else math.inf
+            budget = cand.slack_ms / batch.iterations(cand, chunk)
+            budget = budget if budget >= est else math.inf
             env.est_iteration = est
-            env.min_slack = min(min(batch.slacks[:i] + batch.slacks[i + 1:], default=math.inf), slack)
+            env.min_slack = min(min(batch.budgets[:i] + batch.budgets[i + 1:], default=math.inf),
+                                budget)
             env.batch_size = len(batch.selected)
             if not step.cond(victim):
-                return done
+                return candidates[done:]
             batch.remove(i)
-            batch.add(cand, step.cls, chunk, shape, slack)
-        return len(candidates)
+            batch.add(cand, step.cls, chunk, need, shape, budget)
+        return []
 
 
 def _last_index(classes: list[int], cls: int) -> int | None:

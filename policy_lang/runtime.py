@@ -144,7 +144,8 @@ class CompiledPolicy:
         if self._order.violated and batch is not None:
             batch.note_predicted_violation()
         overload = self._overload.evaluate(view) if self._overload is not None else None
-        return Decision(order=order, max_batch=limit, displace=self._displace, overload=overload)
+        return Decision(order=order, max_batch=limit, displace=self._displace, overload=overload,
+                        batch=getattr(self._order, "batch", None))
 
     def observe(self, outcome: IterationOutcome) -> None:
         for observe in self._observers:

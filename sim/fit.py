@@ -1,8 +1,9 @@
 """Fit the iteration cost model (engine/cost_model.py) to measured step times.
 
-Least squares on relative error (every row weighs the same whether it takes 1 ms or 1 s), with
-coefficients kept >= 0: a negative one is dropped and the rest refitted, so the model never
-predicts that more work takes less time.
+BROS §4.1: the decode model is fitted on decode-only batches and the prefill model on
+prefill-only ones (lengths spaced exponentially, `gpu/profiler.py`), then summed per batch; the
+mixed batches are held out to check that sum. Least squares on relative error (every row weighs
+the same whether it takes 1 ms or 1 s), coefficients kept >= 0.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from collections.abc import Sequence
 import attrs
 import numpy as np
 
-from engine.cost_model import BatchShape, CostModel
+from engine.cost_model import COLUMNS, BatchShape, CostModel, features, fit_coefficients, model_from
 
-COLUMNS = ("a_ms", "b_ms_per_prefill_token", "c_ms_per_prefill_token_sq",
-           "d_ms_per_decode_seq", "e_ms_per_decode_context_token", "f_ms_per_prefill_prefix_token")
+__all__ = ["COLUMNS", "Fit", "features", "fit_cost_model", "relative_errors"]
 
 
 @attrs.frozen(kw_only=True)
@@ -24,40 +24,36 @@ class Fit:
     mean_relative_error: float
     max_relative_error: float
     rows: int
+    median_relative_error: float = 0.0
+    held_out_median_error: float | None = None
+    """Median relative error on the mixed (prefill + decode) batches, which the split fit did
+    not see; None when there were none."""
+    held_out_rows: int = 0
     calibration: tuple[float, float, float] | None = None
     """(step factor, overhead ms per iteration, per sequence) applied after the fit, if any."""
     note: str = ""
 
 
-def features(shape: BatchShape) -> list[float]:
-    return [1.0, shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
-            shape.decode_context, shape.prefill_prefix]
+def relative_errors(cost: CostModel, rows: Sequence[tuple[BatchShape, float]]) -> np.ndarray:
+    return np.array([abs(cost.predict_ms(s) - ms) / ms for s, ms in rows], dtype=np.float64)
 
 
 def fit_cost_model(rows: Sequence[tuple[BatchShape, float]], *, source: str,
-                   with_prefix: bool = True) -> Fit:
+                   with_prefix: bool = True, split: bool = True) -> Fit:
     """`rows` of (batch shape, measured ms) -> the non-negative relative-error fit."""
     if len(rows) < len(COLUMNS):
         raise ValueError(f"need at least {len(COLUMNS)} measurements to fit, got {len(rows)}")
-    x = np.array([features(s) for s, _ in rows], dtype=np.float64)
-    y = np.array([ms for _, ms in rows], dtype=np.float64)
-    if np.any(y <= 0):
+    if any(ms <= 0 for _, ms in rows):
         raise ValueError("every measured time must be > 0")
-    active = [i for i in range(len(COLUMNS)) if with_prefix or COLUMNS[i] != COLUMNS[5]]
-    active = [i for i in active if np.any(x[:, i] != 0)]
-    coef = np.zeros(len(COLUMNS))
-    while active:
-        xs = x[:, active] / y[:, None]
-        # scale columns so that lstsq is well conditioned (ms/token^2 is ~1e-6)
-        norm = np.linalg.norm(xs, axis=0)
-        sol, *_ = np.linalg.lstsq(xs / norm, np.ones_like(y), rcond=None)
-        sol = sol / norm
-        if np.all(sol >= 0):
-            coef[:] = 0
-            coef[active] = sol
-            break
-        active = [i for i, v in zip(active, sol) if v >= 0]
-    rel = np.abs(x @ coef - y) / y
-    cost = CostModel(**{name: float(v) for name, v in zip(COLUMNS, coef)}, source=source)
+    mixed = [(s, ms) for s, ms in rows if s.prefill_tokens and s.decode_seqs]
+    pure = [(s, ms) for s, ms in rows if not (s.prefill_tokens and s.decode_seqs)]
+    held_out = split and len(pure) >= len(COLUMNS)
+    coef = fit_coefficients(pure if held_out else rows, split=split, with_prefix=with_prefix)
+    cost = model_from(coef, source)
+    rel = relative_errors(cost, rows)
+    mixed_rel = relative_errors(cost, mixed) if held_out and mixed else None
     return Fit(cost=cost, mean_relative_error=float(rel.mean()),
-               max_relative_error=float(rel.max()), rows=len(rows))
+               max_relative_error=float(rel.max()), rows=len(rows),
+               median_relative_error=float(np.median(rel)),
+               held_out_median_error=float(np.median(mixed_rel)) if mixed_rel is not None else None,
+               held_out_rows=len(mixed) if held_out else 0)

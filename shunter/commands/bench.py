@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     from shunter.benchmark.checks import check_policies, identical_runs_warning
     from shunter.benchmark.plots import plot_title, require_matplotlib, write_plots
     from shunter.benchmark.policies import parse_policy
-    from shunter.benchmark.report import table
+    from shunter.benchmark.report import class_table, table
     from shunter.benchmark.run import report_json, run_all
 
     if args.backend == "http":
@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
     outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
                        progress=not args.quiet)
     print(table(outcomes))
+    if (by_class := class_table(outcomes)) is not None:
+        print(by_class)
     if (warning := identical_runs_warning(workload, outcomes)) is not None:
         print(warning, file=sys.stderr)
     if args.json:

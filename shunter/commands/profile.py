@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     fit.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                      help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
-    fit.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's own choice)")
+    fit.add_argument("--threads", type=int, default=None,
+                     help="torch CPU threads, fixed for the whole fit (default: one per core)")
     fit.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     fit.add_argument("--max-batched-tokens", type=int, default=512,
                      help="largest prefill chunk measured (the engine's token budget)")
@@ -63,8 +64,12 @@ def run_fit(args: argparse.Namespace) -> int:
     from shunter.calibrate import calibrate_in_engine, calibrated, profile_for
     from sim.fit import fit_cost_model
 
+    import torch
+
+    # a fixed count: left open, the runner would tune it while the grid is being timed
     config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                          threads=args.threads, block_size=args.block_size,
+                          threads=args.threads or torch.get_num_threads(),
+                          block_size=args.block_size,
                           max_batched_tokens=args.max_batched_tokens)
 
     def progress(i: int, n: int) -> None:
@@ -82,6 +87,10 @@ def run_fit(args: argparse.Namespace) -> int:
                           gb_per_s=gb_per_s, dispatch_us=dispatch_us)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, args.out)
-    print(f"wrote {args.out}: {fit.rows} shapes, mean relative error "
-          f"{fit.mean_relative_error:.1%} (max {fit.max_relative_error:.1%})")
+    held = (f"; mixed batches, held out of the split prefill/decode fit: median error "
+            f"{fit.held_out_median_error:.1%} over {fit.held_out_rows}"
+            if fit.held_out_median_error is not None else "")
+    print(f"wrote {args.out}: {fit.rows} shapes, prediction error median "
+          f"{fit.median_relative_error:.1%}, mean {fit.mean_relative_error:.1%} (max "
+          f"{fit.max_relative_error:.1%}){held}")
     return 0

@@ -9,7 +9,10 @@ import attrs
 
 import shunter.workloads.synthetic as synthetic
 import shunter.workloads.traces as traces
-from shunter.workloads.spec import TABLES, TRACES, WORKLOADS, Keys, WorkloadSpecError, parse_spec
+from shunter.workloads.bros import bros_table
+from shunter.workloads.spec import (
+    BROS_TABLES, TABLES, TRACES, WORKLOADS, Keys, WorkloadSpecError, parse_spec,
+)
 from shunter.workloads.workload import BatchSource, RequestSpec, Workload, rescale, window
 
 BROS_TTFT_MS, BROS_TPOT_MS = 400.0, 200.0
@@ -31,7 +34,7 @@ def build(name: str, keys: Keys, traces_dir: Path) -> Workload:
         specs, duration = [], keys.number("duration", None)
         batches = (_batch_source(keys, seed, stop=duration, default_batches=10),)
     elif name == "rtbe":
-        rt = keys.text("rt", "sharegpt")
+        rt = keys.text("rt", "sharegpt-bros")
         if rt not in WORKLOADS or rt in ("rtbe", "be-batch"):
             raise WorkloadSpecError(f"{keys.where}: rt={rt!r} must name an RT workload")
         specs, duration = _open_loop(rt, keys, traces_dir, seed, default_duration=600.0)
@@ -67,9 +70,12 @@ def _open_loop(name: str, keys: Keys, traces_dir: Path, seed: int,
             rate *= mult
         process, cv = keys.text("arrival", "poisson"), keys.number("cv", 2.0)
         table_name = keys.text("table", "sharegpt") if name == "multiturn" else name
-        if table_name not in TABLES:
+        if table_name in BROS_TABLES:
+            table = bros_table(table_name, traces_dir)
+        elif table_name not in TABLES:
             raise WorkloadSpecError(f"{keys.where}: table={table_name!r}; known: {', '.join(TABLES)}")
-        table = traces.read_length_table(traces_dir, table_name)
+        else:
+            table = traces.read_length_table(traces_dir, table_name)
         n = keys.integer("conversations" if name == "multiturn" else "requests",
                          None if duration else (50 if name == "multiturn" else 200))
         try:

@@ -29,14 +29,19 @@ WORKLOADS: dict[str, str] = {
     "multiturn": "SYNTHETIC multi-turn conversations: turns, think times and per-turn lengths "
                  "drawn (seeded) from the ShareGPT length table; each turn's prompt is the whole "
                  "conversation so far",
+    "sharegpt-bros": "ShareGPT lengths filtered to BROS Table 2's means (prompt <= 612, output "
+                     "<= 500: mean 222.7/233.7 tokens) with synthetic arrivals",
+    "lmsys-bros": "SYNTHETIC lengths: a log-normal fitted to BROS Table 2's LMSYS-Chat-1M row "
+                  "(mean prompt 90.5, output 237.0) with synthetic arrivals",
     "be-batch": "BROS best-effort batches only: prompts uniform 512-1024, outputs uniform "
                 "32-128, a new batch when the last completes",
-    "rtbe": "an RT workload (key rt, default sharegpt with Poisson arrivals) mixed with BROS "
-            "best-effort batches",
+    "rtbe": "an RT workload (key rt, default sharegpt-bros with Poisson arrivals, as BROS §7.1) "
+            "mixed with BROS best-effort batches",
 }
 
 TRACES = ("azure-conv", "azure-code", "mooncake-conv", "mooncake-synth")
 TABLES = ("sharegpt", "arxiv")
+BROS_TABLES = ("sharegpt-bros", "lmsys-bros")
 
 KEYS: dict[str, str] = {
     "rate": "traces: a multiplier `2x` (replay twice as fast) or a mean rate in requests/s; "
@@ -64,7 +69,7 @@ KEYS: dict[str, str] = {
     "batches": "be-batch: number of BE batches (default 10); rtbe: at most this many",
     "be_prompt": "BE prompt length range lo-hi (default 512-1024)",
     "be_output": "BE output length range lo-hi (default 32-128)",
-    "rt": "rtbe: the RT workload name (default sharegpt); its keys apply to it",
+    "rt": "rtbe: the RT workload name (default sharegpt-bros); its keys apply to it",
     "priority": "client priorities, for policies that rank by client_priority (e.g. "
                 "policies/priority.policy): none (default), random (uniform in 0..levels-1 per "
                 "request) or markov (a turn keeps its predecessor's priority with probability "

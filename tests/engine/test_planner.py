@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import attrs
+
 from engine.planner import blocks_for, plan_iteration
 from engine.policy import Decision
 from tests.factories import fcfs, make_budget, make_view, running
@@ -89,3 +91,18 @@ def test_never_preempt_leaves_stuck_requests_idle_then_breaks_the_deadlock():
     assert plan.forced
     assert [v.id for v in plan.preempted] == [b.id]
     assert plan.work == {a.id: 1}
+
+
+def test_a_packed_batch_gets_work_and_the_rest_only_ranks_victims():
+    # BROS: the order is the batch (one new request) then the running requests left out; it
+    # takes the blocks of the last one (the least deserving), never of the one ranked above it
+    new = make_view(prompt_tokens=12)
+    kept = running(blocks=3, computed=10, prompt_tokens=10)
+    lent = running(blocks=3, computed=10, prompt_tokens=10)
+    decision = Decision(order=[new, kept, lent], batch=1, displace=True)
+    plan = plan_iteration(decision, [new, kept, lent], make_budget(free_blocks=1, total_blocks=7))
+    assert plan.work == {new.id: 12}
+    assert [v.id for v in plan.preempted] == [lent.id]
+    whole = plan_iteration(attrs.evolve(decision, batch=None), [new, kept, lent],
+                           make_budget(free_blocks=1, total_blocks=7))
+    assert set(whole.work) == {new.id, kept.id}

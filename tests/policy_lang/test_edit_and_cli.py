@@ -108,10 +108,10 @@ def test_policy_explain_prints_plain_words(capsys):
         "  2. fill with be requests (by checkpointed_blocks, smallest first, then by arrival, "
         "earliest first) while the batch has room and est_iteration < min_slack.",
         "Batch size (BROS §4.2, adaptive): starts at 8, grows by 1 after each calm iteration up "
-        "to the engine's max_num_seqs, and goes back to 8 after a predicted or an observed "
-        "deadline violation.",
-        "  est_iteration is predicted by the engine's cost model; when the engine has none (the "
-        "torch backend today), by the moving average of observed iteration times (BROS Table 1).",
+        "to the engine's max_num_seqs, and goes back to 8 after a predicted deadline violation.",
+        "  est_iteration is predicted by the engine's cost model (a profile, or one fitted in the "
+        "engine from its own iterations); before the engine has one, by the moving average of "
+        "observed iteration times (BROS Table 1).",
     ):
         assert line in out.splitlines(), line
 
