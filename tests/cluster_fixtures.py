@@ -20,3 +20,27 @@ def pipeline_group(tiny_llama_dir):
     group.start()
     yield group
     group.stop()
+
+
+@pytest.fixture(scope="session")
+def cluster_config(tiny_llama_dir):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=tiny_llama_dir, device="cpu", threads=1, num_blocks=64,
+                        cpu_swap_blocks=0, max_num_seqs=32)
+
+
+@pytest.fixture(scope="session")
+def local_launcher():
+    from shunter.cluster.launch import LocalLauncher
+
+    launcher = LocalLauncher("asyncio")
+    yield launcher
+    launcher.shutdown(timeout_s=0)
+
+
+@pytest.fixture(scope="session")
+def local_instances(cluster_config, local_launcher):
+    """Two instance processes of the tiny Llama, started once; each test attaches its own
+    cluster (coordinator, links) to them from its own event loop and detaches at the end."""
+    return [local_launcher.start_process(i, cluster_config) for i in range(2)]

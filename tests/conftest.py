@@ -48,4 +48,9 @@ def anyio_backend(request: pytest.FixtureRequest) -> str:
 
 
 # session-scoped process setups of the cluster tests (registered here so every test sees them)
-from tests.cluster_fixtures import pipeline_group  # noqa: E402,F401
+from tests.cluster_fixtures import (  # noqa: E402,F401
+    cluster_config,
+    local_instances,
+    local_launcher,
+    pipeline_group,
+)

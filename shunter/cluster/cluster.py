@@ -1,0 +1,263 @@
+"""A cluster: N instances behind the coordinator actor, with the Engine's client API.
+
+    async with Cluster.start(EngineConfig(), instances=2) as cluster:
+        async for chunk in cluster.generate("def fib(n):", SamplingParams(max_tokens=32)):
+            ...
+
+Each request asks the coordinator (actors/coordinator.py) for an instance by the policy's
+`dispatch` rule, then goes to that instance's handle (shunter/cluster/handles.py). A monitor
+task reads every instance's snapshot every `monitor_interval_s` and reports it to the
+coordinator. An instance that dies is marked down: requests it had not streamed from are
+dispatched again, the rest end with an error naming the instance, and new requests go to the
+others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import AsyncIterator, Sequence
+from typing import Literal
+
+import anyio
+import attrs
+
+from actors.coordinator import Coordinator
+from engine.cluster.dispatch import DISPATCH_RULES, DispatchTable, InstanceView, NoInstanceError
+from engine.cluster.messages import (
+    ChooseInstance,
+    CoordinatorMessage,
+    InspectCluster,
+    InstanceDown,
+    RequestEnded,
+    StatsReported,
+)
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError
+from engine.messages import Submit
+from engine.outputs import Rejected
+from engine.params import SamplingParams, SchedulingParams
+from engine.policy import Policy
+from engine.reply import Reply
+from engine.snapshots import EngineSnapshot
+from shunter.client import Completion, GenerationStream, collect
+from shunter.cluster.handles import InProcessInstance, RemoteInstance
+from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
+from shunter.cluster.wire import Hello, Link, summarize
+from shunter.engine import Engine
+from shunter.policy_source import engine_capabilities, initial_policy
+
+ClusterKind = Literal["local", "ray", "inprocess"]
+
+
+@attrs.frozen(kw_only=True)
+class ClusterSnapshot:
+    """Every instance's state: the coordinator's view and, for live ones, its engine's snapshot."""
+
+    views: tuple[InstanceView, ...]
+    snapshots: tuple[EngineSnapshot | None, ...]
+    failures: tuple[str | None, ...]
+
+    @property
+    def idle(self) -> bool:
+        return all(s is None or s.idle for s in self.snapshots) and not any(
+            v.in_flight for v in self.views)
+
+
+class Cluster:
+    def __init__(self, config: EngineConfig, policy: Policy, count: int,
+                 monitor_interval_s: float) -> None:
+        self.config = config
+        self.policy = policy
+        self.instances: list[RemoteInstance | InProcessInstance] = []
+        self.table = DispatchTable(count, config.block_size)
+        self._count = count
+        self._monitor_interval_s = monitor_interval_s
+        self._keys = itertools.count(1)
+        self._where: dict[int, tuple[int, int]] = {}
+        """Cluster request id -> (instance, demand tokens)."""
+        self._coordinator = None
+        self._closed = False
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def start(cls, config: EngineConfig | None = None, *, instances: int = 2,
+                    kind: ClusterKind = "local", monitor_interval_s: float = 0.05,
+                    async_backend: str | None = None,
+                    attach: Sequence[Launched] = ()) -> AsyncIterator[Cluster]:
+        """Start `instances` engines from `config` (each the same model and policy), the
+        coordinator and the monitor; stop them all when the block exits. With `attach`, use
+        those running instances instead (started by `LocalLauncher.start_process`, all from
+        `config`) and leave them running."""
+        config = config or EngineConfig()
+        policy = initial_policy(config, None, engine_capabilities(config))
+        cluster = cls(config, policy, len(attach) or instances, monitor_interval_s)
+        launcher: Launcher | None = None
+        if attach:
+            launcher = _Attached(attach)
+        elif kind == "local":
+            launcher = LocalLauncher(async_backend or _current_backend())
+        elif kind == "ray":
+            launcher = RayLauncher(num_gpus=1.0 if config.device.startswith("cuda") else 0.0)
+        send, recv = anyio.create_memory_object_stream[CoordinatorMessage](math.inf)
+        cluster._coordinator = send
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(Coordinator(table=cluster.table,
+                                               rule=DISPATCH_RULES[policy.settings.dispatch],
+                                               inbox=recv).run)
+                    if launcher is None:
+                        await cluster._start_in_process(stack, tg)
+                    else:
+                        await cluster._start_remote(launcher, tg)
+                    tg.start_soon(cluster._monitor)
+                    try:
+                        yield cluster
+                    finally:
+                        cluster._closed = True
+                        for inst in cluster.instances:
+                            await inst.close(detach=bool(attach))
+                        tg.cancel_scope.cancel()
+        finally:
+            if launcher is not None:
+                await anyio.to_thread.run_sync(launcher.shutdown)
+
+    async def _start_remote(self, launcher: Launcher, tg: anyio.abc.TaskGroup) -> None:
+        launched = [None] * self._count
+
+        async def one(i: int) -> None:
+            launched[i] = await launcher.launch(i, self.config)
+
+        async with anyio.create_task_group() as starting:
+            for i in range(self._count):
+                starting.start_soon(one, i)
+        for i, up in enumerate(launched):
+            stream = await anyio.connect_tcp(up.host, up.port)
+            link = Link(stream)
+            hello: Hello = await link.receive()
+            handle = RemoteInstance(i, link, on_end=self._ended, redispatch=self._redispatch,
+                                    on_down=self._instance_down, describe_death=up.describe_death,
+                                    kill=up.kill, pid=hello.pid)
+            self.instances.append(handle)
+            tg.start_soon(handle.run)
+
+    async def _start_in_process(self, stack: contextlib.AsyncExitStack,
+                                tg: anyio.abc.TaskGroup) -> None:
+        for i in range(self._count):
+            engine = await stack.enter_async_context(Engine.start(self.config,
+                                                                  policy=self.policy))
+            handle = InProcessInstance(i, engine, on_end=self._ended, redispatch=self._redispatch,
+                                       on_down=self._instance_down)
+            self.instances.append(handle)
+            await tg.start(handle.run)
+
+    async def _instance_down(self, index: int, reason: str) -> None:
+        await self._coordinator.send(InstanceDown(instance=index, reason=reason))
+
+    async def _monitor(self) -> None:
+        """Every instance's stats to the coordinator (KunServe's global monitor reads these)."""
+        while True:
+            for inst in self.instances:
+                if not inst.alive:
+                    continue
+                try:
+                    snap = await inst.snapshot()
+                except EngineDeadError:
+                    continue
+                await self._coordinator.send(StatsReported(instance=inst.index,
+                                                           stats=summarize(snap)))
+            await anyio.sleep(self._monitor_interval_s)
+
+    # ------------------------------------------------------------------ the Engine's client API
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                 scheduling: SchedulingParams | None = None) -> GenerationStream:
+        return GenerationStream(self, prompt, params or SamplingParams(),
+                                scheduling or SchedulingParams())
+
+    async def complete(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                       *, scheduling: SchedulingParams | None = None) -> Completion:
+        return await collect(GenerationStream(self, prompt, params or SamplingParams(),
+                                              scheduling or SchedulingParams(), stream=False))
+
+    async def _submit(self, msg: Submit, key: int | None = None, announced: bool = False) -> None:
+        if self._closed:
+            raise EngineDeadError(self.stopped_reason())
+        key = key or next(self._keys)
+        prompt = len(msg.prompt_ids) if msg.prompt_ids is not None else len(msg.prompt or "")
+        demand = prompt + msg.sampling.max_tokens
+        reply = Reply[int]()
+        await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
+        try:
+            index = await reply.wait()
+        except NoInstanceError as exc:
+            await msg.outputs.send(Rejected(error=EngineDeadError(str(exc))))
+            return
+        self._where[key] = (index, demand)
+        await self.instances[index].submit(key, msg, announced=announced)
+
+    async def _redispatch(self, key: int, msg: Submit) -> None:
+        """A request its dead instance had not streamed from: serve it elsewhere, under the id
+        its client already has."""
+        await self._submit(msg, key=key, announced=True)
+
+    def _ended(self, key: int) -> None:
+        where = self._where.pop(key, None)
+        if where is not None:
+            self._coordinator.send_nowait(RequestEnded(instance=where[0], demand_tokens=where[1]))
+
+    def _cancel_nowait(self, request_id: int) -> None:
+        where = self._where.get(request_id)
+        if where is not None:
+            self.instances[where[0]].cancel_nowait(request_id)
+
+    def stopped_reason(self) -> str:
+        return "the cluster shut down" if self._closed else "the cluster stopped"
+
+    async def inspect(self) -> ClusterSnapshot:
+        reply = Reply[tuple[InstanceView, ...]]()
+        await self._coordinator.send(InspectCluster(reply=reply))
+        views = await reply.wait()
+        snaps: list[EngineSnapshot | None] = []
+        for inst in self.instances:
+            try:
+                snaps.append(await inst.snapshot() if inst.alive else None)
+            except EngineDeadError:
+                snaps.append(None)
+        return ClusterSnapshot(views=views, snapshots=tuple(snaps),
+                               failures=tuple(i.failure for i in self.instances))
+
+    async def wait_idle(self, poll_s: float = 0.01) -> ClusterSnapshot:
+        while not (snap := await self.inspect()).idle:
+            await anyio.sleep(poll_s)
+        return snap
+
+    async def replace_policy(self, text: str) -> None:
+        """The same policy text on every live instance (each compiles and checks it)."""
+        for inst in self.instances:
+            if inst.alive:
+                await inst.replace_policy(text)
+
+
+def _current_backend() -> str:
+    try:
+        import sniffio
+
+        return sniffio.current_async_library()
+    except Exception:  # not inside an event loop
+        return "asyncio"
+
+
+class _Attached:
+    """Instances already running: nothing to launch, nothing to stop."""
+
+    def __init__(self, launched: Sequence[Launched]) -> None:
+        self._launched = list(launched)
+
+    async def launch(self, index: int, config: EngineConfig) -> Launched:
+        return self._launched[index]
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,267 @@
+"""The front door's handles on instances: one interface (submit, cancel, snapshot, replace the
+policy), two transports: `RemoteInstance` over a control link to an instance process (local or
+Ray), `InProcessInstance` around an Engine in this process (the simulator's N instances on one
+virtual clock).
+
+A handle relays each request's outputs to the client's stream under the cluster's request id.
+When its instance dies, a request that has streamed nothing yet is handed back to the cluster
+to be dispatched again (`Redispatch`); one that has streamed tokens ends with finish reason
+`error` naming the instance and why it died (its tokens cannot be taken back, and a sampled
+continuation elsewhere would not be the same request).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Awaitable, Callable
+
+import anyio
+import attrs
+
+from engine.errors import EngineDeadError, PolicyError
+from engine.messages import Submit
+from engine.outputs import Admitted, GenerationChunk, Rejected
+from engine.reply import Reply
+from engine.snapshots import EngineSnapshot
+from shunter.cluster.wire import (
+    AskSnapshot,
+    CancelRequest,
+    Detach,
+    Link,
+    Output,
+    PolicyReplaced,
+    ReplacePolicyText,
+    Shutdown,
+    Snapshot,
+    SubmitRequest,
+)
+from shunter.engine import Engine
+
+Redispatch = Callable[[int, Submit], Awaitable[None]]
+"""(cluster request id, the client's submission): serve it on another instance."""
+Ended = Callable[[int], None]
+"""Told once per request when its last output has been relayed (or it was handed back)."""
+Down = Callable[[int, str], Awaitable[None]]
+"""(instance, why): told once, before its requests are handed back or ended."""
+
+
+@attrs.define(eq=False)
+class _Live:
+    submit: Submit
+    announced: bool
+    """The client already got `Admitted` (from this instance or an earlier, dead one)."""
+    streamed: bool = False
+    """A chunk with tokens has reached the client."""
+
+
+class _Relay:
+    """What both handles share: the live requests and how outputs reach their clients."""
+
+    def __init__(self, index: int, on_end: Ended, redispatch: Redispatch, on_down: Down) -> None:
+        self.index = index
+        self._on_down = on_down
+        self.failure: str | None = None
+        self._live: dict[int, _Live] = {}
+        self._on_end = on_end
+        self._redispatch = redispatch
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None
+
+    @property
+    def live_requests(self) -> int:
+        return len(self._live)
+
+    async def _forward(self, key: int, out) -> None:
+        live = self._live.get(key)
+        if live is None:
+            return
+        send = live.submit.outputs
+        try:
+            match out:
+                case Admitted():
+                    if not live.announced:
+                        live.announced = True
+                        await send.send(Admitted(request_id=key))
+                    return
+                case Rejected():
+                    await send.send(out)
+                case GenerationChunk():
+                    live.streamed = live.streamed or bool(out.token_ids)
+                    await send.send(attrs.evolve(out, request_id=key))
+                    if out.finish_reason is None:
+                        return
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass  # the client went away; the cancel it sent follows
+        self._finish(key)
+
+    def _finish(self, key: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self._on_end(key)
+
+    async def _instance_died(self, reason: str) -> None:
+        """End or hand back every live request (see the module docstring)."""
+        self.failure = reason
+        await self._on_down(self.index, reason)  # so nothing is dispatched here again
+        for key, live in list(self._live.items()):
+            self._finish(key)
+            if not live.streamed:
+                await self._redispatch(key, live.submit)
+                continue
+            chunk = GenerationChunk(request_id=key, token_ids=(), text="", finish_reason="error",
+                                    error=f"{reason}; the request had streamed tokens, so it "
+                                          f"was not sent to another instance")
+            try:
+                await live.submit.outputs.send(chunk)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                pass
+
+
+class RemoteInstance(_Relay):
+    """An instance in another process, over its control link."""
+
+    def __init__(self, index: int, link: Link, *, on_end: Ended, redispatch: Redispatch,
+                 on_down: Down, describe_death: Callable[[], str], kill: Callable[[], None],
+                 pid: int | None = None) -> None:
+        super().__init__(index, on_end, redispatch, on_down)
+        self._link = link
+        self._describe_death = describe_death
+        self.kill = kill
+        """Ends the instance's process (the cluster's shutdown, and the failure tests)."""
+        self.pid = pid
+        self._asks: dict[int, Reply] = {}
+        self._ask_ids = itertools.count()
+        self._cancels_send, self._cancels = anyio.create_memory_object_stream[int](math.inf)
+        self._closing = False
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        """Relay the instance's messages until its link closes."""
+        task_status.started()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._send_cancels)
+            while True:
+                try:
+                    msg = await self._link.receive()
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                        anyio.ClosedResourceError, OSError):
+                    break
+                match msg:
+                    case Output(key=key, output=out):
+                        await self._forward(key, out)
+                    case Snapshot(key=key) | PolicyReplaced(key=key):
+                        reply = self._asks.pop(key, None)
+                        if reply is not None:
+                            reply.send(msg)
+            tg.cancel_scope.cancel()
+        if self.failure is None and not self._closing:
+            reason = await anyio.to_thread.run_sync(self._describe_death)
+            for reply in self._asks.values():
+                reply.fail(EngineDeadError(reason))
+            await self._instance_died(reason)
+
+    async def _send_cancels(self) -> None:
+        async for key in self._cancels:
+            try:
+                await self._link.send(CancelRequest(key=key))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                return
+
+    async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
+        if self.failure is not None:  # chosen just before the coordinator heard of the death
+            await self._redispatch(key, submit)
+            return
+        self._live[key] = _Live(submit=submit, announced=announced)
+        ids = None if submit.prompt_ids is None else tuple(submit.prompt_ids)
+        try:
+            await self._link.send(SubmitRequest(
+                key=key, prompt=submit.prompt, prompt_ids=ids, sampling=submit.sampling,
+                scheduling=submit.scheduling, stream=submit.stream))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass  # the reader sees the link close and hands the request back
+
+    def cancel_nowait(self, key: int) -> None:
+        if key in self._live:
+            self._cancels_send.send_nowait(key)
+
+    async def _ask(self, make: Callable[[int], object]):
+        if self.failure is not None:
+            raise EngineDeadError(self.failure)
+        key = next(self._ask_ids)
+        reply = Reply()
+        self._asks[key] = reply
+        await self._link.send(make(key))
+        return await reply.wait()
+
+    async def snapshot(self) -> EngineSnapshot:
+        answer: Snapshot = await self._ask(lambda k: AskSnapshot(key=k))
+        if answer.snapshot is None:
+            raise EngineDeadError(answer.error or "the instance's engine stopped")
+        return answer.snapshot
+
+    async def replace_policy(self, text: str) -> None:
+        answer: PolicyReplaced = await self._ask(lambda k: ReplacePolicyText(key=k, text=text))
+        if answer.error is not None:
+            raise PolicyError(f"instance {self.index}: {answer.error}")
+
+    async def close(self, *, detach: bool = False) -> None:
+        """Stop the instance, or with `detach` leave it serving for the next front door."""
+        self._closing = True
+        try:
+            await self._link.send(Detach() if detach else Shutdown())
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            pass
+        await self._link.aclose()
+
+
+class InProcessInstance(_Relay):
+    """An Engine in this process (the simulator's instances share its virtual clock)."""
+
+    def __init__(self, index: int, engine: Engine, *, on_end: Ended,
+                 redispatch: Redispatch, on_down: Down) -> None:
+        super().__init__(index, on_end, redispatch, on_down)
+        self.engine = engine
+        self.pid = None
+        self._ids: dict[int, int] = {}
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
+        self._live[key] = _Live(submit=submit, announced=announced)
+        send, recv = anyio.create_memory_object_stream(math.inf)
+        own = attrs.evolve(submit, outputs=send)
+        try:
+            await self.engine._submit(own)
+        except EngineDeadError as exc:
+            await self._forward(key, Rejected(error=exc))
+            return
+        self._tg.start_soon(self._relay, key, recv)
+
+    async def _relay(self, key: int, recv) -> None:
+        async with recv:
+            async for out in recv:
+                if isinstance(out, Admitted):
+                    self._ids[key] = out.request_id
+                await self._forward(key, out)
+                if key not in self._live:
+                    break
+        self._ids.pop(key, None)
+
+    def cancel_nowait(self, key: int) -> None:
+        if key in self._ids:
+            self.engine._cancel_nowait(self._ids[key])
+
+    async def snapshot(self) -> EngineSnapshot:
+        return await self.engine.inspect()
+
+    async def replace_policy(self, text: str) -> None:
+        await self.engine.replace_policy(text)
+
+    async def close(self, *, detach: bool = False) -> None:
+        pass

@@ -1,0 +1,147 @@
+"""The instance side: one Engine in its own process, serving the front door over one control
+link (shunter/cluster/wire.py). The process ends when the link closes: an instance never
+outlives the cluster that started it."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+from collections.abc import Callable
+
+import anyio
+import attrs
+from anyio.abc import SocketAttribute
+
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, PolicyError
+from engine.messages import Submit
+from engine.outputs import Admitted, GenerationChunk, Rejected
+from shunter.cluster.wire import (
+    AskSnapshot,
+    CancelRequest,
+    Detach,
+    Hello,
+    Link,
+    Output,
+    PolicyReplaced,
+    ReplacePolicyText,
+    Shutdown,
+    Snapshot,
+    SubmitRequest,
+)
+from shunter.engine import Engine
+
+
+def instance_process(config: EngineConfig, host: str, conn, async_backend: str) -> None:
+    """Entry point of a local instance process: `conn` (a multiprocessing pipe) gets the port
+    the instance listens on, or the error that stopped it from starting."""
+    try:
+        anyio.run(serve_instance, config, host, conn.send, backend=async_backend)
+    except Exception as exc:  # reported to the front door, which names the instance
+        try:
+            conn.send(f"{type(exc).__name__}: {exc}")
+        except OSError:
+            pass
+
+
+async def serve_instance(config: EngineConfig, host: str,
+                         report: Callable[[object], None]) -> None:
+    """Start the engine, listen on `host` (an ephemeral port, sent through `report`), serve the
+    first connection until it closes."""
+    async with Engine.start(config) as engine:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=0)
+        async with listener:
+            report(listener.extra(SocketAttribute.local_port))
+            # a link that closes without Detach (the front door went away) ends the instance
+            while await InstanceServer(engine, Link(await listener.listeners[0].accept())).run():
+                pass
+
+
+class InstanceServer:
+    def __init__(self, engine: Engine, link: Link) -> None:
+        self._engine = engine
+        self._link = link
+        self._ids: dict[int, int] = {}
+        """Cluster key -> this engine's request id, once admitted."""
+        self._cancelled: set[int] = set()
+
+    async def run(self) -> bool:
+        """Serve the link until it closes; True when the front door detached (serve the
+        next one), False when the instance should end."""
+        detached = False
+        await self._link.send(Hello(pid=os.getpid(), block_size=self._engine.config.block_size,
+                                    vocab_size=self._engine.backend.vocab_size,
+                                    policy_source=self._engine.policy.source))
+        async with anyio.create_task_group() as tg:
+            while True:
+                try:
+                    msg = await self._link.receive()
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                        anyio.ClosedResourceError, OSError):
+                    break
+                match msg:
+                    case SubmitRequest():
+                        tg.start_soon(self._serve, msg)
+                    case CancelRequest(key=key):
+                        self._cancelled.add(key)
+                        if key in self._ids:
+                            self._engine._cancel_nowait(self._ids[key])
+                    case AskSnapshot(key=key):
+                        tg.start_soon(self._snapshot, key)
+                    case ReplacePolicyText(key=key, text=text):
+                        tg.start_soon(self._replace, key, text)
+                    case Shutdown():
+                        break
+                    case Detach():
+                        detached = True
+                        break
+            tg.cancel_scope.cancel()
+        with contextlib.suppress(Exception):
+            await self._link.aclose()
+        return detached
+
+    async def _serve(self, msg: SubmitRequest) -> None:
+        send, recv = anyio.create_memory_object_stream(math.inf)
+        submit = Submit(prompt=msg.prompt, prompt_ids=msg.prompt_ids, sampling=msg.sampling,
+                        scheduling=msg.scheduling, outputs=send, stream=msg.stream)
+        try:
+            await self._engine._submit(submit)
+        except EngineDeadError as exc:
+            await self._link.send(Output(key=msg.key, output=Rejected(error=exc)))
+            return
+        async with recv:
+            async for out in recv:
+                if isinstance(out, Admitted):
+                    self._ids[msg.key] = out.request_id
+                    if msg.key in self._cancelled:
+                        self._engine._cancel_nowait(out.request_id)
+                await self._link.send(Output(key=msg.key, output=_portable(out)))
+                if isinstance(out, Rejected) or (isinstance(out, GenerationChunk)
+                                                 and out.finish_reason is not None):
+                    break
+        self._ids.pop(msg.key, None)
+        self._cancelled.discard(msg.key)
+
+    async def _snapshot(self, key: int) -> None:
+        try:
+            snap, error = await self._engine.inspect(), None
+        except EngineDeadError as exc:
+            snap, error = None, str(exc)
+        await self._link.send(Snapshot(key=key, snapshot=snap, error=error))
+
+    async def _replace(self, key: int, text: str) -> None:
+        try:
+            await self._engine.replace_policy(text)
+            error = None
+        except (PolicyError, EngineDeadError) as exc:
+            error = str(exc)
+        await self._link.send(PolicyReplaced(key=key, error=error))
+
+
+def _portable(out):
+    """An output as it can cross the link: a rejection's error is rebuilt from its type and
+    message (exceptions with extra constructor arguments do not unpickle)."""
+    if isinstance(out, Rejected):
+        return attrs.evolve(out, error=type(out.error)(str(out.error)))
+    return out

@@ -1,0 +1,163 @@
+"""Starting instance processes: on this machine (`local`: multiprocessing, no extra dependency)
+or wherever Ray places them (`ray`: the `cluster` extra). Either way the instance serves one
+control link (shunter/cluster/instance.py), and the front door connects to it."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from collections.abc import Callable
+from typing import Protocol
+
+import anyio
+import attrs
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from shunter.cluster.instance import instance_process, serve_instance
+
+START_TIMEOUT_S = 300.0
+"""How long an instance may take to load its model and listen."""
+
+
+@attrs.frozen(kw_only=True)
+class Launched:
+    host: str
+    port: int
+    describe_death: Callable[[], str]
+    """Says why the instance's process ended (called once its link closed)."""
+    kill: Callable[[], None]
+    pid: int
+
+
+class Launcher(Protocol):
+    async def launch(self, index: int, config: EngineConfig) -> Launched: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalLauncher:
+    """Instances as child processes of this one (spawned: a fresh interpreter each)."""
+
+    def __init__(self, async_backend: str = "asyncio") -> None:
+        self._ctx = mp.get_context("spawn")
+        self._async_backend = async_backend
+        self._procs: list[mp.Process] = []
+
+    async def launch(self, index: int, config: EngineConfig) -> Launched:
+        return await anyio.to_thread.run_sync(self.start_process, index, config)
+
+    def start_process(self, index: int, config: EngineConfig) -> Launched:
+        """Start one instance process and wait until it listens (blocking)."""
+        parent, child = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=instance_process, name=f"shunter-instance-{index}",
+                                 args=(config, "127.0.0.1", child, self._async_backend))
+        proc.start()
+        child.close()
+        self._procs.append(proc)
+
+        def wait_port():
+            if not parent.poll(START_TIMEOUT_S):
+                return f"did not start within {START_TIMEOUT_S:.0f} s"
+            try:
+                return parent.recv()
+            except EOFError:
+                proc.join(timeout=5)
+                return f"its process ended while starting (exit code {proc.exitcode})"
+
+        port = wait_port()
+        if not isinstance(port, int):
+            proc.kill()
+            raise ConfigError(f"instance {index} failed to start: {port}")
+
+        def describe_death() -> str:
+            proc.join(timeout=5)
+            code = proc.exitcode
+            how = (f"killed by signal {-code}" if code is not None and code < 0
+                   else f"exit code {code}" if code is not None else "still running")
+            return f"instance {index} (pid {proc.pid}) went away ({how})"
+
+        def kill() -> None:
+            if proc.is_alive():
+                os.kill(proc.pid, signal.SIGKILL)
+
+        return Launched(host="127.0.0.1", port=port, describe_death=describe_death, kill=kill,
+                        pid=proc.pid)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Wait for the instances told to shut down; kill what is left after `timeout_s`."""
+        for proc in self._procs:
+            proc.join(timeout=timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+
+
+class RayLauncher:
+    """Instances as Ray actors, one CPU (or GPU) each, placed by Ray on the cluster it is
+    connected to (`ray.init(address=...)` before, or a local one started here). Ray restarts
+    nothing: a dead instance stays dead and the coordinator serves with the rest."""
+
+    def __init__(self, *, num_gpus: float = 0.0) -> None:
+        try:
+            import ray
+        except ImportError:
+            raise ConfigError("--cluster ray needs Ray: pip install 'shunter[cluster]'") from None
+        self._ray = ray
+        if not ray.is_initialized():
+            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
+                     log_to_driver=False)
+        self._actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_restarts=0)(RayInstance)
+        self._actors: list = []
+
+    async def launch(self, index: int, config: EngineConfig) -> Launched:
+        ray = self._ray
+        actor = self._actor_cls.options(name=None).remote()
+        self._actors.append(actor)
+        try:
+            host, port, pid = await anyio.to_thread.run_sync(
+                lambda: ray.get(actor.start.remote(config), timeout=START_TIMEOUT_S))
+        except Exception as exc:
+            raise ConfigError(f"instance {index} failed to start on Ray: {exc}") from None
+
+        def describe_death() -> str:
+            return f"instance {index} (Ray actor, pid {pid} on {host}) went away"
+
+        def kill() -> None:
+            ray.kill(actor, no_restart=True)
+
+        return Launched(host=host, port=port, describe_death=describe_death, kill=kill, pid=pid)
+
+    def shutdown(self) -> None:
+        for actor in self._actors:
+            try:
+                self._ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+
+class RayInstance:
+    """The Ray actor: runs the instance's event loop on a thread of the actor's process and
+    answers where it listens."""
+
+    def start(self, config: EngineConfig) -> tuple[str, int, int]:
+        import queue
+        import threading
+
+        import ray
+
+        ports: queue.Queue = queue.Queue()
+
+        def run() -> None:
+            try:
+                anyio.run(serve_instance, config, "0.0.0.0", ports.put)
+            except Exception as exc:
+                ports.put(f"{type(exc).__name__}: {exc}")
+            os._exit(0)  # the link closed: this instance is done
+
+        threading.Thread(target=run, daemon=True, name="shunter-instance").start()
+        port = ports.get(timeout=START_TIMEOUT_S)
+        if not isinstance(port, int):
+            raise RuntimeError(port)
+        return ray.util.get_node_ip_address(), port, os.getpid()
