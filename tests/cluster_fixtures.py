@@ -44,3 +44,24 @@ def local_instances(cluster_config, local_launcher):
     """Two instance processes of the tiny Llama, started once; each test attaches its own
     cluster (coordinator, links) to them from its own event loop and detaches at the end."""
     return [local_launcher.start_process(i, cluster_config) for i in range(2)]
+
+
+@pytest.fixture(scope="session")
+def ray_instances(cluster_config):
+    """A local Ray (`ray.init(num_cpus=2)`, once per session) with two instance actors. Slow
+    (Ray's own start-up on 2 cores), so only with SHUNTER_SLOW=1 or SHUNTER_RAY=1."""
+    import os
+
+    if os.environ.get("SHUNTER_SLOW") != "1" and os.environ.get("SHUNTER_RAY") != "1":
+        pytest.skip("Ray cluster tests run with SHUNTER_SLOW=1 or SHUNTER_RAY=1 (Ray's start-up "
+                    "alone takes longer than CI allows for them)")
+    ray = pytest.importorskip("ray", reason="Ray is the cluster extra: pip install -e '.[cluster]'")
+    from shunter.cluster.launch import RayLauncher
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    launcher = RayLauncher()
+    try:
+        yield [launcher.start_actor(i, cluster_config) for i in range(2)]
+    finally:
+        launcher.shutdown()
+        ray.shutdown()

@@ -53,4 +53,5 @@ from tests.cluster_fixtures import (  # noqa: E402,F401
     local_instances,
     local_launcher,
     pipeline_group,
+    ray_instances,
 )

@@ -112,12 +112,15 @@ class RayLauncher:
         self._actors: list = []
 
     async def launch(self, index: int, config: EngineConfig) -> Launched:
+        return await anyio.to_thread.run_sync(self.start_actor, index, config)
+
+    def start_actor(self, index: int, config: EngineConfig) -> Launched:
+        """Create one instance actor and wait until it listens (blocking)."""
         ray = self._ray
-        actor = self._actor_cls.options(name=None).remote()
+        actor = self._actor_cls.options(name=f"shunter-instance-{index}-{os.getpid()}").remote()
         self._actors.append(actor)
         try:
-            host, port, pid = await anyio.to_thread.run_sync(
-                lambda: ray.get(actor.start.remote(config), timeout=START_TIMEOUT_S))
+            host, port, pid = ray.get(actor.start.remote(config), timeout=START_TIMEOUT_S)
         except Exception as exc:
             raise ConfigError(f"instance {index} failed to start on Ray: {exc}") from None
 
