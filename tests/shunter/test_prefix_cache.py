@@ -1,10 +1,10 @@
 """Automatic prefix caching end to end on the torch backend (issue 13, item 6).
 
-A KV pool of 20 blocks of 8 tokens serves requests sharing a 20-token system prompt (at once,
+A KV pool of 14 blocks of 8 tokens serves requests sharing a 20-token system prompt (at once,
 then again with other questions), three 3-turn conversations, and pairs of prompts made of the
 same two blocks in the other order. Blocks are cached, shared between live requests, evicted
-and reused, requests are preempted (by recompute, or by swap with FastSwitch's frequent
-priority updates): greedy outputs must equal transformers' token for token, under asyncio and
+and reused, requests are preempted (by recompute, or by swap with priorities redrawn every
+iteration): greedy outputs must equal transformers' token for token, under asyncio and
 trio, and no block may be left allocated once idle. A planted bug, block keys that ignore the
 parent block, must make the outputs go wrong (the swapped pair hits the other's blocks).
 """
@@ -30,8 +30,8 @@ VOCAB = 320
 SHARERS = slow_scale(16, 6)
 POLICIES = {
     "recompute": "policy apc { memory { prefix_cache on } }\n",
-    "swap": 'policy apc_swap extends "vllm_prefix_markov.policy" {\n'
-            "  every 2 iterations: rerank markov(stay = 0.5, seed = 3)\n}\n",
+    "swap": 'policy apc_swap extends "vllm_prefix_random.policy" {\n'
+            "  every 1 iterations: rerank random(seed = 5)\n}\n",
 }
 
 
@@ -50,7 +50,7 @@ async def serve(model_dir, policy_name: str, *, seed: int = 0):
     p, q = tokens(8), tokens(8)
     pairs = [(p + q + tokens(3), q + p + tokens(5)), (q + q + tokens(2), p + q + tokens(4))]
     policy = compile_policy(POLICIES[policy_name], base_dir=policy_dir())
-    config = EngineConfig(model=model_dir, num_blocks=20, block_size=8, max_batched_tokens=48,
+    config = EngineConfig(model=model_dir, num_blocks=14, block_size=8, max_batched_tokens=48,
                           max_num_seqs=8, cpu_swap_blocks=80)
     params = SamplingParams(max_tokens=MAX_TOKENS)
     served: list[tuple[list[int], list[int], str]] = []
@@ -110,7 +110,7 @@ async def test_outputs_match_transformers_with_blocks_cached_shared_and_evicted(
     # is small), preemptions, and blocks shared by two live requests at once
     assert counts.hit_blocks >= SHARERS, counts
     assert counts.evicted_blocks > 0, counts
-    assert snap.scheduler.preemptions > 0
+    assert snap.scheduler.preemptions >= (4 if policy_name == "recompute" else 20)
     assert most_shared >= 2, "no two live requests ever shared a cached block"
     # nothing leaked: no block is allocated once idle, the cached ones are idle and free
     assert snap.allocator.allocated_blocks == 0
