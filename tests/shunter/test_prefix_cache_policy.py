@@ -82,3 +82,36 @@ async def test_metrics_and_the_iteration_log_report_the_hits():
     assert value(samples, "shunter:prefix_cache_block_hits_total") == 4
     assert value(samples, "shunter:prefix_cache_blocks") == 4
     assert taken.prefix.as_dict()["token_hit_rate"] == pytest.approx(64 / 136)
+
+
+async def test_cancelled_and_preempted_requests_sharing_a_prefix_leak_nothing():
+    import anyio
+
+    policy = compile_policy('policy churn extends "vllm_prefix_random.policy" {\n'
+                            "  every 1 iterations: rerank random(seed = 3)\n}\n",
+                            base_dir=policy_path("fcfs").parent)
+    config = attrs.evolve(SIM, num_blocks=24, max_num_seqs=6)
+    system = list(range(2, 66))  # 4 full blocks every request shares
+    async with Engine.start(config, policy=policy) as engine:
+        async def one(i: int) -> None:
+            params = SamplingParams(max_tokens=40, ignore_eos=True)
+            stream = engine.generate(system + [100 + i] * (i % 3 * 9 + 1), params)
+            async for n, _ in aenumerate(stream):
+                if i % 3 == 0 and n == 2:  # a third leave mid-stream
+                    await stream.aclose()
+                    return
+
+        async with anyio.create_task_group() as tg:
+            for i in range(18):
+                tg.start_soon(one, i)
+        snap = await engine.wait_idle()
+    assert snap.scheduler.preemptions > 0 and snap.scheduler.prefix_cache.hit_blocks >= 4
+    assert snap.allocator.allocated_blocks == 0 and snap.allocator.tables == {}
+    assert snap.scheduler.free_blocks == 24 and snap.swap.blocks_out > 0
+
+
+async def aenumerate(stream):
+    n = 0
+    async for item in stream:
+        yield n, item
+        n += 1
