@@ -11,6 +11,12 @@ import time
 import anyio
 
 from engine.params import SamplingParams
+from shunter.commands.cluster_options import (
+    add_cluster_options,
+    cluster_fields,
+    preemptions,
+    start_engine,
+)
 from shunter.commands.common import add_engine_options, engine_config
 from shunter.engine import Engine
 
@@ -30,6 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     add_engine_options(p)
+    add_cluster_options(p)
     p.set_defaults(run=run)
 
 
@@ -76,7 +83,7 @@ async def serve(args: argparse.Namespace) -> None:
                 timelines.append(chunk.timeline)
 
     began = time.perf_counter()
-    async with Engine.start(engine_config(args)) as engine:
+    async with start_engine(engine_config(args, **cluster_fields(args)), args) as engine:
         t = 0.0
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
@@ -88,7 +95,7 @@ async def serve(args: argparse.Namespace) -> None:
     print(f"\n{len(timelines)} requests, {s.output_tokens} tokens in {wall:.1f} s "
           f"({s.output_tokens / wall:.1f} tokens/s); TTFT p50 {s.ttft_ms.p50:.0f} ms, "
           f"p99 {s.ttft_ms.p99:.0f} ms; TPOT p50 {s.tpot_ms.p50:.1f} ms; "
-          f"preemptions {snap.scheduler.preemptions}")
+          f"preemptions {preemptions(snap)}")
 
 
 def run(args: argparse.Namespace) -> int:

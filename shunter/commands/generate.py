@@ -10,10 +10,11 @@ from pathlib import Path
 
 import anyio
 
-from engine.errors import AdmissionError, InvalidRequestError, ShunterError
 from engine.config import EngineConfig
+from engine.errors import AdmissionError, InvalidRequestError, ShunterError
 from engine.params import SamplingParams
 from engine.snapshots import EngineSnapshot
+from shunter.commands.cluster_options import add_cluster_options, cluster_fields, start_engine
 from shunter.commands.common import add_engine_options, engine_config
 from shunter.commands.prompts_file import PromptLine, prompt_from_option, read_prompts
 from shunter.engine import Engine
@@ -41,12 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help='print {"index", "token_ids", "text", "finish_reason"} per prompt, one a line')
     add_engine_options(p)
+    add_cluster_options(p)
     p.set_defaults(run=run)
 
 
 async def generate_all(config: EngineConfig, prompts: list[PromptLine],
                        params_for: Callable[[int], SamplingParams],
-                       verbose: bool = False) -> list[dict]:
+                       verbose: bool = False, args: argparse.Namespace | None = None) -> list[dict]:
     results: list[dict] = [{} for _ in prompts]
     refused: list[AdmissionError] = []
 
@@ -65,12 +67,15 @@ async def generate_all(config: EngineConfig, prompts: list[PromptLine],
             results[i] = {"index": i, "token_ids": [], "text": "", "finish_reason": "error",
                           "error": str(exc)}
 
-    async with Engine.start(config) as engine:
+    async with start_engine(config, args or argparse.Namespace()) as engine:
         async with anyio.create_task_group() as tg:
             for i in range(len(prompts)):
                 tg.start_soon(one, engine, i)
         if verbose:
-            print(preemption_report(await engine.inspect()), file=sys.stderr)
+            snap = await engine.inspect()
+            for s in getattr(snap, "snapshots", (snap,)):
+                print(preemption_report(s) if s is not None else "instance down",
+                      file=sys.stderr)
     if refused:
         raise refused[0]
     return results
@@ -108,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
 
     for i in range(len(prompts)):  # validate every line before loading the model
         params_for(i)
-    results = anyio.run(generate_all, engine_config(args), prompts, params_for, args.verbose,
+    results = anyio.run(generate_all, engine_config(args, **cluster_fields(args)), prompts,
+                        params_for, args.verbose, args,
                         backend=args.async_backend)
     failed = 0
     for r in results:

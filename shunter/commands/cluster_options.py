@@ -1,0 +1,60 @@
+"""`--instances N [--pipeline-stages K] [--cluster local|ray]`: the commands that serve
+(generate, demo, serve) start one engine, a pipeline of K stage processes, or a cluster of N
+instances behind the coordinator, through `start_engine`."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from shunter.commands.common import positive_int
+from shunter.engine import Engine
+
+
+def add_cluster_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("cluster")
+    g.add_argument("--instances", type=positive_int, default=1,
+                   help="engine instances, each in its own process behind the coordinator "
+                        "(1: the engine runs in this process)")
+    g.add_argument("--pipeline-stages", type=positive_int, default=1,
+                   help="torch backend: run each instance's model as a pipeline of this many "
+                        "stage processes, each holding a contiguous range of layers")
+    g.add_argument("--cluster", default="local", choices=("local", "ray"),
+                   help="where instances run: local processes, or Ray actors on the Ray "
+                        "cluster RAY_ADDRESS names (a local one if unset; needs the cluster "
+                        "extra)")
+
+
+def cluster_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields the cluster options set."""
+    stages = getattr(args, "pipeline_stages", 1)
+    return {"pipeline_stages": stages} if stages > 1 else {}
+
+
+@contextlib.asynccontextmanager
+async def start_engine(config: EngineConfig, args: argparse.Namespace) -> AsyncIterator[Any]:
+    """An Engine, or a Cluster (the same client API) when `--instances` is more than 1."""
+    instances = getattr(args, "instances", 1)
+    if config.pipeline_stages > 1 and config.backend != "torch":
+        raise ConfigError("--pipeline-stages: pipelines of stage processes run on the torch "
+                          "backend (the simulator models them: bench/pipeline.py)")
+    if instances == 1:
+        async with Engine.start(config) as engine:
+            yield engine
+        return
+    from shunter.cluster.cluster import Cluster  # starts processes: only when asked for
+
+    kind = "inprocess" if config.backend == "sim" else args.cluster
+    async with Cluster.start(config, instances=instances, kind=kind) as cluster:
+        yield cluster
+
+
+def preemptions(snap: Any) -> int:
+    """Preemptions in an engine's snapshot, or summed over a cluster's live instances."""
+    if hasattr(snap, "snapshots"):
+        return sum(s.scheduler.preemptions for s in snap.snapshots if s is not None)
+    return snap.scheduler.preemptions
