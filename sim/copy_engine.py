@@ -17,6 +17,8 @@ issued now can run and counts the wait.
 
 from __future__ import annotations
 
+import math
+
 import attrs
 
 from engine.iteration_log import SwapCounters
@@ -36,14 +38,16 @@ class Transfer:
 
 
 class CopyEngine:
-    def __init__(self, link: CopyLink, *, yield_every: int | None = None) -> None:
+    def __init__(self, link: CopyLink, *, yield_every: int | None = None,
+                 yield_bytes: int | None = None) -> None:
         if yield_every is not None and yield_every < 1:
             raise ValueError(f"yield_every must be >= 1 or None, got {yield_every}")
         self.link = link
         self.yield_every = yield_every
-        """Synchronise after this many dispatched copies (None: never)."""
+        """Synchronise after this many dispatched copies (None: no bound by count)."""
+        self.yield_bytes = yield_bytes
+        """... or after this many bytes (None: no bound by size)."""
         self._free_at: dict[Direction, float] = {"out": 0.0, "in": 0.0}
-        self._since_yield: dict[Direction, int] = {"out": 0, "in": 0}
         self._boundaries: dict[Direction, list[float]] = {"out": [], "in": []}
         """Times at which a synchronisation lets other copies in, per direction (pending ones)."""
         self.counters = SwapCounters()
@@ -57,7 +61,7 @@ class CopyEngine:
             raise ValueError(f"a transfer needs calls >= 0 and nbytes >= 0, got {calls}, {nbytes}")
         start = max(now, self._free_at[direction])
         end = start + self.link.copy_s(calls, nbytes)
-        if self.yield_every is not None and calls:
+        if (self.yield_every is not None or self.yield_bytes is not None) and calls:
             end = self._bounded(direction, start, calls, nbytes)
         self._free_at[direction] = end
         c = self.counters
@@ -70,24 +74,33 @@ class CopyEngine:
         return Transfer(direction=direction, calls=calls, nbytes=nbytes, start=start, end=end)
 
     def _bounded(self, direction: Direction, start: float, calls: int, nbytes: int) -> float:
-        """Lay the transfer's copies out in runs that end at a synchronisation; returns its end."""
-        every, link = self.yield_every, self.link
-        assert every is not None
-        per_call_s = link.copy_s(1, nbytes / calls)  # type: ignore[arg-type]
+        """Lay the transfer out in runs that end at a synchronisation; returns its end. A run is
+        `yield_every` calls or `yield_bytes` bytes, whichever comes first; a call larger than
+        `yield_bytes` (a big block group: one copy in our block-major layout) is issued in
+        pieces of that size, each costing a dispatch."""
+        link = self.link
+        size = nbytes / calls
+        pieces = 1 if self.yield_bytes is None else max(1, math.ceil(size / self.yield_bytes))
+        piece_s = link.dispatch_us * 1e-6 + size / pieces / (link.bandwidth_gb_per_s * 1e9)
+        per_run = self.yield_every or calls
+        if pieces > 1:
+            per_run = 1
+        elif self.yield_bytes is not None:
+            per_run = min(per_run, max(1, int(self.yield_bytes // max(size, 1.0))))
+        total = calls * pieces
         marks = self._boundaries[direction]
-        t, left, since = start, calls, self._since_yield[direction]
-        while left:
-            k = min(left, every - since)
-            t += k * per_call_s
-            left -= k
-            since += k
-            if since == every:  # synchronise: drain, then issue the next copy afresh
+        t, done = start, 0
+        while done < total:
+            k = min(per_run, total - done)
+            t += k * piece_s
+            done += k
+            if k == per_run:  # a full run: synchronise, then issue the next copy afresh
                 marks.append(t)
                 self.counters.yields += 1
-                since = 0
-                if left:
+                if done < total:
                     t += link.dispatch_us * 1e-6
-        self._since_yield[direction] = since
+        if pieces > 1:  # the extra pieces were extra calls
+            self.counters.copy_ops += total - calls
         return t
 
     def step_copy(self, now: float, direction: Direction) -> float:
@@ -95,7 +108,7 @@ class CopyEngine:
         dispatched so far, or with bounded dispatch at the next synchronisation. Counts the
         wait in `step_copy_wait_s`."""
         ready = self._free_at[direction]
-        if ready > now and self.yield_every is not None:
+        if ready > now and (self.yield_every is not None or self.yield_bytes is not None):
             marks = self._boundaries[direction]
             while marks and marks[0] < now:
                 marks.pop(0)

@@ -22,16 +22,19 @@ from sim.profile import CopyLink
 YIELD_EVERY = 256
 """Copies dispatched between synchronisations (bounded dispatch, FastSwitch §3.2): the default
 of the torch backend's swapper (`gpu.swap.TorchSwapper`)."""
-YIELD_BYTES = 64 * 2**20
-"""... or bytes: one copy of a large block group is a single call in our block-major layout,
-so a bound by count alone would let a 400 MB copy hold the copy engine; 64 MiB is 2 ms at
-PCIe 4.0 x16's 32 GB/s, a small share of an iteration. Our choice (the paper gives no number)."""
+YIELD_MS = 2.0
+"""... or this much copy time: one copy of a large block group is a single call in our
+block-major layout, so a bound by count alone would let one 400 MB copy hold the copy engine;
+the swapper issues such a copy in pieces of this length (at the link's bandwidth), each a
+dispatch. Our choice (the paper gives no number): a small share of a 30-50 ms A10 iteration."""
 
 
 class SimSwapper:
     def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
                  yield_every: int | None = YIELD_EVERY, block_size: int = 16,
-                 yield_bytes: int | None = YIELD_BYTES) -> None:
+                 yield_ms: float | None = YIELD_MS) -> None:
+        yield_bytes = None if yield_ms is None else int(
+            link.bandwidth_gb_per_s * 1e9 * yield_ms / 1000.0)
         self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes)
         self.block_nbytes = block_nbytes
         self.block_size = block_size

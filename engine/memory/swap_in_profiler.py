@@ -1,12 +1,23 @@
 """Adaptive swap-in (FastSwitch §3.2): each iteration, swap in synchronously or asynchronously?
 
-A synchronous swap-in stalls the step until the KV is back, but the request computes in that
-very step; an asynchronous one overlaps the copy with inference and the request joins a later
-step. The profiler keeps a running mean of the time one block takes to swap in (reported by the
-swap pool) and chooses sync when the swap-ins that could happen now are predicted to cost only a
-small share of an iteration: a short stall beats making the request wait an iteration more.
+A synchronous swap-in stalls the step until the KV is back, but the requests swapped in compute
+in that very step; an asynchronous one overlaps the copy with inference and the requests join a
+later step: the one after the iteration in which their copy lands, so each loses an iteration or
+more. FastSwitch's profiler watches "the number and size" of recent swaps and goes synchronous
+"when the total number of requests is high, but each request is relatively short". Here: the
+swap-ins that could happen now are the swapped requests among the first `max_num_seqs` of the
+order, in order, while their blocks fit in the free blocks (the old rule counted every swapped
+request in that head, so with many swapped requests it always went asynchronous); their copy time
+is predicted from a running mean of the time a block took to swap in (reported by the swap pool,
+per block of a batch's makespan), and a stall of at most `SYNC_SWAP_IN_SHARE` of the last
+iteration goes synchronous.
 
-Pure mechanism: it is told the mode, the order and the last iteration's length; it answers.
+Which one wins, measured on the simulator, is tested in tests/sim/test_adaptive_swap_in.py (many
+short requests swapped every few iterations: synchronous; a few long ones over a slow link:
+asynchronous; adaptive must pick each).
+
+Pure mechanism: it is told the mode, the order, the free blocks and the last iteration's length;
+it answers.
 """
 
 from __future__ import annotations
@@ -20,9 +31,9 @@ from engine.policy import RequestView
 
 SwapInMode = Literal["sync", "async", "adaptive"]
 
-SYNC_SWAP_IN_SHARE = 0.25
-"""Swap in synchronously when the predicted swap-in time is at most this share of the last
-iteration."""
+SYNC_SWAP_IN_SHARE = 0.5
+"""Swap in synchronously when the predicted stall is at most this share of the last iteration:
+an asynchronous swap-in costs its request at least one iteration (see above)."""
 
 SWAP_RATE_SMOOTHING = 0.2
 """Weight of the newest measurement in the running mean of seconds per swapped-in block."""
@@ -45,23 +56,39 @@ class SwapInProfiler:
             (1 - SWAP_RATE_SMOOTHING) * old + SWAP_RATE_SMOOTHING * seconds_per_block)
 
     def asynchronous(self, mode: SwapInMode, order: Sequence[RequestView], *,
-                     max_num_seqs: int, iteration_ms: float) -> bool:
+                     max_num_seqs: int, iteration_ms: float,
+                     free_blocks: int | None = None) -> bool:
         """Swap in asynchronously this iteration? False when nothing in `order` is swapped;
-        `sync` and `async` say; `adaptive` predicts how long the swapped requests among the
-        first `max_num_seqs` of the order (those that could come back now) take to swap in,
-        and goes asynchronous unless that is a small share of `iteration_ms`, or when it
-        cannot be predicted yet."""
+        `sync` and `async` say; `adaptive` as the module's docstring says, asynchronous when it
+        cannot predict yet."""
         if not any(r.state == "swapped" for r in order):
             return False
         if mode != "adaptive":
             return mode == "async"
         if self.seconds_per_block is None or not iteration_ms:
             return True
-        candidates = [r for r in order[:max_num_seqs] if r.state == "swapped"]
-        if not candidates:
+        head = order[:max_num_seqs]
+        coming = self.coming_back(head, free_blocks)
+        if not coming:
             return True
-        predicted = self.seconds_per_block * sum(r.swapped_blocks for r in candidates)
-        return predicted > SYNC_SWAP_IN_SHARE * iteration_ms / 1000.0
+        stall_s = self.seconds_per_block * sum(r.swapped_blocks for r in coming)
+        return stall_s > SYNC_SWAP_IN_SHARE * iteration_ms / 1000.0
+
+    @staticmethod
+    def coming_back(head: Sequence[RequestView], free_blocks: int | None) -> list[RequestView]:
+        """The swapped requests of `head`, in order, while their blocks fit in `free_blocks`
+        (at least the first: it may evict others to come back)."""
+        out: list[RequestView] = []
+        room = free_blocks
+        for r in head:
+            if r.state != "swapped":
+                continue
+            if room is not None and out and r.swapped_blocks > room:
+                break
+            out.append(r)
+            if room is not None:
+                room -= r.swapped_blocks
+        return out
 
     def count(self, swap_ins: Sequence[SwapIn]) -> None:
         """Count the choices a step carries out."""

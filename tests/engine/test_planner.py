@@ -106,3 +106,28 @@ def test_a_packed_batch_gets_work_and_the_rest_only_ranks_victims():
     whole = plan_iteration(attrs.evolve(decision, batch=None), [new, kept, lent],
                            make_budget(free_blocks=1, total_blocks=7))
     assert set(whole.work) == {new.id, kept.id}
+
+
+def test_displacing_evicts_nobody_when_the_newcomer_would_still_not_fit():
+    """Issue 13: victims evicted for a request that then did not fit came straight back next
+    iteration and were evicted again (a swap ping-pong)."""
+    top = running(blocks=8, computed=30, prompt_tokens=30, arrival=1.0)
+    low = running(blocks=2, computed=6, prompt_tokens=6, arrival=5.0)
+    big = make_view(prompt_tokens=40, arrival=2.0)           # 10 blocks: 1 free + 2 from low
+    plan = plan_iteration(Decision(order=[top, big, low], displace=True), [top, low, big],
+                          make_budget(free_blocks=1, total_blocks=11))
+    assert plan.preempted == [] and plan.admitted == []
+    assert plan.work == {top.id: 1, low.id: 1}
+
+
+def test_an_async_swap_in_comes_back_only_if_it_could_compute_when_it_lands():
+    """Issue 13: a request swapped in asynchronously with room for its KV but not for its next
+    prefill chunk preempted itself as soon as it landed, and came back, again and again."""
+    # 20 tokens computed of a 60-token prompt: its KV is 5 blocks, its next chunk 10 more
+    half = make_view(state="swapped", prompt_tokens=60, computed_tokens=20, swapped_blocks=5)
+    for free, back in ((8, False), (15, True)):
+        plan = plan_iteration(Decision(order=[half], displace=True), [half],
+                              make_budget(free_blocks=free, total_blocks=20, async_swap_in=True))
+        assert [v.id for v in plan.swapped_in] == ([half.id] if back else [])
+        assert plan.work == {}                                  # asynchronous: computes later
+        assert plan.block_targets == ({half.id: 5} if back else {})

@@ -57,7 +57,8 @@ async def test_bounded_dispatch_lets_a_steps_own_copy_in_at_the_next_synchronisa
     synchronises, so a step's own copy waits for at most that many of ours, not all of them;
     each synchronisation is counted and costs one more dispatch."""
     link = CopyLink(bandwidth_gb_per_s=1.0, dispatch_us=100.0)
-    sw = SimSwapper(link, block_nbytes=BLOCK, num_layers=2, yield_every=yield_every)
+    sw = SimSwapper(link, block_nbytes=BLOCK, num_layers=2, yield_every=yield_every,
+                    yield_ms=None)
     now = trio.current_time()
     sw.submit(1, "in", [(b * 2, b) for b in range(10)], "groups")  # 10 copies of 1.1 ms
     assert sw.engine.step_copy(now, "in") == pytest.approx(wait_ms / 1000)
@@ -66,3 +67,18 @@ async def test_bounded_dispatch_lets_a_steps_own_copy_in_at_the_next_synchronisa
     assert (c.yields, c.runs, c.copy_ops) == (yields, 10, 10)
     assert c.step_copy_wait_s == pytest.approx(wait_ms / 1000)
     assert sw.next_poll_s() == pytest.approx(end_ms / 1000)
+
+
+async def test_a_single_large_group_copy_is_issued_in_bounded_pieces(autojump_clock):
+    """One group of 10 blocks is one call in our layout; bounded to 3 ms of copying (3 MB at
+    1 GB/s) it goes in 4 pieces of 2.5 MB (3 extra calls), and a step's copy waits for one."""
+    link = CopyLink(bandwidth_gb_per_s=1.0, dispatch_us=100.0)
+    sw = SimSwapper(link, block_nbytes=BLOCK, num_layers=2, yield_every=256,
+                    yield_ms=3.0)
+    now = trio.current_time()
+    sw.submit(1, "in", [(b, b) for b in range(10)], "groups")
+    piece_ms = 0.1 + 2.5
+    assert sw.engine.step_copy(now, "in") == pytest.approx(piece_ms / 1000)
+    c = sw.counters()
+    assert (c.runs, c.copy_ops, c.yields) == (1, 4, 4)
+    assert sw.next_poll_s() == pytest.approx((4 * piece_ms + 3 * 0.1) / 1000)

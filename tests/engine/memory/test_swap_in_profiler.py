@@ -23,11 +23,11 @@ def profiler(seconds_per_block: float | None) -> SwapInProfiler:
 
 def test_a_small_predicted_stall_swaps_in_synchronously_a_large_one_asynchronously():
     p = profiler(0.001)                                   # 1 ms per block, 20 ms iterations
-    assert SYNC_SWAP_IN_SHARE * 20.0 == 5.0               # the line: 5 ms of stall
+    assert SYNC_SWAP_IN_SHARE * 20.0 == 10.0              # the line: 10 ms of stall
     assert p.asynchronous("adaptive", [swapped(4)], max_num_seqs=8, iteration_ms=20.0) is False
-    assert p.asynchronous("adaptive", [swapped(4), swapped(2)], max_num_seqs=8,
-                          iteration_ms=20.0) is True      # 6 ms > 5 ms
-    assert p.asynchronous("adaptive", [swapped(6)], max_num_seqs=8, iteration_ms=40.0) is False
+    assert p.asynchronous("adaptive", [swapped(8), swapped(4)], max_num_seqs=8,
+                          iteration_ms=20.0) is True      # 12 ms > 10 ms
+    assert p.asynchronous("adaptive", [swapped(12)], max_num_seqs=8, iteration_ms=40.0) is False
 
 
 def test_only_swapped_requests_that_could_run_now_count():
@@ -35,6 +35,19 @@ def test_only_swapped_requests_that_could_run_now_count():
     order = [running(1, 4), swapped(3), swapped(50)]      # the 50-block one is past the batch
     assert p.asynchronous("adaptive", order, max_num_seqs=2, iteration_ms=20.0) is False
     assert p.asynchronous("adaptive", order, max_num_seqs=3, iteration_ms=20.0) is True
+
+
+def test_only_the_swap_ins_that_fit_in_free_blocks_count():
+    """Issue 13, defect 3: with many swapped requests in the head of the order, all of them were
+    counted though only those that fit come back now, so adaptive always went asynchronous."""
+    p = profiler(0.001)
+    many = [swapped(5) for _ in range(40)]                # 200 ms if all came back at once
+    assert p.asynchronous("adaptive", many, max_num_seqs=64, iteration_ms=40.0,
+                          free_blocks=12) is False        # two fit: 10 ms <= 20 ms
+    assert p.asynchronous("adaptive", many, max_num_seqs=64, iteration_ms=40.0,
+                          free_blocks=30) is True         # six fit: 30 ms
+    assert p.asynchronous("adaptive", many, max_num_seqs=64, iteration_ms=40.0,
+                          free_blocks=0) is False         # the first comes back by eviction
 
 
 def test_without_a_measurement_or_an_iteration_time_it_goes_asynchronous():
