@@ -40,11 +40,10 @@ class BidirectionalMemory:
 
     def planning_free(self) -> int:
         """The planner's free blocks: those an RT request could still take (free ones and BE
-        blocks without an RT guest) and as many as the host could take by swapping requests
-        out (§5.2's extreme case), so the planner leaves memory to `fit` rather than preempt
-        whole requests by recompute (which would drop their checkpoints)."""
-        t = self.table
-        return t.rt_room() + t.free_host_slots // t.block_size
+        blocks without an RT guest). Counting what swapping out could free as well made the
+        planner fill its token budget with requests `fit` then had to leave out (measured on
+        the simulator, bench/results/bros_bicache.md: -10% output tokens/s)."""
+        return self.table.rt_room()
 
     def fit(self, plan: IterationPlan, requests: Mapping[int, Request],
             release: Sequence[int]) -> BidirectionalOrders:
