@@ -19,6 +19,7 @@ from engine.cluster.messages import (
     InspectCluster,
     InstanceDown,
     RequestEnded,
+    SetDispatchRule,
     StatsReported,
 )
 
@@ -57,6 +58,8 @@ class Coordinator:
             case InstanceDown(instance=i, reason=reason):
                 log.warning("instance down", instance=i, reason=reason)
                 self.table.down(i, reason)
+            case SetDispatchRule(rule=rule):
+                self.rule = rule
             case InspectCluster(reply=reply):
                 reply.send(tuple(self.table.views()))
             case _:

@@ -6,7 +6,7 @@ from typing import Union
 
 import attrs
 
-from engine.cluster.dispatch import InstanceStats, InstanceView
+from engine.cluster.dispatch import DispatchRule, InstanceStats, InstanceView
 from engine.reply import Reply
 
 
@@ -38,9 +38,16 @@ class InstanceDown:
 
 
 @attrs.frozen(kw_only=True)
+class SetDispatchRule:
+    """A replaced policy's dispatch rule, from the next request on."""
+
+    rule: DispatchRule
+
+
+@attrs.frozen(kw_only=True)
 class InspectCluster:
     reply: Reply[tuple[InstanceView, ...]]
 
 
 CoordinatorMessage = Union[ChooseInstance, RequestEnded, StatsReported, InstanceDown,
-                           InspectCluster]
+                           SetDispatchRule, InspectCluster]

@@ -18,6 +18,7 @@ import contextlib
 import itertools
 import math
 from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
 from typing import Literal
 
 import anyio
@@ -31,6 +32,7 @@ from engine.cluster.messages import (
     InspectCluster,
     InstanceDown,
     RequestEnded,
+    SetDispatchRule,
     StatsReported,
 )
 from engine.config import EngineConfig
@@ -38,7 +40,7 @@ from engine.errors import EngineDeadError
 from engine.messages import Submit
 from engine.outputs import Rejected
 from engine.params import SamplingParams, SchedulingParams
-from engine.policy import Policy
+from engine.policy import EngineCapabilities, Policy
 from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
 from shunter.client import Completion, GenerationStream, collect
@@ -46,7 +48,8 @@ from shunter.cluster.handles import InProcessInstance, RemoteInstance
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
 from shunter.cluster.wire import Hello, Link, summarize
 from shunter.engine import Engine
-from shunter.policy_source import engine_capabilities, initial_policy
+from shunter.backends import Backend, build_backend
+from shunter.policy_source import engine_capabilities, initial_policy, replacement
 
 ClusterKind = Literal["local", "ray", "inprocess"]
 
@@ -67,9 +70,15 @@ class ClusterSnapshot:
 
 class Cluster:
     def __init__(self, config: EngineConfig, policy: Policy, count: int,
-                 monitor_interval_s: float) -> None:
+                 monitor_interval_s: float, backend: Backend,
+                 capabilities: EngineCapabilities) -> None:
         self.config = config
         self.policy = policy
+        self.policy_version = 1
+        self.backend = backend
+        """The model's facts the front door needs (tokenizer, context, vocabulary); its runner
+        is never started here: the instances run the model."""
+        self.capabilities = capabilities
         self.instances: list[RemoteInstance | InProcessInstance] = []
         self.table = DispatchTable(count, config.block_size)
         self._count = count
@@ -91,8 +100,14 @@ class Cluster:
         those running instances instead (started by `LocalLauncher.start_process`, all from
         `config`) and leave them running."""
         config = config or EngineConfig()
-        policy = initial_policy(config, None, engine_capabilities(config))
-        cluster = cls(config, policy, len(attach) or instances, monitor_interval_s)
+        backend = build_backend(config)
+        capabilities = engine_capabilities(config, backend)
+        close_runner = getattr(backend.runner, "close", None)
+        if close_runner is not None:
+            close_runner()  # built for its facts only (a TorchRunner has a device thread)
+        policy = initial_policy(config, None, capabilities)
+        cluster = cls(config, policy, len(attach) or instances, monitor_interval_s,
+                      attrs.evolve(backend, runner=None), capabilities.running(policy.settings))
         launcher: Launcher | None = None
         if attach:
             launcher = _Attached(attach)
@@ -234,11 +249,27 @@ class Cluster:
             await anyio.sleep(poll_s)
         return snap
 
-    async def replace_policy(self, text: str) -> None:
-        """The same policy text on every live instance (each compiles and checks it)."""
+    async def replace_policy(self, policy: Policy | str, *, base_dir: Path | None = None) -> Policy:
+        """Compile `policy` here (errors point into it, the running one stays), then send its
+        text to every live instance, each of which compiles and runs it from its next
+        iteration; the coordinator dispatches by its `dispatch` rule from now on."""
+        new = replacement(policy, self.policy, self.capabilities, base_dir)
         for inst in self.instances:
             if inst.alive:
-                await inst.replace_policy(text)
+                await inst.replace_policy(new.source)
+        await self._coordinator.send(SetDispatchRule(rule=DISPATCH_RULES[new.settings.dispatch]))
+        self.policy, self.policy_version = new, self.policy_version + 1
+        return new
+
+    @property
+    def failure(self) -> str | None:
+        """Why the cluster cannot serve: it shut down, or every instance is down."""
+        if self._closed:
+            return self.stopped_reason()
+        if self.instances and not any(i.alive for i in self.instances):
+            return "every instance of the cluster is down: " + "; ".join(
+                i.failure or "" for i in self.instances)
+        return None
 
 
 def _current_backend() -> str:

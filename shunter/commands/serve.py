@@ -9,8 +9,8 @@ import anyio
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from shunter.commands.cluster_options import add_cluster_options, cluster_fields, start_engine
 from shunter.commands.common import add_engine_options, engine_config
-from shunter.engine import Engine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -32,6 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="torch", choices=("torch", "sim"),
                    help="torch runs the model; sim only simulates its timing (token-id prompts)")
     add_engine_options(p)
+    add_cluster_options(p)
     p.set_defaults(run=run)
 
 
@@ -44,7 +45,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> None:
     settings = ServerSettings(
         api_key=args.api_key, served_model_name=args.served_model_name,
         chat_template=args.chat_template, max_body_bytes=args.max_body_bytes)
-    async with Engine.start(config) as engine:
+    async with start_engine(config, args) as engine:
         try:
             app = build_app(engine, settings)
         except ChatTemplateError as exc:
@@ -62,7 +63,7 @@ async def serve(config: EngineConfig, args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = engine_config(args, backend=args.backend)
+    config = engine_config(args, backend=args.backend, **cluster_fields(args))
     try:
         anyio.run(serve, config, args, backend=args.async_backend)
     except OSError as exc:

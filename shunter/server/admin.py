@@ -145,6 +145,10 @@ class Admin:
         return JSONResponse(change_json(change))
 
     async def stats(self, _: Request) -> Response:
+        if hasattr(self.engine, "instances"):  # a cluster: the stats of each instance
+            from shunter.server.cluster_metrics import cluster_stats_json
+
+            return JSONResponse(cluster_stats_json(await self.engine.inspect()))
         return JSONResponse((await self.status()).as_json())
 
     async def status(self) -> Status:

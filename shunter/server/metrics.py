@@ -45,6 +45,10 @@ class ServerMetrics:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self._engine_side = _EngineCollector(engine, model_name)
+        if hasattr(engine, "instances"):  # a cluster: every instance, labelled
+            from shunter.server.cluster_metrics import ClusterCollector
+
+            self._engine_side = ClusterCollector(self._engine_side)
         self.registry.register(self._engine_side)
         per_class = ["model_name", "request_class"]
 
