@@ -140,7 +140,7 @@ class Scheduler:
         self._policy, self._policy_version = policy, version
         self._prefixes.enabled = policy.settings.memory.prefix_cache
         if self._copies is not None:
-            self._copies.kv_reuse = policy.settings.memory.kv_reuse
+            self._copies.use(policy.settings.memory)
 
     # ------------------------------------------------------------------------ requests
 

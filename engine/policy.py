@@ -181,6 +181,9 @@ class MemorySettings:
     swap_granularity: SwapGranularity = "per-block"
     swap_in: Literal["sync", "async", "adaptive"] = "sync"
     kv_reuse: bool = False
+    turn_copies: bool = True
+    """With `kv_reuse`: copy an ended conversation turn's KV to the host so the next turn swaps
+    it in instead of prefilling it (FastSwitch §3.3). Off: only preemption copies are kept."""
     prefix_cache: bool = False
     """Full device KV blocks are cached by content and reused by later requests with the same
     prefix (vLLM's automatic prefix caching); per-block allocator only."""

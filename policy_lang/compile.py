@@ -214,6 +214,7 @@ def _memory(rules: RuleSet) -> MemorySettings:
     return MemorySettings(swap_granularity=values.get("swap_granularity", default.swap_granularity),
                           swap_in=values.get("swap_in", default.swap_in),
                           kv_reuse=values.get("kv_reuse", "off") == "on",
+                          turn_copies=values.get("turn_copies", "on") == "on",
                           prefix_cache=values.get("prefix_cache", "off") == "on",
                           bidirectional=values.get("bidirectional", "off") == "on")
 

@@ -32,6 +32,10 @@ _MEMORY = {
     ("kv_reuse", "on"): "host copies of a conversation's KV are reused across turns "
                         "(FastSwitch §3.3)",
     ("kv_reuse", "off"): "no KV reuse across turns",
+    ("turn_copies", "on"): "with KV reuse, an ended turn's KV is copied to the host for the next "
+                           "turn (FastSwitch §3.3)",
+    ("turn_copies", "off"): "with KV reuse, only preemption copies are reused; an ended turn's KV "
+                            "is not copied (the next turn prefills it)",
     ("prefix_cache", "on"): "full device KV blocks are cached by their tokens and reused by any "
                             "later request with the same prefix, least recently used evicted first",
     ("prefix_cache", "off"): "no prefix caching",

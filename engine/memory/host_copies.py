@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from engine.iteration_log import SwapCounters
 from engine.memory.cpu_store import CpuCopyStore, SwapOutPlan
 from engine.messages import SwapOut
+from engine.policy import MemorySettings
 
 TURN_ENDS = ("stop", "length", "context", "pool")
 """Finish reasons after which a conversation's KV is worth keeping for its next turn."""
@@ -41,6 +42,8 @@ class HostCopies:
         self.block_size = block_size
         self.kv_reuse = kv_reuse
         """Keep copies as backups and across turns (the running policy's `kv_reuse`)."""
+        self.turn_copies = True
+        """With `kv_reuse`, copy an ended turn's KV for the next turn (`turn_copies`)."""
         self.counters = SwapCounters()
         """`reused_blocks`, `turn_prefix_blocks` and `turn_end_blocks_out` since the last take."""
         self._orders: list[SwapOut] = []
@@ -48,6 +51,10 @@ class HostCopies:
         """Requests on the device that also have a host copy (re-ranked every iteration)."""
         self._conversations: dict[str, tuple[int, ...]] = {}
         """Tokens of each conversation's last ended turn whose KV is kept on the host."""
+
+    def use(self, memory: MemorySettings) -> None:
+        """Follow the running policy's `kv_reuse` and `turn_copies`."""
+        self.kv_reuse, self.turn_copies = memory.kv_reuse, memory.turn_copies
 
     # ------------------------------------------------------------------------ queries
 
@@ -154,7 +161,8 @@ class HostCopies:
         on the host for the next turn (only the part no valid copy holds is copied); any other
         ending drops the request's copy."""
         self._backups.discard(request_id)
-        if (self.kv_reuse and conversation is not None and reason in TURN_ENDS and blocks
+        if (self.kv_reuse and self.turn_copies and conversation is not None
+                and reason in TURN_ENDS and blocks
                 and computed_tokens):
             plan = self._order_swap_out(request_id, computed_tokens, rank=math.inf)
             if plan is not None:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from engine.memory.host_copies import TURN_ENDS, HostCopies, conversation_key
 from engine.messages import SwapOut
+from engine.policy import MemorySettings
 
 BS = 4
 
@@ -69,6 +70,22 @@ def test_only_turns_that_end_well_and_hold_kv_are_kept():
     copies.end_request(9, "length", conversation=None, blocks=3, computed_tokens=10,
                        prompt=list(range(10)), output=[])
     assert copies.take_orders() == () and copies.num_copies == 0
+
+
+def test_with_turn_copies_off_an_ended_turn_is_not_copied_but_preemptions_still_reuse():
+    """Issue 13 item 7: `memory { turn_copies off }` keeps FastSwitch §3.3's reuse of preemption
+    copies but no longer copies every ended turn to the host."""
+    copies = HostCopies(32, BS, kv_reuse=True)
+    copies.use(MemorySettings(kv_reuse=True, turn_copies=False))
+    copies.end_request(1, "stop", conversation="c", blocks=3, computed_tokens=10,
+                       prompt=list(range(9)), output=[9])
+    assert copies.take_orders() == () and copies.num_copies == 0
+    assert copies.take_counters().turn_end_blocks_out == 0
+    assert copies.reuse_turn(2, "c", list(range(14))) == 0
+    first = copies.preempt(2, 8, rank=0.0, swap=True)          # a preemption copy...
+    copies.swap_in(2, 2, valid_tokens=8, rank=0.0)              # ...kept as a backup
+    again = copies.preempt(2, 12, rank=0.0, swap=True)
+    assert len(first.cpu_blocks) == 2 and (again.first_block, again.reused_blocks) == (2, 2)
 
 
 def test_without_kv_reuse_no_copy_outlives_its_swap_in_or_its_turn():
