@@ -73,6 +73,8 @@ class EngineConfig:
     contiguous range of layers (gpu/pipeline.py); 1 runs it in this process."""
     pipeline_microbatches: int | None = None
     """Microbatches each pipelined step is cut into; None: twice the stages."""
+    pipeline_link: str = "a100-internode"
+    """Sim backend: the link between pipeline stages (a name in sim/network.py's LINKS)."""
 
     def __attrs_post_init__(self) -> None:
         if self.cpu_swap_blocks is not None and self.cpu_swap_blocks < 0:

@@ -62,9 +62,20 @@ def _sim_backend(config: EngineConfig) -> Backend:
     profile = load_profile(config.profile)
     num_blocks = config.num_blocks or profile.num_blocks(config.block_size)
     max_context = profile.model.max_context
+    runner: Any = SimRunner(profile.cost, num_blocks, link=profile.link, model=profile.model,
+                            block_size=config.block_size)
+    if config.pipeline_stages > 1:
+        from sim.network import LINKS
+        from sim.pipeline import SimPipelineRunner, pipeline_blocks
+
+        if config.num_blocks is None:
+            num_blocks = pipeline_blocks(profile, config.block_size, config.pipeline_stages)
+        runner = SimPipelineRunner(
+            profile.cost, num_blocks, model=profile.model, stages=config.pipeline_stages,
+            microbatches=config.pipeline_microbatches or 2 * config.pipeline_stages,
+            link=LINKS[config.pipeline_link])
     return Backend(
-        runner=SimRunner(profile.cost, num_blocks, link=profile.link, model=profile.model,
-                         block_size=config.block_size), codec=None,
+        runner=runner, codec=None,
         vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
         max_prompt_tokens=config.max_prompt_tokens or max_context - 1, cost_model=profile.cost,
     )

@@ -119,12 +119,16 @@ class Cluster:
         cluster._coordinator = send
         try:
             async with contextlib.AsyncExitStack() as stack:
+                # in-process engines first: their task groups must enclose this one
+                engines = [] if launcher is not None else [
+                    await stack.enter_async_context(Engine.start(config, policy=policy))
+                    for _ in range(cluster._count)]
                 async with anyio.create_task_group() as tg:
                     await tg.start(Coordinator(table=cluster.table,
                                                rule=DISPATCH_RULES[policy.settings.dispatch],
                                                inbox=recv).run)
                     if launcher is None:
-                        await cluster._start_in_process(stack, tg)
+                        await cluster._start_in_process(engines, tg)
                     else:
                         await cluster._start_remote(launcher, tg)
                     tg.start_soon(cluster._monitor)
@@ -158,11 +162,8 @@ class Cluster:
             self.instances.append(handle)
             tg.start_soon(handle.run)
 
-    async def _start_in_process(self, stack: contextlib.AsyncExitStack,
-                                tg: anyio.abc.TaskGroup) -> None:
-        for i in range(self._count):
-            engine = await stack.enter_async_context(Engine.start(self.config,
-                                                                  policy=self.policy))
+    async def _start_in_process(self, engines: list[Engine], tg: anyio.abc.TaskGroup) -> None:
+        for i, engine in enumerate(engines):
             handle = InProcessInstance(i, engine, on_end=self._ended, redispatch=self._redispatch,
                                        on_down=self._instance_down)
             self.instances.append(handle)
