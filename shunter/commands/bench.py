@@ -59,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="admission limit (high: a benchmark measures queueing, not refusals)")
     g.add_argument("--async-backend", default="asyncio", choices=("asyncio", "trio"),
                    help="torch backend's event loop (sim always uses trio's virtual clock)")
+    p.add_argument("--sweep", default=None, metavar="KEY=V1,V2,...",
+                   help="run every policy at each value of one workload key (e.g. "
+                        "rate=0.05,0.1,0.2): one table, --json and --plot (P99 TTFT and "
+                        "throughput against the key) for the whole sweep")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(run=run)
 
@@ -89,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     choices = [parse_policy(p) for p in (args.policies or ["fcfs"])]
     check_policies(choices)
     base = base_config(args)
+    if args.sweep:
+        return run_sweep(args, choices, base)
     workload = _load_workload(args, f"backend {base.backend} "
                                     f"({base.profile if base.backend == 'sim' else base.model})")
     outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
@@ -104,6 +110,30 @@ def run(args: argparse.Namespace) -> int:
         for path in write_plots(outcomes, args.plot, plot_title(workload.name, base)):
             print(f"wrote {path}", file=sys.stderr)
     return 1 if any(o.error for o in outcomes) else 0
+
+
+def run_sweep(args: argparse.Namespace, choices: list, base: EngineConfig) -> int:
+    """`--sweep KEY=V1,V2,...`: every policy at every value (shunter/benchmark/sweep.py)."""
+    from shunter.benchmark import sweep
+    from shunter.benchmark.plots import plot_title
+    from shunter.benchmark.run import run_all
+
+    key, values = sweep.parse_sweep(args.sweep)
+    rows = sweep.run_sweep(
+        key, values, args.workload, choices, base,
+        load=lambda spec: _load_workload(argparse.Namespace(**{**vars(args), "workload": spec}),
+                                         f"backend {base.backend}"),
+        run=lambda cs, w, b: run_all(cs, w, b, async_backend=args.async_backend,
+                                     progress=not args.quiet))
+    print(sweep.sweep_table(key, rows))
+    if args.json:
+        _write_json(args.json, {"sweep": {"key": key, "values": values},
+                                "workload": args.workload, "rows": rows})
+    if args.plot:
+        title = f"{plot_title(args.workload.partition(':')[0], base)}, sweep over {key}"
+        path = sweep.plot_sweep(key, rows, args.plot / f"sweep_{key}.png", title)
+        print(f"wrote {path}", file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
 
 
 def run_http(args: argparse.Namespace) -> int:
