@@ -1,18 +1,24 @@
-"""FastSwitch's ablation ladder (FastSwitch §4, Fig. 8 and Table 1), measured with `shunter bench`.
+"""FastSwitch's ablation ladder (FastSwitch §4, Fig. 8 and Table 1) as a load sweep, measured with
+the engine's own actors on the simulator (issue 13).
 
 For each priority-update pattern (Markov, Random) and frequency (0.04 = every 25 iterations,
-0.02 = every 50), run the same multi-turn workload through the four policies of the ladder,
-each one setting more than the last:
+0.02 = every 50), the same multi-turn ShareGPT workload at each load (conversations/s), through
 
     vllm_baseline (per-block swap, sync swap-in, no reuse) -> groups -> reuse -> fastswitch
+    + vllm_prefix (the baseline with vLLM's automatic prefix caching, when policies/ has it)
+    + fastswitch with `turn_copies off` (KV reuse for preemptions only, item 7)
 
-and report, against the baseline measured in the same run: copy calls per swapped block, swap-out
-volume, P99 TTFT, P99.9 TBT and output throughput.
+on the A10 profile (sim/profiles/llama3-8b-a10.json: the paper's GPU; KV pool 24 GB minus weights
+and activations; 60 GB of host swap space as in §4; copy costs from FastSwitch §2.2). Then the
+baseline and FastSwitch again at two loads with the per-call copy cost halved and doubled.
 
-    python bench/fastswitch_ladder.py --backend sim      # Llama-3-8B profile, virtual time
-    python bench/fastswitch_ladder.py --backend torch    # the shipped model, real copies on CPU
+    python bench/fastswitch_ladder.py --pattern markov --part   # one pattern per process
+    python bench/fastswitch_ladder.py --pattern random --part
+    python bench/fastswitch_ladder.py --report                  # merge into .json and .md
 
-Results go to bench/results/fastswitch_ladder_<backend>.json and .md.
+    python bench/fastswitch_ladder.py --backend torch           # the shipped model, real copies
+
+Results: bench/results/fastswitch_ladder_sim.{json,md} (fastswitch_ladder_torch.* for torch).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import json
 import logging
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import attrs
@@ -30,159 +37,175 @@ import structlog
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from policies import policy_path  # noqa: E402
+from policies import policy_path
 from shunter import EngineConfig
-from shunter.benchmark.policies import parse_policy  # noqa: E402
-from shunter.benchmark.run import RunOutcome, run_all  # noqa: E402
-from shunter.commands.bench import finite  # noqa: E402
-from shunter.workloads import load_workload  # noqa: E402
+from shunter.benchmark.policies import parse_policy
+from shunter.benchmark.run import RunOutcome, run_one
+from shunter.benchmark.sweep import keeps_up, queue_trend
+from shunter.commands.bench import finite
+from shunter.workloads import load_workload
+from sim.copy_costs import scaled
+from sim.profile import load_profile, save_profile
 
 LADDER = ("vllm_baseline", "groups", "reuse", "fastswitch")
 PATTERNS = {"markov": "markov(stay = 0.8, seed = 7)", "random": "random(seed = 7)"}
 FREQUENCIES = {0.04: 25, 0.02: 50}
 """Priority-update frequency (updates per iteration) -> iterations between updates."""
+RATES = ("0.05", "0.1", "0.2", "0.4")
+"""Conversations/s. This workload averages 2.5 turns a conversation (contexts end at 8k tokens),
+so 0.4 is about FastSwitch's 1 request/s (§4)."""
+SENSITIVITY_RATES = ["0.05", "0.4"]
+DISPATCH_FACTORS = (0.5, 2.0)
+RESULTS = ROOT / "bench" / "results"
 
-SETUPS = {
-    # A10-sized KV pool for Llama-3-8B (FastSwitch §2.2 ran LLaMA-8B on an A10 24GB: ~4.5 GB of
-    # KV after the weights, 16-token blocks of 2 MiB), and 40 GB of host swap space.
-    "sim": dict(
-        workload="multiturn:conversations=100,rate=0.25,seed=1",
-        config=EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=1500,
-                            cpu_swap_blocks=20000, max_num_seqs=64, max_batched_tokens=2048,
-                            max_queued_requests=100_000)),
-    # The shipped 2.4M-parameter model on this CPU: ShareGPT lengths scaled by 0.05 (contexts
-    # up to ~400 tokens), a pool of 32 blocks of 16 tokens, real copies between two host
-    # buffers in worker threads.
-    "torch": dict(
-        workload="multiturn:conversations=30,rate=3,think=1,seed=1,scale_lengths=0.05",
-        config=EngineConfig(backend="torch", num_blocks=32, cpu_swap_blocks=1024, threads=2,
-                            max_num_seqs=32, max_batched_tokens=256, max_queued_requests=100_000)),
-}
-
-
-def policy_files(folder: Path) -> dict[tuple[str, float], list[Path]]:
-    """(pattern, frequency) -> the ladder's four policy files. Frequency 0.04 is the shipped
-    files; 0.02 extends each with a slower update."""
-    out: dict[tuple[str, float], list[Path]] = {}
-    for pattern, rerank in PATTERNS.items():
-        for freq, every in FREQUENCIES.items():
-            paths = []
-            for step in LADDER:
-                shipped = policy_path(f"{step}_{pattern}")
-                if every == 25:
-                    paths.append(shipped)
-                    continue
-                path = folder / f"{step}_{pattern}_f{str(freq).replace('.', '')}.policy"
-                path.write_text(f'policy {path.stem} extends "{shipped}" {{\n'
-                                f"  every {every} iterations: rerank {rerank}\n}}\n")
-                paths.append(path)
-            out[(pattern, freq)] = paths
-    return out
+SIM = {
+    "workload": "multiturn:conversations=50,seed=1",
+    "profile": "llama3-8b-a10",
+    # 60 GB of host swap space (FastSwitch §4) in 2 MiB blocks (Llama-3-8B, 16 tokens)
+    "config": EngineConfig(backend="sim", profile="llama3-8b-a10", cpu_swap_blocks=28610,
+                        max_num_seqs=64, max_batched_tokens=2048, max_queued_requests=100_000)}
+TORCH = {
+    # the shipped 2.4M-parameter model on this CPU: ShareGPT lengths x0.05, 32 device blocks
+    "workload": "multiturn:conversations=30,rate=3,think=1,seed=1,scale_lengths=0.05",
+    "config": EngineConfig(backend="torch", num_blocks=32, cpu_swap_blocks=1024, threads=2,
+                        max_num_seqs=32, max_batched_tokens=256, max_queued_requests=100_000)}
 
 
-def preemption_bytes_out(s) -> float:
-    """Bytes swapped out to preempt (not to keep an ended turn's KV for the next turn)."""
-    if not s.blocks_out:
-        return 0.0
-    return s.bytes_out * (s.blocks_out - s.turn_end_blocks_out) / s.blocks_out
-
-
-def summary(outcomes: list[RunOutcome]) -> list[dict]:
-    base = outcomes[0].metrics
-    rows = []
-    for o in outcomes:
-        m = o.metrics
-        if m is None:
-            rows.append({"policy": o.label, "error": o.error})
+def policy_files(folder: Path, pattern: str, freq: float) -> list[Path]:
+    """The ladder, the prefix-caching baseline (if shipped) and FastSwitch without turn-end
+    copies, at this update frequency."""
+    every = FREQUENCIES[freq]
+    names = [f"{step}_{pattern}" for step in LADDER]
+    if (ROOT / "policies" / f"vllm_prefix_{pattern}.policy").is_file():
+        names.insert(1, f"vllm_prefix_{pattern}")
+    paths = []
+    for name in names:
+        shipped = policy_path(name)
+        if every == 25:
+            paths.append(shipped)
             continue
-        s = m.swap
-        per_block = s.copy_ops / (s.blocks_out + s.blocks_in) if s.blocks_out + s.blocks_in else 0.0
-        base_per_block = base.swap.copy_ops / max(1, base.swap.blocks_out + base.swap.blocks_in)
-        preempt_out = preemption_bytes_out(s)
-        rows.append({
-            "policy": o.label,
-            "ttft_p99_ms": m.ttft_ms.p99, "tbt_p999_ms": m.tbt_ms.p999,
-            "output_tokens_per_s": m.output_tokens_per_s,
-            "copy_ops_per_swapped_block": per_block,
-            "swap_out_gb": s.bytes_out / 1e9, "swap_in_gb": s.bytes_in / 1e9,
-            "preemption_swap_out_gb": preempt_out / 1e9,
-            "turn_end_swap_out_gb": (s.bytes_out - preempt_out) / 1e9,
-            "stall_s": s.stall_s, "preemptions": m.preemptions,
-            "completed": m.completed, "failed": m.failed,
-            "vs_baseline": {
-                "ttft_p99_speedup": base.ttft_ms.p99 / m.ttft_ms.p99,
-                "tbt_p999_speedup": base.tbt_ms.p999 / m.tbt_ms.p999,
-                "fewer_copy_calls_per_block": base_per_block / per_block if per_block else None,
-                "swap_out_volume_change": s.bytes_out / base.swap.bytes_out - 1
-                if base.swap.bytes_out else None,
-                "preemption_swap_out_change": preempt_out / preemption_bytes_out(base.swap) - 1
-                if base.swap.bytes_out else None,
-                "throughput_ratio": m.output_tokens_per_s / base.output_tokens_per_s,
-            },
-        })
-    return rows
+        path = folder / f"{name}_f{every}.policy"
+        path.write_text(f'policy {path.stem} extends "{shipped}" {{\n'
+                        f"  every {every} iterations: rerank {PATTERNS[pattern]}\n}}\n")
+        paths.append(path)
+    fast = paths[-1]
+    path = folder / f"fastswitch_{pattern}_noturn_f{every}.policy"
+    path.write_text(f'policy {path.stem} extends "{fast}" {{\n  memory {{ turn_copies off }}\n}}\n')
+    paths.append(path)
+    return paths
 
 
-def markdown(backend: str, workload: str, config: EngineConfig, results: dict) -> str:
-    lines = [f"# FastSwitch ladder, {backend} backend", "",
-             f"Workload `{workload}`; {config.num_blocks} device KV blocks, "
-             f"{config.cpu_swap_blocks} host blocks"
-             + (f"; profile {config.profile}" if backend == "sim" else "; shipped model") + ".",
-             "Ratios are against `vllm_baseline_*` in the same run (speed-ups: baseline / policy).",
-             ""]
-    for key, rows in results.items():
-        lines += [f"## {key}", "",
-                  "| policy | P99 TTFT ms | P99.9 TBT ms | out tok/s | copies/block | swap-out GB "
-                  "(preempt + turn end) | stall s | TTFT x | TBT x | fewer copies x "
-                  "| preempt swap-out vs base | all swap-out vs base | tput x |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-        for r in rows:
-            if "error" in r:
-                lines.append(f"| {r['policy']} | error: {r['error']} |")
-                continue
-            v = r["vs_baseline"]
-            fewer = v["fewer_copy_calls_per_block"]
-            lines.append(
-                f"| {r['policy']} | {r['ttft_p99_ms']:.0f} | {r['tbt_p999_ms']:.0f} "
-                f"| {r['output_tokens_per_s']:.1f} | {r['copy_ops_per_swapped_block']:.3g} "
-                f"| {r['preemption_swap_out_gb']:.3g} + {r['turn_end_swap_out_gb']:.3g} "
-                f"| {r['stall_s']:.2f} | {v['ttft_p99_speedup']:.2f} "
-                f"| {v['tbt_p999_speedup']:.2f} | {'-' if fewer is None else f'{fewer:.3g}'} "
-                f"| {v['preemption_swap_out_change']:+.0%} | {v['swap_out_volume_change']:+.0%} "
-                f"| {v['throughput_ratio']:.2f} |")
-        lines.append("")
-    return "\n".join(lines)
+def label(path: Path) -> str:
+    return path.stem.removesuffix("_f25").removesuffix("_f50")
+
+
+def row(o: RunOutcome, workload, layers: int) -> dict:
+    m = o.metrics
+    if m is None:
+        return {"policy": o.label, "error": o.error}
+    s = m.swap
+    blocks = s.blocks_out + s.blocks_in
+    first, last = queue_trend(o, workload)
+    preempt_out = s.blocks_out - s.turn_end_blocks_out
+    return {
+        "policy": o.label, "ttft_p99_ms": m.ttft_ms.p99, "ttft_p95_ms": m.ttft_ms.p95,
+        "tbt_p999_ms": m.tbt_ms.p999, "output_tokens_per_s": m.output_tokens_per_s,
+        "queued_first_third": first, "queued_last_third": last, "keeps_up": keeps_up(first, last),
+        "duration_s": m.duration_s, "completed": m.completed, "failed": m.failed,
+        "preemptions": m.preemptions, "wall_s": o.wall_s,
+        "swap": {
+            "blocks_out": s.blocks_out, "preemption_blocks_out": preempt_out,
+            "turn_end_blocks_out": s.turn_end_blocks_out, "blocks_in": s.blocks_in,
+            "reused_blocks": s.reused_blocks, "turn_prefix_blocks": s.turn_prefix_blocks,
+            "copy_ops": s.copy_ops, "runs": s.runs,
+            "blocks_per_copy": blocks / s.copy_ops if s.copy_ops else 0.0,
+            # item 10: copy calls per swapped block, three ways
+            "calls_per_block_per_block_layout": 2 * layers,
+            "calls_per_block_paper_groups": 2 * layers * s.runs / blocks if blocks else 0.0,
+            "calls_per_block_ours": s.copy_ops / blocks if blocks else 0.0,
+            "stall_s": s.stall_s, "step_copy_wait_s": s.step_copy_wait_s, "yields": s.yields,
+            "sync_swap_ins": s.sync_swap_ins, "async_swap_ins": s.async_swap_ins}}
+
+
+def run_part(pattern: str, rates: list[str], out: Path, folder: Path) -> None:
+    spec, config = SIM["workload"], SIM["config"]
+    layers = load_profile(SIM["profile"]).model.num_layers
+    part: dict = {"pattern": pattern, "sweep": {}, "sensitivity": {}}
+    for freq in FREQUENCIES:
+        choices = [attrs.evolve(parse_policy(str(p)), label=label(p))
+                   for p in policy_files(folder, pattern, freq)]
+        for rate in rates:
+            w = load_workload(f"{spec},rate={rate}")
+            rows = []
+            for c in choices:
+                began = time.time()
+                rows.append(row(run_one(c, w, config, progress=False), w, layers))
+                print(f"{pattern} {freq} rate {rate} {c.label}: {time.time() - began:.0f}s "
+                      f"ttft99 {rows[-1].get('ttft_p99_ms', 0):.0f}", file=sys.stderr, flush=True)
+            part["sweep"].setdefault(str(freq), {})[rate] = rows
+        base_fast = [choices[0], choices[-2]]
+        for factor in DISPATCH_FACTORS:
+            prof = load_profile(SIM["profile"])
+            path = folder / f"a10_dispatch_x{factor:g}.json"
+            save_profile(attrs.evolve(prof, link=scaled(prof.link, factor)), path)
+            cfg = attrs.evolve(config, profile=str(path))
+            for rate in SENSITIVITY_RATES:
+                w = load_workload(f"{spec},rate={rate}")
+                rows = [row(run_one(c, w, cfg, progress=False), w, layers) for c in base_fast]
+                part["sensitivity"].setdefault(str(freq), {}).setdefault(
+                    f"x{factor:g}", {})[rate] = rows
+                print(f"{pattern} {freq} x{factor:g} rate {rate} done", file=sys.stderr, flush=True)
+    out.write_text(json.dumps(finite(part), indent=1) + "\n")
+
+
+def ratios(base: dict, other: dict) -> dict:
+    return {"ttft_p99": base["ttft_p99_ms"] / other["ttft_p99_ms"],
+            "tbt_p999": base["tbt_p999_ms"] / other["tbt_p999_ms"],
+            "throughput": other["output_tokens_per_s"] / base["output_tokens_per_s"]}
+
+
+def report(parts: list[dict]) -> tuple[dict, str]:
+    from bench.fastswitch_report import markdown
+
+    data = {"backend": "sim", "workload": SIM["workload"], "profile": SIM["profile"],
+            "config": {k: str(getattr(SIM["config"], k)) for k in
+                       ("cpu_swap_blocks", "max_num_seqs", "max_batched_tokens")},
+            "profile_source": load_profile(SIM["profile"]).source,
+            "copy_link": attrs.asdict(load_profile(SIM["profile"]).link),
+            "num_blocks": load_profile(SIM["profile"]).num_blocks(16),
+            "parts": {p["pattern"]: p for p in parts}}
+    return data, markdown(data)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--backend", choices=tuple(SETUPS), default="sim")
-    ap.add_argument("--workload", default=None, help="override the workload spec")
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
-    ap.add_argument("--name", default=None,
-                    help="file name of the results (default fastswitch_ladder_BACKEND)")
+    ap.add_argument("--backend", choices=("sim", "torch"), default="sim")
+    ap.add_argument("--pattern", choices=tuple(PATTERNS), default=None)
+    ap.add_argument("--part", action="store_true", help="run one pattern's sweep to a part file")
+    ap.add_argument("--report", action="store_true", help="merge the part files")
+    ap.add_argument("--rates", default=",".join(RATES))
+    ap.add_argument("--workload", default=None, help="override the workload spec (no rate)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    setup = SETUPS[args.backend]
-    spec, config = args.workload or setup["workload"], setup["config"]
-    workload = load_workload(spec)
-    results: dict[str, list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for (pattern, freq), paths in policy_files(Path(tmp)).items():
-            key = f"{pattern}, priority-update frequency {freq}"
-            choices = [attrs.evolve(parse_policy(str(p)), label=p.stem) for p in paths]
-            outcomes = run_all(choices, workload, config, progress=False)
-            results[key] = summary(outcomes)
-            print(markdown(args.backend, spec, config, {key: results[key]}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / (args.name or f"fastswitch_ladder_{args.backend}")
-    stem.with_suffix(".json").write_text(json.dumps(finite(
-        {"backend": args.backend, "workload": spec, "config": {
-            k: str(getattr(config, k)) for k in ("num_blocks", "cpu_swap_blocks", "profile",
-                                                  "max_num_seqs", "max_batched_tokens")},
-         "results": results}), indent=1) + "\n")
-    stem.with_suffix(".md").write_text(markdown(args.backend, spec, config, results) + "\n")
-    print(f"wrote {stem}.json and {stem}.md", file=sys.stderr)
+    if args.backend == "torch":
+        from bench.fastswitch_report import run_torch
+        run_torch(TORCH, args.out)
+        return
+    if args.workload:
+        SIM["workload"] = args.workload
+    if args.part:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = args.out / f"fastswitch_ladder_sim_{args.pattern}.part.json"
+            run_part(args.pattern, args.rates.split(","), out, Path(tmp))
+        return
+    parts = [json.loads((args.out / f"fastswitch_ladder_sim_{p}.part.json").read_text())
+             for p in PATTERNS if (args.out / f"fastswitch_ladder_sim_{p}.part.json").is_file()]
+    data, md = report(parts)
+    (args.out / "fastswitch_ladder_sim.json").write_text(json.dumps(finite(data), indent=1) + "\n")
+    (args.out / "fastswitch_ladder_sim.md").write_text(md + "\n")
+    print(md)
 
 
 if __name__ == "__main__":
