@@ -20,7 +20,7 @@ from engine.metrics import RunMetrics, run_metrics
 from shunter.benchmark.driver import Driver, DriveResult, expected_requests
 from shunter.benchmark.policies import PolicyChoice
 from shunter.benchmark.progress import Progress
-from shunter.engine import Engine
+from shunter.commands.cluster_options import start_engine
 from shunter.workloads import Workload
 
 
@@ -40,8 +40,16 @@ class RunOutcome:
 
 
 async def _serve(config: EngineConfig, choice: PolicyChoice, workload: Workload,
-                 progress: bool) -> tuple[DriveResult, IterationLog | None]:
-    async with Engine.start(config) as engine:  # config.policy is the choice's file
+                 progress: bool, limit_s: float | None = None,
+                 cluster: Any = None) -> tuple[DriveResult, IterationLog | None]:
+    with anyio.fail_after(limit_s):
+        return await _serve_all(config, choice, workload, progress, cluster)
+
+
+async def _serve_all(config: EngineConfig, choice: PolicyChoice, workload: Workload,
+                     progress: bool, cluster: Any = None) -> tuple[DriveResult, IterationLog | None]:
+    # `cluster`: the command's --instances/--cluster (None: one engine in this process)
+    async with start_engine(config, cluster) as engine:  # config.policy: the choice's file
         policy = engine.policy
         bar = Progress(choice.label, expected_requests(workload),
                        clock=anyio.current_time) if progress else None
@@ -51,22 +59,29 @@ async def _serve(config: EngineConfig, choice: PolicyChoice, workload: Workload,
         result = await driver.run()
         if bar:
             bar.close()
-        log = await engine.take_iteration_log()
+        take_log = getattr(engine, "take_iteration_log", None)  # a cluster keeps none
+        log = await take_log() if take_log is not None else None
     return result, log
 
 
 def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
-            async_backend: str = "asyncio", progress: bool = True) -> RunOutcome:
+            async_backend: str = "asyncio", progress: bool = True,
+            clock_limit_s: float | None = None, cluster: Any = None) -> RunOutcome:
+    """One policy's run; `clock_limit_s` ends it (as an error) after that long on the engine's
+    clock, virtual on the sim: a thrashing policy may otherwise run for simulated hours."""
     config = attrs.evolve(base, record_iterations=True, policy=choice.path, **choice.overrides)
     began = time.perf_counter()
     try:
         if config.backend == "sim":
             clock = trio.testing.MockClock(autojump_threshold=0)
-            drive, log = anyio.run(_serve, config, choice, workload, progress, backend="trio",
-                                   backend_options={"clock": clock})
+            drive, log = anyio.run(_serve, config, choice, workload, progress, clock_limit_s,
+                                   cluster, backend="trio", backend_options={"clock": clock})
         else:
-            drive, log = anyio.run(_serve, config, choice, workload, progress,
-                                   backend=async_backend)
+            drive, log = anyio.run(_serve, config, choice, workload, progress, clock_limit_s,
+                                   cluster, backend=async_backend)
+    except TimeoutError:
+        return RunOutcome(label=choice.label, config=config, wall_s=time.perf_counter() - began,
+                          error=f"did not finish within {clock_limit_s} s of engine clock")
     except ShunterError as exc:
         return RunOutcome(label=choice.label, config=config, wall_s=time.perf_counter() - began,
                           error=f"{type(exc).__name__}: {exc}")
@@ -78,8 +93,10 @@ def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
 
 
 def run_all(choices: Sequence[PolicyChoice], workload: Workload, base: EngineConfig, *,
-            async_backend: str = "asyncio", progress: bool = True) -> list[RunOutcome]:
-    return [run_one(c, workload, base, async_backend=async_backend, progress=progress)
+            async_backend: str = "asyncio", progress: bool = True,
+            cluster: Any = None) -> list[RunOutcome]:
+    return [run_one(c, workload, base, async_backend=async_backend, progress=progress,
+                    cluster=cluster)
             for c in choices]
 
 

@@ -204,15 +204,19 @@ class Cluster:
         key = key or next(self._keys)
         prompt = len(msg.prompt_ids) if msg.prompt_ids is not None else len(msg.prompt or "")
         demand = prompt + msg.sampling.max_tokens
-        reply = Reply[int]()
-        await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
         try:
-            index = await reply.wait()
+            index = await self._choose(demand)
         except NoInstanceError as exc:
             await msg.outputs.send(Rejected(error=EngineDeadError(str(exc))))
             return
         self._where[key] = (index, demand)
         await self.instances[index].submit(key, msg, announced=announced)
+
+    async def _choose(self, demand: int) -> int:
+        """The coordinator's pick for a request of `demand` tokens (one round trip)."""
+        reply = Reply[int]()
+        await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
+        return await reply.wait()
 
     async def _redispatch(self, key: int, msg: Submit) -> None:
         """A request its dead instance had not streamed from: serve it elsewhere, under the id

@@ -16,6 +16,7 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
+from shunter.commands.cluster_options import add_cluster_options, cluster_fields
 from shunter.commands.common import add_step_options, engine_config, non_negative_int, positive_int
 from shunter.workloads import Workload, help_text, load_workload
 
@@ -64,6 +65,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "rate=0.05,0.1,0.2): one table, --json and --plot (P99 TTFT and "
                         "throughput against the key) for the whole sweep")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_cluster_options(p)
     p.set_defaults(run=run)
 
 
@@ -76,7 +78,7 @@ engine settings, to compare engine configurations."""
 
 def base_config(args: argparse.Namespace) -> EngineConfig:
     return engine_config(args, backend=args.backend, profile=args.profile,
-                         max_queued_requests=args.max_queued_requests)
+                         max_queued_requests=args.max_queued_requests, **cluster_fields(args))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return run_sweep(args, choices, base)
     workload = _load_workload(args, f"backend {base.backend} "
                                     f"({base.profile if base.backend == 'sim' else base.model})")
-    outcomes = run_all(choices, workload, base, async_backend=args.async_backend,
+    outcomes = run_all(choices, workload, base, async_backend=args.async_backend, cluster=args,
                        progress=not args.quiet)
     print(table(outcomes))
     if (by_class := class_table(outcomes)) is not None:
@@ -123,7 +125,7 @@ def run_sweep(args: argparse.Namespace, choices: list, base: EngineConfig) -> in
         key, values, args.workload, choices, base,
         load=lambda spec: _load_workload(argparse.Namespace(**{**vars(args), "workload": spec}),
                                          f"backend {base.backend}"),
-        run=lambda cs, w, b: run_all(cs, w, b, async_backend=args.async_backend,
+        run=lambda cs, w, b: run_all(cs, w, b, async_backend=args.async_backend, cluster=args,
                                      progress=not args.quiet))
     print(sweep.sweep_table(key, rows))
     if args.json:

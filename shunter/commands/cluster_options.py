@@ -36,9 +36,10 @@ def cluster_fields(args: argparse.Namespace) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def start_engine(config: EngineConfig, args: argparse.Namespace) -> AsyncIterator[Any]:
+async def start_engine(config: EngineConfig,
+                       args: argparse.Namespace | None) -> AsyncIterator[Any]:
     """An Engine, or a Cluster (the same client API) when `--instances` is more than 1."""
-    instances = getattr(args, "instances", 1)
+    instances = getattr(args, "instances", 1) if args is not None else 1
     if config.pipeline_stages > 1 and config.backend != "torch":
         raise ConfigError("--pipeline-stages: pipelines of stage processes run on the torch "
                           "backend (the simulator models them: bench/pipeline.py)")
