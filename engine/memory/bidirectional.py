@@ -150,11 +150,18 @@ class BidirectionalBlocks:
         return self.block_size - (x.rt_fill if x.rt >= 0 else 0) - live_be
 
     def _pick_rt_block(self) -> int | None:
-        """A free block, else the BE-only block with the most empty slots (block preemption)."""
+        """A free block, else the BE-only block with the most empty slots (block preemption),
+        taking first the blocks of BE requests already displaced: a BE request loses its turn
+        at its first overwritten slot, so spreading RT over many BE requests' blocks would
+        stop them all (measured: bench/results/bros_bicache.md)."""
         if self._free:
             return self._free.pop()
-        return max(self._be_only, key=lambda b: (self._empty_slots(self._blocks[b]), -b),
-                   default=None)
+
+        def rank(b: int) -> tuple[bool, int, int]:
+            x = self._blocks[b]
+            return bool(self._seqs[x.be].host), self._empty_slots(x), -b
+
+        return max(self._be_only, key=rank, default=None)
 
     def _pick_be_block(self) -> int | None:
         """A free block: of the blocks without a BE owner, those have the most empty slots.

@@ -107,12 +107,21 @@ class PoisonedHostSwapper(SlowSwapper):
 class SkipOneCheckpointSwapper(PoisonedHostSwapper):
     """The bug BROS's lazy checkpointing must not have: the first checkpoint (the first slot
     copy to the host, made just before RT overwrites those BE slots) is not copied, so its BE
-    request gets back KV that was never saved."""
+    request gets back KV that was never saved. `read_back` says whether any of those host slots
+    was copied back to the device before being written (a request preempted by recompute in
+    the meantime drops its checkpoints, and then the bug does no harm)."""
 
-    skipped = False
+    def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, **options) -> None:
+        super().__init__(device_kv, num_host_blocks, **options)
+        self.skipped: set[int] | None = None
+        self.read_back = False
 
     def _copy(self, direction: SwapDirection, pairs: Pairs, granularity: SwapGranularity) -> None:
-        if granularity == "slots" and direction == "out" and not self.skipped:
-            self.skipped = True
-            return
+        if granularity == "slots" and direction == "out":
+            if self.skipped is None:
+                self.skipped = {h for _, h in pairs}
+                return
+            self.skipped -= {h for _, h in pairs}
+        if granularity == "slots" and direction == "in" and self.skipped:
+            self.read_back |= any(h in self.skipped for h, _ in pairs)
         super()._copy(direction, pairs, granularity)

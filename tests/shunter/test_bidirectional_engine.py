@@ -89,9 +89,15 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_skipping_one_checkpoint_copy_corrupts_outputs(tiny_llama_dir):
-    served, _, _, swapper = await serve(tiny_llama_dir, plant_bug=True)
-    assert swapper.skipped
-    assert mismatches(tiny_llama_dir, served), "a lost checkpoint went unnoticed"
+    """Whenever the skipped checkpoint is read back, some output goes wrong; in a run where its
+    request was recomputed instead (timing decides), the seed changes, up to three runs."""
+    for seed in range(3):
+        served, _, _, swapper = await serve(tiny_llama_dir, plant_bug=True, seed=seed)
+        assert swapper.skipped is not None, "no checkpoint was made"
+        if swapper.read_back:
+            assert mismatches(tiny_llama_dir, served), "a lost checkpoint went unnoticed"
+            return
+    pytest.fail("the skipped checkpoint was never read back in three runs")
 
 
 def test_an_engine_that_cannot_honour_bidirectional_refuses_it_at_load():
