@@ -9,12 +9,15 @@ space poisoned with NaN; with one checkpoint copy skipped (a planted bug) the ou
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+from collections.abc import Iterator
 
 import anyio
 import pytest
 
+from engine.bidirectional_step import BidirectionalMemory
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
@@ -38,6 +41,22 @@ policy bros_pressure {
   memory { bidirectional on }
 }
 """
+
+
+@contextlib.contextmanager
+def made_tables() -> Iterator[list[BidirectionalMemory]]:
+    """The bidirectional tables engines make meanwhile (to check them once idle)."""
+    made, init = [], BidirectionalMemory.__init__
+
+    def record(self, *args, **kwargs) -> None:
+        init(self, *args, **kwargs)
+        made.append(self)
+
+    BidirectionalMemory.__init__ = record
+    try:
+        yield made
+    finally:
+        BidirectionalMemory.__init__ = init
 
 
 async def serve(model_dir, *, plant_bug: bool = False, seed: int = 0):
@@ -74,7 +93,8 @@ async def serve(model_dir, *, plant_bug: bool = False, seed: int = 0):
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llama_dir):
-    served, log, snap, swapper = await serve(tiny_llama_dir)
+    with made_tables() as tables:
+        served, log, snap, swapper = await serve(tiny_llama_dir)
     assert len(served) == 4 * BE
     assert mismatches(tiny_llama_dir, served) == []
     slots = swapper.slot_counts()
@@ -85,6 +105,9 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
     assert swapper.slot_tickets["out"] >= len(log.time) // 4, (swapper.slot_tickets, len(log.time))
     assert log.swap.bytes_out > 0 and log.swap.copy_ops > 0
     assert snap.scheduler.live_requests == ()
+    table = tables[0].table  # once idle: every block and host slot back, nothing held
+    assert table.requests() == [] and table.num_free == 8 and table.free_host_slots == 40 * 8
+    assert table.checkpointed_slots_total > 0
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
