@@ -5,7 +5,8 @@
     python bench/pipeline.py coordinator [--rate 1000] [--seconds 5]
 
 torch: the same model (the shipped one unless --model) served three ways on this machine, each
-started once and measured in interleaved rounds: one engine in this process (threads = cores),
+started once and measured in interleaved rounds: one engine in this process (--single-threads,
+default 1),
 a 2-stage pipeline (two stage processes over gloo, one thread each), and two data-parallel
 instances behind the coordinator (one thread each). Reports output tokens/s and TPOT p50, and
 for the pipeline the overhead per stage boundary (step wall time minus the GPipe makespan of
@@ -97,7 +98,7 @@ async def bench_torch(args) -> dict:
                                    "2 data-parallel instances": []}
     async with AsyncExitStack() as stack:
         single = await stack.enter_async_context(shunter.Engine.start(EngineConfig(
-            **base, threads=os.cpu_count())))
+            **base, threads=args.single_threads or os.cpu_count())))
         piped = await stack.enter_async_context(shunter.Engine.start(EngineConfig(
             **base, threads=1, pipeline_stages=2, pipeline_microbatches=args.microbatches)))
         dp = await stack.enter_async_context(Cluster.start(EngineConfig(**base, threads=1),
@@ -110,10 +111,12 @@ async def bench_torch(args) -> dict:
                     runner.records = []
                 rows[name].append(_row(*await _workload(target, prompts, args.max_tokens)))
         overheads = _pipeline_overheads(runner.records)
-    out = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in rows.items()}
+    out = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+           for name, rs in rows.items()}
     out["2-stage pipeline"] |= overheads
     return {"backend": "torch", "model": str(model), "requests": args.requests,
             "max_tokens": args.max_tokens, "rounds": args.rounds,
+            "single_threads": args.single_threads or os.cpu_count(),
             "microbatches": args.microbatches, "results": out}
 
 
@@ -227,6 +230,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=None)
     p.add_argument("--instances", type=int, default=4)
+    p.add_argument("--single-threads", type=int, default=1,
+                   help="torch threads of the one-instance engine (0: one per core; with other "
+                        "work on the machine, more than one collapses: README 'Next to other "
+                        "work')")
     p.add_argument("--rate", type=float, default=None)
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--out", type=Path, default=None)

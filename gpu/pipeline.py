@@ -21,6 +21,7 @@ import attrs
 
 from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from gpu.config import ModelConfig
 from gpu.pipeline_stage import (
@@ -64,7 +65,10 @@ class PipelineGroup:
         self.stages = stages
         self.microbatches = microbatches or 2 * stages
         self.num_blocks = num_blocks
-        self.layers = stage_layers(model_config.num_layers, stages)
+        try:
+            self.layers = stage_layers(model_config.num_layers, stages)
+        except ValueError as exc:
+            raise ConfigError(f"--pipeline-stages {stages}: {exc}") from None
         self._config = config
         self._conns: list = []
         self._procs: list[mp.Process] = []

@@ -68,6 +68,12 @@ def _sim_backend(config: EngineConfig) -> Backend:
         from sim.network import LINKS
         from sim.pipeline import SimPipelineRunner, pipeline_blocks
 
+        if config.pipeline_link not in LINKS:
+            raise ConfigError(f"pipeline_link {config.pipeline_link!r}: not a link the simulator "
+                              f"knows (known: {', '.join(LINKS)})")
+        if config.pipeline_stages > profile.model.num_layers:
+            raise ConfigError(f"--pipeline-stages {config.pipeline_stages}: the profile's model "
+                              f"has {profile.model.num_layers} layers")
         if config.num_blocks is None:
             num_blocks = pipeline_blocks(profile, config.block_size, config.pipeline_stages)
         runner = SimPipelineRunner(

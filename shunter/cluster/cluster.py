@@ -174,9 +174,9 @@ class Cluster:
 
     async def _monitor(self) -> None:
         """Every instance's stats to the coordinator (KunServe's global monitor reads these)."""
-        while True:
+        while not self._closed:
             for inst in self.instances:
-                if not inst.alive:
+                if not inst.alive or self._closed:
                     continue
                 try:
                     snap = await inst.snapshot()

@@ -191,7 +191,12 @@ class RemoteInstance(_Relay):
         key = next(self._ask_ids)
         reply = Reply()
         self._asks[key] = reply
-        await self._link.send(make(key))
+        try:
+            await self._link.send(make(key))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            self._asks.pop(key, None)
+            why = self.failure or f"instance {self.index}: its link is closed"
+            raise EngineDeadError(why) from None
         return await reply.wait()
 
     async def snapshot(self) -> EngineSnapshot:

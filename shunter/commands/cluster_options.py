@@ -23,6 +23,9 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--pipeline-stages", type=positive_int, default=1,
                    help="torch backend: run each instance's model as a pipeline of this many "
                         "stage processes, each holding a contiguous range of layers")
+    g.add_argument("--pipeline-microbatches", type=positive_int, default=None,
+                   help="microbatches each pipelined step is cut into (default: twice the "
+                        "stages)")
     g.add_argument("--cluster", default="local", choices=("local", "ray"),
                    help="where instances run: local processes, or Ray actors on the Ray "
                         "cluster RAY_ADDRESS names (a local one if unset; needs the cluster "
@@ -32,7 +35,10 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
 def cluster_fields(args: argparse.Namespace) -> dict[str, Any]:
     """The EngineConfig fields the cluster options set."""
     stages = getattr(args, "pipeline_stages", 1)
-    return {"pipeline_stages": stages} if stages > 1 else {}
+    if stages == 1:
+        return {}
+    return {"pipeline_stages": stages,
+            "pipeline_microbatches": getattr(args, "pipeline_microbatches", None)}
 
 
 @contextlib.asynccontextmanager

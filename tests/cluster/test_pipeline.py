@@ -51,7 +51,8 @@ async def test_two_stage_pipeline_equals_one_instance_and_transformers(tiny_llam
         single = await _serve_all(engine)
     assert piped == single
     for i, tokens in enumerate(piped):
-        assert_matches(tokens, greedy_reference(tiny_llama_dir, PROMPTS[i], MAX_TOKENS), f"prompt {i}")
+        ref = greedy_reference(tiny_llama_dir, PROMPTS[i], MAX_TOKENS)
+        assert_matches(tokens, ref, f"prompt {i}")
     # microbatches kept both stages working within a step: a step of the whole batch ran as
     # several microbatches on each stage, and stage 1 waited for stage 0's activations
     big = [r for r in runner.records if len(r.compute_s[0]) == 4]

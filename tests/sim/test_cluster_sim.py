@@ -49,7 +49,8 @@ async def _serve(instances: int, policy_text: str | None, n: int, stages: int = 
 
 def test_simulated_instances_share_one_clock_and_the_coordinator():
     one, ends1, _, _, _ = _virtual(_serve, 1, None, 60)
-    three, ends3, counts, snap, runners = _virtual(_serve, 3, "policy lb { dispatch least_load }", 60)
+    least_load = "policy lb { dispatch least_load }"
+    three, ends3, counts, snap, runners = _virtual(_serve, 3, least_load, 60)
     assert ends1 == ends3 == ["length"] * 60
     assert counts == [20, 20, 20] or (sum(counts) == 60 and min(counts) >= 15), counts
     assert all(s.idle for s in snap.snapshots)
@@ -94,7 +95,8 @@ def test_a_pipeline_instance_serves_on_the_simulator():
 def test_the_shipped_link_is_the_fit_of_vidurs_measurements():
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[3] / "shared/profiles/vidur/network/a100_dgx/send_recv.csv.gz"
+    shared = Path(__file__).resolve().parents[3] / "shared"
+    path = shared / "profiles/vidur/network/a100_dgx/send_recv.csv.gz"
     if not path.exists():
         pytest.skip(f"{path} is not next to this checkout")
     fit = fit_link(path, devices_per_node=1, name="a100-internode")
