@@ -50,12 +50,14 @@ class BatchShape:
 
     def plus(self, start: int, n: int) -> BatchShape:
         """This batch with one more sequence (cached `start` tokens, `n` new)."""
+        # built directly: attrs.evolve costs 5x more, and packing calls this per candidate
         if n == 1:
-            return attrs.evolve(self, decode_seqs=self.decode_seqs + 1,
-                                decode_context=self.decode_context + start + 1)
-        return attrs.evolve(self, prefill_tokens=self.prefill_tokens + n,
-                            prefill_sq=self.prefill_sq + n * n,
-                            prefill_prefix=self.prefill_prefix + n * start)
+            return BatchShape(prefill_tokens=self.prefill_tokens, prefill_sq=self.prefill_sq,
+                              prefill_prefix=self.prefill_prefix, decode_seqs=self.decode_seqs + 1,
+                              decode_context=self.decode_context + start + 1)
+        return BatchShape(prefill_tokens=self.prefill_tokens + n, prefill_sq=self.prefill_sq + n * n,
+                          prefill_prefix=self.prefill_prefix + n * start,
+                          decode_seqs=self.decode_seqs, decode_context=self.decode_context)
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +186,18 @@ class OnlineCostModel:
         self._new += 1
         if len(self._rows) >= self._min and (self.model is None or self._new >= self._every):
             self._new = 0
-            self.model = model_from(fit_coefficients(self._rows),
+            self.model = model_from(self._robust_fit(),
                                     f"fitted in this engine from its last {len(self._rows)} "
                                     f"iterations")
+
+    def _robust_fit(self) -> np.ndarray:
+        """Fit, leave out the rows more than 3x the median relative error off (steps slowed by
+        a busy neighbour, a copy the shape does not show), fit again."""
+        coef = fit_coefficients(self._rows)
+        x = np.array([features(s) for s, _ in self._rows], dtype=np.float64)
+        y = np.array([ms for _, ms in self._rows], dtype=np.float64)
+        rel = np.abs(x @ coef - y) / y
+        keep = rel <= 3.0 * max(float(np.median(rel)), 1e-3)
+        if keep.sum() >= self._min and not keep.all():
+            coef = fit_coefficients([r for r, k in zip(self._rows, keep) if k])
+        return coef

@@ -39,7 +39,7 @@ def identical_runs_warning(workload: Workload, outcomes: Sequence[RunOutcome]) -
             f"{workload.name} has {uniform}, so the policies have nothing to order by")
 
 
-_MEASURED = frozenset({"scheduler_ms_per_iteration"})
+_MEASURED = frozenset({"scheduler_ms_per_iteration", "scheduler_share", "cost_model_error"})
 """Metrics timed on the host (the scheduler's own cost), which differ run to run."""
 
 
