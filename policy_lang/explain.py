@@ -49,7 +49,7 @@ _MEMORY = {
 def explain(rules: RuleSet) -> str:
     x = _Explainer(rules)
     sections = [x.header(), x.classes(), x.order(), x.rerank(), x.fair(), x.batch(), x.preempt(),
-                x.overload(), x.memory()]
+                x.overload(), x.memory(), x.dispatch()]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 
@@ -193,6 +193,18 @@ class _Explainer:
                     f"{a['grow']} after each calm iteration up to {cap}, and goes back to "
                     f"{a['start']} after {when}.")
         return "Batch size: the engine's limit (max_num_seqs)."
+
+    def dispatch(self) -> str:
+        """Only when written: a single engine has nothing to dispatch."""
+        d = self.rules.get("dispatch")
+        if d is None:
+            return ""
+        how = {"round_robin": "to each live instance in turn",
+               "least_load": "to the live instance with the fewest requests in flight, then the "
+                             "least queued demand",
+               "most_free_kv": "to the live instance with the largest free share of its KV "
+                               "pool"}.get(d.rule.name, d.rule.name)
+        return f"Dispatch (a cluster): each new request goes {how}."
 
     def preempt(self) -> str:
         p = self.rules.get("preempt")

@@ -81,3 +81,12 @@ def test_ended_requests_leave_the_count_and_a_dead_cluster_refuses():
     with pytest.raises(NoInstanceError, match=r"every instance of the cluster is down "
                        r"\(instance 0: instance 0 died \(exit code -9\); instance 1: "):
         table.choose(DISPATCH_RULES["least_load"])
+
+
+def test_explain_says_where_requests_go():
+    from policy_lang import compile_policy as compile_
+
+    text = compile_("policy p { dispatch most_free_kv }", filename="p.policy").explain()
+    assert text.rstrip().endswith("Dispatch (a cluster): each new request goes to the live "
+                                  "instance with the largest free share of its KV pool.")
+    assert "Dispatch" not in compile_("policy p { }", filename="p.policy").explain()
