@@ -158,6 +158,23 @@ def run_part(pattern: str, rates: list[str], out: Path, folder: Path) -> None:
     out.write_text(json.dumps(finite(part), indent=1) + "\n")
 
 
+def merge(parts: list[dict]) -> dict:
+    """One pattern's part files as one, loads in increasing order."""
+    out: dict = {"pattern": parts[0]["pattern"], "sweep": {}, "sensitivity": {}}
+    for part in parts:
+        for section in ("sweep", "sensitivity"):
+            for freq, by in part[section].items():
+                into = out[section].setdefault(freq, {})
+                for k, v in by.items():
+                    if isinstance(v, dict):
+                        into.setdefault(k, {}).update(v)
+                    else:
+                        into[k] = v
+    for freq, rates in out["sweep"].items():
+        out["sweep"][freq] = dict(sorted(rates.items(), key=lambda kv: float(kv[0])))
+    return out
+
+
 def ratios(base: dict, other: dict) -> dict:
     return {"ttft_p99": base["ttft_p99_ms"] / other["ttft_p99_ms"],
             "tbt_p999": base["tbt_p999_ms"] / other["tbt_p999_ms"],
@@ -185,6 +202,8 @@ def main() -> None:
     ap.add_argument("--report", action="store_true", help="merge the part files")
     ap.add_argument("--rates", default=",".join(RATES))
     ap.add_argument("--workload", default=None, help="override the workload spec (no rate)")
+    ap.add_argument("--tag", default="", help="part file suffix (more loads for one pattern)")
+    ap.add_argument("--no-sensitivity", action="store_true")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -197,11 +216,16 @@ def main() -> None:
         SIM["workload"] = args.workload
     if args.part:
         with tempfile.TemporaryDirectory() as tmp:
-            out = args.out / f"fastswitch_ladder_sim_{args.pattern}.part.json"
+            out = args.out / f"fastswitch_ladder_sim_{args.pattern}{args.tag}.part.json"
+            if args.no_sensitivity:
+                SENSITIVITY_RATES.clear()
             run_part(args.pattern, args.rates.split(","), out, Path(tmp))
         return
-    parts = [json.loads((args.out / f"fastswitch_ladder_sim_{p}.part.json").read_text())
-             for p in PATTERNS if (args.out / f"fastswitch_ladder_sim_{p}.part.json").is_file()]
+    parts = []
+    for pattern in PATTERNS:
+        files = sorted(args.out.glob(f"fastswitch_ladder_sim_{pattern}*.part.json"))
+        if files:
+            parts.append(merge([json.loads(f.read_text()) for f in files]))
     data, md = report(parts)
     (args.out / "fastswitch_ladder_sim.json").write_text(json.dumps(finite(data), indent=1) + "\n")
     (args.out / "fastswitch_ladder_sim.md").write_text(md + "\n")

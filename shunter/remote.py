@@ -96,7 +96,8 @@ def completion_body(prompt: str | Sequence[int], params: SamplingParams,
     if extensions:
         defaults = SchedulingParams()
         optional |= {name: value for name in ("priority", "request_class", "tenant",
-                                              "conversation_id", "ttft_ms", "tpot_ms")
+                                              "conversation_id", "ttft_ms", "tpot_ms",
+                                              "trace_id")
                      if (value := getattr(scheduling, name)) != getattr(defaults, name)}
     body.update((k, v) for k, v in optional.items() if v is not None)
     return body

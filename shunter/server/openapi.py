@@ -26,6 +26,8 @@ _SAMPLING = {
     "tpot_ms": {"type": "number"},
     "tenant": {"type": "string"},
     "conversation_id": {"type": "string"},
+    "trace_id": {"type": "string", "description": "a replayed workload's request id: periodic "
+                 "priority updates draw from it (the same priorities under every policy)"},
 }
 _PROMPT = {"oneOf": [{"type": "string"},
                      {"type": "array", "items": {"type": "integer"}, "minItems": 1}]}

@@ -161,6 +161,7 @@ def scheduling_params(body: dict, classes: tuple[str, ...], policy: str) -> Sche
         return SchedulingParams(
             priority=priority, request_class=request_class, tenant=tenant,
             conversation_id=field(body, "conversation_id", str),
+            trace_id=field(body, "trace_id", str),
             ttft_ms=field(body, "ttft_ms", float), tpot_ms=field(body, "tpot_ms", float))
     except InvalidRequestError as exc:
         raise invalid(str(exc)) from None

@@ -141,12 +141,12 @@ async def test_priority_class_and_slos_reach_the_engine(server, c):
     await c.completions.create(
         model="tiny", prompt="a", max_tokens=2, extra_body={
             "priority": 7, "request_class": "rt", "ttft_ms": 900, "tpot_ms": 50,
-            "tenant": "acme", "conversation_id": "c1"})
+            "tenant": "acme", "conversation_id": "c1", "trace_id": "1/5"})
     [(reason, scheduling)] = await finished_since(server, before)
     assert reason in ("stop", "length")
     assert (scheduling.priority, scheduling.request_class, scheduling.ttft_ms,
-            scheduling.tpot_ms, scheduling.tenant, scheduling.conversation_id) == (
-        7, "rt", 900.0, 50.0, "acme", "c1")
+            scheduling.tpot_ms, scheduling.tenant, scheduling.conversation_id,
+            scheduling.trace_id) == (7, "rt", 900.0, 50.0, "acme", "c1", "1/5")
 
 
 async def test_refusals_raise_the_openai_exception_types(server, c):
