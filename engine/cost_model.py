@@ -61,6 +61,18 @@ class BatchShape:
 
 
 @attrs.frozen(kw_only=True)
+class CopyCost:
+    """Time of host <-> device copies (BROS §4.1's swapping model, FastSwitch's copy engine)."""
+
+    bandwidth_gb_per_s: float
+    dispatch_us: float
+    """CPU cost of issuing one copy call."""
+
+    def copy_ms(self, calls: int, nbytes: int) -> float:
+        return calls * self.dispatch_us * 1e-3 + nbytes / (self.bandwidth_gb_per_s * 1e6)
+
+
+@attrs.frozen(kw_only=True)
 class CostModel:
     """Linear iteration-latency model; coefficients in milliseconds."""
 
@@ -73,6 +85,19 @@ class CostModel:
     f_ms_per_prefill_prefix_token: float = 0.0
     source: str = ""
     """Where the coefficients come from (a profile file, a fit on this machine)."""
+    copy: CopyCost | None = None
+    """The swap/copy-time model beside it (the backend's host link), if known."""
+    block_bytes: int = 0
+    """Bytes of one KV block, for `copy`."""
+
+    def predict_iteration_ms(self, shape: BatchShape, copy_blocks: int = 0) -> float:
+        """BROS §4.1: an iteration that first brings `copy_blocks` KV blocks back from the
+        host (swapped or checkpointed) takes max(model, copy): the copies are asynchronous and
+        overlap the model. One copy call per block (a block group would make fewer)."""
+        model = self.predict_ms(shape)
+        if not copy_blocks or self.copy is None:
+            return model
+        return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
 
     def predict_ms(self, shape: BatchShape) -> float:
         if shape.prefill_tokens == 0 and shape.decode_seqs == 0:
@@ -94,18 +119,6 @@ LLAMA3_8B_A100 = CostModel(
            "(variant_with_prefill_context_term), fitted from microsoft/vidur profiling data",
 )
 """The default when nothing better is known; profiles (issue 4) provide others."""
-
-
-@attrs.frozen(kw_only=True)
-class CopyCost:
-    """Time of host <-> device copies (BROS §4.1's swapping model, FastSwitch's copy engine)."""
-
-    bandwidth_gb_per_s: float
-    dispatch_us: float
-    """CPU cost of issuing one copy call."""
-
-    def copy_ms(self, calls: int, nbytes: int) -> float:
-        return calls * self.dispatch_us * 1e-3 + nbytes / (self.bandwidth_gb_per_s * 1e6)
 
 
 def iteration_ms(model_ms: float, swap_ms: float, *, overlapped: bool = True) -> float:

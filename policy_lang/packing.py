@@ -115,6 +115,9 @@ class _Batch:
         self.budgets: list[float] = []
         """Per-iteration time budget each request counts with toward min_slack (inf: none)."""
         self.shape = BatchShape()
+        self.copy_blocks = 0
+        """KV blocks the batch brings back from the host (swapped, or checkpointed slots)."""
+        self.copies: list[int] = []
         self.min_slack = math.inf
         self.ids: set[int] = set()
         self.borrowers: set[int] = set()
@@ -136,11 +139,17 @@ class _Batch:
         rest = r.remaining_tokens - chunk[1]
         return 1 + (_blocks(rest, self.budget_tokens) if rest > 0 else 0)
 
-    def predict(self, shape: BatchShape) -> float:
-        return self.cost.predict_ms(shape) if self.cost is not None else self.average_ms
+    def predict(self, shape: BatchShape, copies: int = 0) -> float:
+        """max(model, copy) for the batch plus `copies` more blocks to bring back (§4.1)."""
+        if self.cost is None:
+            return self.average_ms
+        return self.cost.predict_iteration_ms(shape, self.copy_blocks + copies)
 
     def add(self, r: RequestView, cls: int, chunk: tuple[int, int], need: int,
             shape: BatchShape, budget: float) -> None:
+        copies = _copies(r)
+        self.copies.append(copies)
+        self.copy_blocks += copies
         self.selected.append(r)
         self.classes.append(cls)
         self.chunks.append(chunk)
@@ -156,7 +165,9 @@ class _Batch:
         self.tokens_left += self.chunks[i][1]
         self.free += self.needs[i]
         self.ids.discard(self.selected[i].id)
-        for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets):
+        self.copy_blocks -= self.copies[i]
+        for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets,
+                    self.copies):
             del seq[i]
         self.shape = BatchShape.of(self.chunks) if self.cost is not None else self.shape
         self.min_slack = min(self.budgets, default=math.inf)
@@ -269,7 +280,7 @@ class PackOrder:
             if need > batch.free + lender.available(rank):
                 return "skip"
         shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
-        est = batch.predict(shape)
+        est = batch.predict(shape, _copies(r))
         budget = r.slack_ms / batch.iterations(r, chunk)
         if budget < est:
             if not late_ok:
@@ -310,7 +321,7 @@ class PackOrder:
                 continue  # BE takes no memory from RT
             rest = batch.chunks[:i] + batch.chunks[i + 1:]
             shape = BatchShape.of(rest + [chunk]) if batch.cost is not None else batch.shape
-            est = batch.predict(shape)
+            est = batch.predict(shape, _copies(cand) - batch.copies[i])
             budget = cand.slack_ms / batch.iterations(cand, chunk)
             budget = budget if budget >= est else math.inf
             env.est_iteration = est
@@ -322,6 +333,12 @@ class PackOrder:
             batch.remove(i)
             batch.add(cand, step.cls, chunk, need, shape, budget)
         return []
+
+
+def _copies(r: RequestView) -> int:
+    """Blocks r brings back from the host if it runs: all its KV when swapped out, else its
+    lazily checkpointed blocks (BROS §5.2)."""
+    return r.swapped_blocks if r.state == "swapped" else r.checkpointed_blocks
 
 
 def _last_index(classes: list[int], cls: int) -> int | None:

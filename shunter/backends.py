@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel
+from engine.cost_model import CopyCost, CostModel
 from engine.errors import ConfigError
 from gpu.tokenizer import IncrementalDetokenizer, Tokenizer
 from sim.profile import load_profile
@@ -83,7 +83,10 @@ def _sim_backend(config: EngineConfig) -> Backend:
     return Backend(
         runner=runner, codec=None,
         vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
-        max_prompt_tokens=config.max_prompt_tokens or max_context - 1, cost_model=profile.cost,
+        max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
+        cost_model=attrs.evolve(profile.cost, block_bytes=profile.model.block_bytes(config.block_size),
+                                copy=CopyCost(bandwidth_gb_per_s=profile.link.bandwidth_gb_per_s,
+                                              dispatch_us=profile.link.dispatch_us)),
     )
 
 

@@ -100,7 +100,8 @@ class Profile:
 
     def to_json(self) -> dict[str, Any]:
         cost = attrs.asdict(self.cost)
-        cost.pop("source")
+        for runtime_only in ("source", "copy", "block_bytes"):  # the link is `copy_link`
+            cost.pop(runtime_only)
         return {"name": self.name, "source": self.source, "gpu": self.gpu,
                 "gpu_memory_gib": self.gpu_memory_gib,
                 "memory_utilization": self.memory_utilization,

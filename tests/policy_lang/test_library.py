@@ -313,3 +313,16 @@ def test_bros_no_bicache_is_bros_without_the_bidirectional_cache():
     bros, ablation = load("bros").settings, load("bros_no_bicache").settings
     assert bros.memory.bidirectional and not ablation.memory.bidirectional
     assert attrs.evolve(ablation, name="bros", memory=bros.memory) == bros
+
+
+def test_bros_counts_bringing_kv_back_from_the_host_in_the_iteration_time():
+    from engine.cost_model import CopyCost
+
+    # 1 MB blocks over 1 GB/s: 1 ms a block, overlapping the model (max, BROS §4.1)
+    cost = attrs.evolve(COST, copy=CopyCost(bandwidth_gb_per_s=1.0, dispatch_us=0.0),
+                        block_bytes=10**6)
+    requests = [decode(1, request_class="rt", slack_ms=40.0, checkpointed_blocks=50),
+                decode(2, request_class="rt", slack_ms=60.0)]
+    assert batch_ids(load("bros").decide(make_scheduler_view(requests, cost=COST))) == [1, 2]
+    # 50 ms of copies for request 1 are more than its 40 ms: it can no longer make it
+    assert batch_ids(load("bros").decide(make_scheduler_view(requests, cost=cost))) == [2, 1]
