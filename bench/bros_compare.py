@@ -1,4 +1,4 @@
-"""BROS against its baselines (BROS §7.2, §7.4; issue 14, "Measured"), with `shunter bench`'s runs.
+"""BROS against its baselines (BROS §7.2, §7.4; issue 14, "Measured"), with `shunter bench` runs.
 
 At each RT rate, one `rtbe` workload (RT lengths of BROS Table 2, Poisson arrivals; BE batches
 of 32, prompts 512-1024, outputs 32-128, a new batch when the last ends; TTFT 0.4 s, TPOT 0.2 s)
@@ -29,16 +29,17 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 import structlog
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from shunter import EngineConfig  # noqa: E402
-from shunter.benchmark.policies import parse_policy  # noqa: E402
-from shunter.benchmark.run import RunOutcome, run_one  # noqa: E402
-from shunter.commands.bench import finite  # noqa: E402
-from shunter.workloads import load_workload  # noqa: E402
+from shunter import EngineConfig
+from shunter.benchmark.policies import parse_policy
+from shunter.benchmark.run import RunOutcome, run_one
+from shunter.commands.bench import finite
+from shunter.workloads import load_workload
 
 POLICIES = ("fcfs", "round_robin_rtbe", "bros_no_bicache", "bros")
 SETUPS = {
@@ -133,15 +134,22 @@ def markdown(backend: str, rows: dict[float, list[dict[str, Any]]], spec: str,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", choices=tuple(SETUPS), default="sim")
     ap.add_argument("--rates", default=None, help="RT rates, comma-separated (default per backend)")
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV pool size (default per backend); results get a _<N>blocks suffix")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     setup = SETUPS[args.backend]
     rates = tuple(float(r) for r in args.rates.split(",")) if args.rates else setup["rates"]
     config: EngineConfig = setup["config"]
+    suffix = ""
+    if args.num_blocks:
+        config = attrs.evolve(config, num_blocks=args.num_blocks)
+        suffix = f"_{args.num_blocks}blocks"
     rows: dict[float, list[dict[str, Any]]] = {}
     raw: dict[str, Any] = {}
     for rate in rates:
@@ -155,9 +163,10 @@ def main() -> int:
             print(json.dumps(finite(rows[rate][-1])), flush=True)
         raw[str(rate)] = {"workload": workload.describe(), "runs": rows[rate]}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"bros_{args.backend}.json").write_text(json.dumps(finite(raw), indent=1) + "\n")
+    stem = args.out / f"bros_{args.backend}{suffix}"
+    stem.with_suffix(".json").write_text(json.dumps(finite(raw), indent=1) + "\n")
     md = markdown(args.backend, rows, setup["workload"], config)
-    (args.out / f"bros_{args.backend}.md").write_text(md)
+    stem.with_suffix(".md").write_text(md)
     print(md)
     return 0
 

@@ -55,7 +55,8 @@ class BatchShape:
             return BatchShape(prefill_tokens=self.prefill_tokens, prefill_sq=self.prefill_sq,
                               prefill_prefix=self.prefill_prefix, decode_seqs=self.decode_seqs + 1,
                               decode_context=self.decode_context + start + 1)
-        return BatchShape(prefill_tokens=self.prefill_tokens + n, prefill_sq=self.prefill_sq + n * n,
+        return BatchShape(prefill_tokens=self.prefill_tokens + n,
+                          prefill_sq=self.prefill_sq + n * n,
                           prefill_prefix=self.prefill_prefix + n * start,
                           decode_seqs=self.decode_seqs, decode_context=self.decode_context)
 

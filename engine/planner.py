@@ -8,6 +8,8 @@ Pure mechanism, no I/O and no policy names. Two passes, as in vLLM's scheduler:
    so nobody behind it jumps ahead. A swapped request is admitted with the blocks its KV needs on
    the device; with asynchronous swap-in it computes nothing this iteration (its KV is still
    arriving) and joins the running batch once the swap pool reports it.
+A packed policy (BROS) names its batch, the first `Decision.batch` requests of its order: only
+they get work, and the rest of the order only ranks the running requests as victims.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ Condition = Callable[[RequestView], Any]
 class Env:
     """What pack conditions and engine statistics read; set before each evaluation."""
 
-    __slots__ = ("view", "est_iteration", "min_slack", "batch_size", "_counts")
+    __slots__ = ("_counts", "batch_size", "est_iteration", "min_slack", "view")
 
     def __init__(self) -> None:
         self.view: SchedulerView | None = None
@@ -265,7 +265,8 @@ class PackOrder:
             elif verdict == "skip":
                 left.append(r)
         for r in late:  # requests that cannot make their deadline: served after those that can
-            if stopped or batch.full() or self._try(batch, step, r, lender, rank, late_ok=True) != "taken":
+            if (stopped or batch.full()
+                    or self._try(batch, step, r, lender, rank, late_ok=True) != "taken"):
                 left.append(r)
         return left
 
@@ -274,11 +275,10 @@ class PackOrder:
         chunk = batch.chunk(r)
         need = batch.need(r, chunk)
         admits = r.state != "running" or chunk[1] > 1
-        if need > batch.free and admits:
-            # FindPreemptBlock: only classes packed later lend memory for a new request or a
-            # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
-            if need > batch.free + lender.available(rank):
-                return "skip"
+        # FindPreemptBlock: only classes packed later lend memory for a new request or a
+        # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
+        if need > batch.free and admits and need > batch.free + lender.available(rank):
+            return "skip"
         shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
         est = batch.predict(shape, _copies(r))
         budget = r.slack_ms / batch.iterations(r, chunk)
@@ -302,7 +302,8 @@ class PackOrder:
         batch.add(r, step.cls, chunk, need, shape, budget)
         return "taken"
 
-    def _replace(self, batch: _Batch, step: Replace, candidates: list[RequestView]) -> list[RequestView]:
+    def _replace(self, batch: _Batch, step: Replace,
+                 candidates: list[RequestView]) -> list[RequestView]:
         env = self._env
         for done, cand in enumerate(candidates):
             i = _last_index(batch.classes, step.victim)

@@ -84,7 +84,8 @@ def _sim_backend(config: EngineConfig) -> Backend:
         runner=runner, codec=None,
         vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
         max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
-        cost_model=attrs.evolve(profile.cost, block_bytes=profile.model.block_bytes(config.block_size),
+        cost_model=attrs.evolve(profile.cost,
+                                block_bytes=profile.model.block_bytes(config.block_size),
                                 copy=CopyCost(bandwidth_gb_per_s=profile.link.bandwidth_gb_per_s,
                                               dispatch_us=profile.link.dispatch_us)),
     )

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.cost_model import (
-    BatchShape, CopyCost, CostModel, OnlineCostModel, fit_coefficients, iteration_ms, model_from,
+    BatchShape,
+    CopyCost,
+    CostModel,
+    OnlineCostModel,
+    fit_coefficients,
+    iteration_ms,
+    model_from,
 )
 from engine.messages import SeqWork
 from engine.prediction import IterationPredictor
@@ -16,7 +22,7 @@ TRUE = CostModel(a_ms=5.0, b_ms_per_prefill_token=0.2, c_ms_per_prefill_token_sq
                  d_ms_per_decode_seq=0.3, e_ms_per_decode_context_token=0.002,
                  f_ms_per_prefill_prefix_token=3e-5)
 PREFILLS = [[(0, 2 ** k)] for k in range(3, 10)] + [[(256, 64)], [(1024, 256)]]
-DECODES = [[(2 ** c, 1)] * 2 ** b for b in range(0, 6) for c in range(4, 11)]
+DECODES = [[(2 ** c, 1)] * 2 ** b for b in range(6) for c in range(4, 11)]
 MIXED = [[(0, 128)] + [(256, 1)] * 16, [(0, 256)] + [(512, 1)] * 32]
 
 

@@ -24,7 +24,8 @@ def overload(duration_s: float, seed: int = 9) -> Workload:
     rng = random.Random(seed)
     t, specs = 0.0, []
     while (t := t + rng.expovariate(2.0)) < duration_s:
-        specs.append(RequestSpec(index=len(specs), arrival_s=t, prompt_tokens=rng.randint(500, 4000),
+        specs.append(RequestSpec(index=len(specs), arrival_s=t,
+                                 prompt_tokens=rng.randint(500, 4000),
                                  output_tokens=rng.randint(100, 700), ttft_ms=400.0, tpot_ms=200.0))
     return Workload(name="overload", description="RT long prompts + BE batches", params={},
                     requests=tuple(specs), duration_s=duration_s,
