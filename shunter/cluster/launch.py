@@ -106,8 +106,11 @@ class RayLauncher:
             raise ConfigError("--cluster ray needs Ray: pip install 'shunter[cluster]'") from None
         self._ray = ray
         if not ray.is_initialized():
-            ray.init(address=os.environ.get("RAY_ADDRESS"), include_dashboard=False,
-                     log_to_driver=False)
+            address = os.environ.get("RAY_ADDRESS")
+            if address:  # an existing Ray cluster: its own settings (and dashboard) apply
+                ray.init(address=address, log_to_driver=False)
+            else:  # a local Ray for this process only
+                ray.init(log_to_driver=False)
         self._actor_cls = ray.remote(num_cpus=1, num_gpus=num_gpus, max_restarts=0)(RayInstance)
         self._actors: list = []
 

@@ -11,7 +11,7 @@ import shunter
 from shunter.cluster.cluster import Cluster
 from tests.reference import assert_matches, greedy_reference
 
-PROMPTS = [[(5 * i + 11 * j) % 300 + 7 for j in range(2 + i % 9)] for i in range(32)]
+from tests.cluster.prompts import MAX_TOKENS, PROMPTS
 
 
 async def _complete_all(cluster: Cluster, prompts, max_tokens: int) -> list[tuple[int, ...]]:
@@ -32,10 +32,11 @@ async def _complete_all(cluster: Cluster, prompts, max_tokens: int) -> list[tupl
 async def test_two_instances_serve_32_concurrent_prompts_like_transformers(
         cluster_config, local_instances, tiny_llama_dir):
     async with Cluster.start(cluster_config, attach=local_instances) as cluster:
-        got = await _complete_all(cluster, PROMPTS, 8)
+        got = await _complete_all(cluster, PROMPTS, MAX_TOKENS)
         snap = await cluster.wait_idle()
     for i, tokens in enumerate(got):
-        assert_matches(tokens, greedy_reference(tiny_llama_dir, PROMPTS[i], 8), f"prompt {i}")
+        assert_matches(tokens, greedy_reference(tiny_llama_dir, PROMPTS[i], MAX_TOKENS),
+                       f"prompt {i}")
     # fcfs dispatches round-robin: 16 each; the monitor saw both instances' pools
     assert [v.in_flight for v in snap.views] == [0, 0]
     assert [cluster.table.dispatched_to(i) for i in range(2)] == [16, 16]
@@ -48,8 +49,8 @@ async def test_killing_an_instance_ends_only_its_requests_and_the_cluster_serves
     if anyio_backend != "trio":
         pytest.skip("one event loop is enough: this test spawns and kills its own process")
     doomed = await anyio.to_thread.run_sync(local_launcher.start_process, 2, cluster_config)
-    max_tokens = 40
-    prompts = PROMPTS[:12]
+    max_tokens = 32
+    prompts = PROMPTS[:9]
     results: dict[int, tuple[list[int], str, str | None]] = {}
     streamed_from_doomed = anyio.Event()
 
@@ -86,9 +87,10 @@ async def test_killing_an_instance_ends_only_its_requests_and_the_cluster_serves
         assert redispatched == cluster.table.dispatched_to(2) - len(failed)
         # new requests go to the live instances only, and are served correctly
         before = cluster.table.dispatched_to(2)
-        again = await _complete_all(cluster, PROMPTS[12:18], 6)
+        again = await _complete_all(cluster, PROMPTS[12:18], MAX_TOKENS)
         for k, tokens in enumerate(again):
-            assert_matches(tokens, greedy_reference(tiny_llama_dir, PROMPTS[12 + k], 6), f"new {k}")
+            ref = greedy_reference(tiny_llama_dir, PROMPTS[12 + k], MAX_TOKENS)
+            assert_matches(tokens, ref, f"new {k}")
         assert cluster.table.dispatched_to(2) == before
         snap = await cluster.inspect()
         assert [v.alive for v in snap.views] == [True, True, False]

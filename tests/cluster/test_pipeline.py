@@ -14,8 +14,7 @@ from gpu.pipeline import PipelineRunner
 from shunter.backends import build_backend
 from tests.reference import assert_matches, greedy_reference
 
-PROMPTS = [[(7 * i + 3 * j) % 300 + 5 for j in range(3 + i % 11)] for i in range(32)]
-MAX_TOKENS = 8
+from tests.cluster.prompts import MAX_TOKENS, PROMPTS
 
 
 async def _serve_all(engine: shunter.Engine) -> list[tuple[int, ...]]:
