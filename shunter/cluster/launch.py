@@ -160,7 +160,8 @@ class RayInstance:
                 anyio.run(serve_instance, config, "0.0.0.0", ports.put)
             except Exception as exc:
                 ports.put(f"{type(exc).__name__}: {exc}")
-            os._exit(0)  # the link closed: this instance is done
+            # the link closed: the engine has stopped; the launcher's ray.kill (or the driver's
+            # exit, which takes its actors with it) ends the actor's process
 
         threading.Thread(target=run, daemon=True, name="shunter-instance").start()
         port = ports.get(timeout=START_TIMEOUT_S)
