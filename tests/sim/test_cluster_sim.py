@@ -103,3 +103,22 @@ def test_the_shipped_link_is_the_fit_of_vidurs_measurements():
     shipped = LINKS["a100-internode"]
     assert fit.latency_s == pytest.approx(shipped.latency_s, rel=0.01)
     assert fit.bytes_per_s == pytest.approx(shipped.bytes_per_s, rel=0.01)
+
+
+def test_shunter_bench_runs_a_workload_through_simulated_instances():
+    import argparse
+
+    from shunter.benchmark.policies import parse_policy
+    from shunter.benchmark.run import run_one
+    from shunter.workloads import load_workload
+
+    w = load_workload("rtbe:rate=20,duration=3")
+    base = EngineConfig(backend="sim", record_iterations=True)
+    one = run_one(parse_policy("fcfs"), w, base, progress=False)
+    two = run_one(parse_policy("fcfs"), w, base, progress=False,
+                  cluster=argparse.Namespace(instances=2, cluster="local"))
+    assert one.error is None and two.error is None, (one.error, two.error)
+    assert two.metrics.completed == one.metrics.completed > len(w.requests) // 2
+    assert two.metrics.failed == one.metrics.failed == 0
+    # two simulated GPUs drain the same arrivals with lower latency than one
+    assert two.metrics.e2e_ms.p50 < one.metrics.e2e_ms.p50
