@@ -137,11 +137,15 @@ def main() -> None:
     ap.add_argument("--backend", choices=tuple(SETUPS), default="sim")
     ap.add_argument("--workload", action="append", help="override the workload specs")
     ap.add_argument("--only", action="append", help="run only these policies")
+    ap.add_argument("--num-blocks", type=int, default=None, help="override the device pool")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--name", default=None, help="results file name (default prefix_cache_BACKEND)")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     setup = SETUPS[args.backend]
     config = setup["config"]
+    if args.num_blocks:
+        config = attrs.evolve(config, num_blocks=args.num_blocks)
     results: dict[str, dict[str, dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         paths = policy_paths(Path(tmp))
@@ -154,7 +158,7 @@ def main() -> None:
             results[spec] = rows
             print(markdown(args.backend, config, {spec: rows}), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"prefix_cache_{args.backend}"
+    stem = args.out / (args.name or f"prefix_cache_{args.backend}")
     stem.with_suffix(".json").write_text(json.dumps(finite(
         {"backend": args.backend, "config": {
             k: str(getattr(config, k)) for k in ("num_blocks", "block_size", "cpu_swap_blocks",
