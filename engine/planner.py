@@ -102,7 +102,8 @@ class _Planner:
         request holds (idle ones count as free until taken)."""
         bs = self.budget.block_size
         if r.cached_tokens:
-            return blocks_for(r.cached_tokens + n, bs) - r.cached_tokens // bs + r.cached_idle_blocks
+            return (blocks_for(r.cached_tokens + n, bs) - r.cached_tokens // bs
+                    + r.cached_idle_blocks)
         return blocks_for(r.computed_tokens + n, bs) - r.blocks
 
     def commit(self, r: RequestView, n: int, need: int) -> None:

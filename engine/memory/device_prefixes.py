@@ -92,7 +92,8 @@ class DevicePrefixes:
         (some may have ended since, still holding their blocks on the allocator until the next
         step releases them, after publishing) and now."""
         for r in {**self._seen, **live}.values():
-            if r.blocks and r.state == "running" and self.cache.publishable(r.id, r.computed_tokens):
+            if (r.blocks and r.state == "running"
+                    and self.cache.publishable(r.id, r.computed_tokens)):
                 for index, key in self.cache.publish(r.id, _context(r), r.computed_tokens):
                     self._publish.append((r.id, index, key))
 

@@ -121,7 +121,8 @@ class PrefixCache:
                 held_into.add(k)
         return idle
 
-    def shared_blocks(self, request_id: int, wanted: set[Key] | frozenset[Key] = frozenset()) -> int:
+    def shared_blocks(self, request_id: int,
+                      wanted: set[Key] | frozenset[Key] = frozenset()) -> int:
         """Blocks the request holds that stay in use if it lets go of them: held by another
         request too, or in `wanted` (keys another request is about to take)."""
         refs = self._refs

@@ -54,7 +54,8 @@ def prefix_cache_lines(outcomes: Sequence[RunOutcome]) -> list[str]:
     for o in outcomes:
         c = o.metrics.prefix_cache if o.metrics is not None else None
         if c is not None and c.queried_tokens:
-            lines.append(f"{o.label}: prefix cache hit {100 * c.hit_tokens / c.queried_tokens:.1f}% "
+            rate = 100 * c.hit_tokens / c.queried_tokens
+            lines.append(f"{o.label}: prefix cache hit {rate:.1f}% "
                          f"of tokens ({c.hit_tokens}/{c.queried_tokens}), "
                          f"{100 * c.hit_blocks / max(c.queried_blocks, 1):.1f}% of blocks "
                          f"({c.hit_blocks}/{c.queried_blocks}), {c.evicted_blocks} evicted")

@@ -202,7 +202,8 @@ class _EngineCollector(Collector):
                 ("block_hits", "Of those, blocks found cached.", c.hit_blocks if c else 0),
                 ("evictions", "Cached blocks evicted (least recently used) to make room.",
                  c.evicted_blocks if c else 0)):
-            counter = CounterMetricFamily(f"shunter:prefix_cache_{name}", doc, labels=["model_name"])
+            counter = CounterMetricFamily(f"shunter:prefix_cache_{name}", doc,
+                                          labels=["model_name"])
             counter.add_metric(m, value)
             yield counter
         blocks = GaugeMetricFamily("shunter:prefix_cache_blocks", "Device KV blocks the prefix "

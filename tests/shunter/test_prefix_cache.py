@@ -16,7 +16,7 @@ import random
 import anyio
 import pytest
 
-import engine.memory.prefix_cache as prefix_cache
+from engine.memory import prefix_cache
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
