@@ -180,7 +180,9 @@ class Cluster:
                     continue
                 try:
                     snap = await inst.snapshot()
-                except EngineDeadError:
+                except EngineDeadError as exc:
+                    if not self._closed:
+                        await inst.mark_down(f"instance {inst.index}: {exc}")
                     continue
                 await self._coordinator.send(StatsReported(instance=inst.index,
                                                            stats=summarize(snap)))

@@ -24,6 +24,7 @@ from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
+from shunter.cluster.instance import stopped_chunk
 from shunter.cluster.wire import (
     AskSnapshot,
     CancelRequest,
@@ -101,6 +102,13 @@ class _Relay:
         if self._live.pop(key, None) is not None:
             self._on_end(key)
 
+    async def mark_down(self, reason: str) -> None:
+        """The instance's engine stopped while its process lives: dispatch nothing more here
+        (its live requests end through the engine, each with its own error)."""
+        if self.failure is None:
+            self.failure = reason
+            await self._on_down(self.index, reason)
+
     async def _instance_died(self, reason: str) -> None:
         """End or hand back every live request (see the module docstring)."""
         self.failure = reason
@@ -155,8 +163,8 @@ class RemoteInstance(_Relay):
                         if reply is not None:
                             reply.send(msg)
             tg.cancel_scope.cancel()
-        if self.failure is None and not self._closing:
-            reason = await anyio.to_thread.run_sync(self._describe_death)
+        if not self._closing and (self.failure is None or self._live):
+            reason = self.failure or await anyio.to_thread.run_sync(self._describe_death)
             for reply in self._asks.values():
                 reply.fail(EngineDeadError(reason))
             await self._instance_died(reason)
@@ -256,6 +264,8 @@ class InProcessInstance(_Relay):
                 await self._forward(key, out)
                 if key not in self._live:
                     break
+        if key in self._live:  # the engine stopped under the request (an actor failed)
+            await self._forward(key, stopped_chunk(self.engine.stopped_reason()))
         self._ids.pop(key, None)
 
     def cancel_nowait(self, key: int) -> None:

@@ -110,6 +110,7 @@ class InstanceServer:
         except EngineDeadError as exc:
             await self._link.send(Output(key=msg.key, output=Rejected(error=exc)))
             return
+        ended = False
         async with recv:
             async for out in recv:
                 if isinstance(out, Admitted):
@@ -119,7 +120,11 @@ class InstanceServer:
                 await self._link.send(Output(key=msg.key, output=_portable(out)))
                 if isinstance(out, Rejected) or (isinstance(out, GenerationChunk)
                                                  and out.finish_reason is not None):
+                    ended = True
                     break
+        if not ended:  # the engine stopped under the request (an actor failed)
+            await self._link.send(Output(key=msg.key, output=stopped_chunk(
+                self._engine.stopped_reason())))
         self._ids.pop(msg.key, None)
         self._cancelled.discard(msg.key)
 
@@ -137,6 +142,12 @@ class InstanceServer:
         except (PolicyError, EngineDeadError) as exc:
             error = str(exc)
         await self._link.send(PolicyReplaced(key=key, error=error))
+
+
+def stopped_chunk(reason: str) -> GenerationChunk:
+    """The last chunk of a request whose engine stopped before it ended."""
+    return GenerationChunk(request_id=0, token_ids=(), text="", finish_reason="error",
+                           error=reason)
 
 
 def _portable(out):

@@ -122,3 +122,35 @@ def test_shunter_bench_runs_a_workload_through_simulated_instances():
     assert two.metrics.failed == one.metrics.failed == 0
     # two simulated GPUs drain the same arrivals with lower latency than one
     assert two.metrics.e2e_ms.p50 < one.metrics.e2e_ms.p50
+
+
+def test_an_instance_whose_engine_stops_is_marked_down_and_its_requests_end():
+    async def run():
+        config = EngineConfig(backend="sim", cpu_swap_blocks=0)
+        async with Cluster.start(config, instances=2, kind="inprocess",
+                                 monitor_interval_s=0.01) as cluster:
+            params = shunter.SamplingParams(max_tokens=200, ignore_eos=True)
+            streams = [cluster.generate(list(range(1, 33)), params) for _ in range(4)]
+            firsts = [await s.__anext__() for s in streams]  # round robin: 0, 1, 0, 1
+            doomed = cluster.instances[1].engine
+            await doomed._scheduler_send.send("not a message")  # its scheduler fails
+            ends = []
+            with anyio.fail_after(60):  # virtual seconds: a request left without an end hangs
+                for s in streams:
+                    async for chunk in s:
+                        if chunk.finish_reason:
+                            ends.append((chunk.finish_reason, chunk.error))
+            await anyio.sleep(0.1)  # a monitor round
+            after = await cluster.complete(list(range(1, 9)), shunter.SamplingParams(
+                max_tokens=4, ignore_eos=True))
+            snap = await cluster.inspect()
+        return firsts, ends, after, snap, cluster
+
+    firsts, ends, after, snap, cluster = _virtual(run)
+    assert all(f.token_ids for f in firsts)
+    assert [e[0] for e in ends] == ["length", "error", "length", "error"]
+    assert all(e[1].startswith("the scheduler actor failed") for e in ends[1::2])
+    assert after.finish_reason == "length"
+    assert [v.alive for v in snap.views] == [True, False]
+    assert snap.failures[1].startswith("instance 1: the scheduler actor failed")
+    assert cluster.table.dispatched_to(1) == 2
