@@ -89,13 +89,18 @@ def torch_backend(config: EngineConfig, swapper_factory: SwapperFactory) -> Back
     return attrs.evolve(backend, runner=runner)
 
 
+POISON = 50.0
+"""What a poisoned host space holds: keys this large take every query's attention, so KV read back
+from a slot no copy wrote derails the tokens after it. Not NaN: the torch decode path zeroes the
+non-finite values it gathers (gpu/attention.py), which would read such a slot as zeros."""
+
+
 class PoisonedHostSwapper(SlowSwapper):
-    """A slow link whose host space starts as NaN: KV read back from a host slot that no copy
-    wrote poisons every token computed from it."""
+    """A slow link whose host space starts poisoned (`POISON`)."""
 
     def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, **options) -> None:
         super().__init__(device_kv, num_host_blocks, **options)
-        self.host_kv.fill_(float("nan"))
+        self.host_kv.fill_(POISON)
         self.slot_tickets = {"out": 0, "in": 0, "move": 0}
 
     def _copy(self, direction: SwapDirection, pairs: Pairs, granularity: SwapGranularity) -> None:

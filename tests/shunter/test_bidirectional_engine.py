@@ -4,7 +4,7 @@ RT and BE requests share KV blocks from opposite ends in a pool small enough tha
 slots in most iterations: BE requests are lazily checkpointed slot by slot and swapped back. Greedy
 outputs must equal transformers' token for token (up to near-ties), under asyncio and trio, with
 copies slowed so that a step that did not wait for them would read them half done and the host
-space poisoned with NaN; with one checkpoint copy skipped (a planted bug) the outputs must go wrong.
+space poisoned; with one checkpoint copy skipped (a planted bug) the outputs must go wrong.
 """
 
 from __future__ import annotations
