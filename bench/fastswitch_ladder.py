@@ -15,6 +15,7 @@ baseline and FastSwitch again at two loads with the per-call copy cost halved an
     python bench/fastswitch_ladder.py --pattern markov --part   # one pattern per process
     python bench/fastswitch_ladder.py --pattern random --part
     python bench/fastswitch_ladder.py --report                  # merge into .json and .md
+    python bench/fastswitch_ladder.py --knee                    # 0.1 conv/s, cheaper copies
 
     python bench/fastswitch_ladder.py --backend torch           # the shipped model, real copies
 
@@ -158,6 +159,23 @@ def run_part(pattern: str, rates: list[str], out: Path, folder: Path) -> None:
     out.write_text(json.dumps(finite(part), indent=1) + "\n")
 
 
+def run_knee(out: Path, folder: Path) -> None:
+    """Markov 0.04 at 0.1 conv/s (the first load that preempts) with the per-call cost halved and
+    at 2 us a call (FastSwitch Table 1 read as whole blocks): does the baseline keep up then?"""
+    layers = load_profile(SIM["profile"]).model.num_layers
+    w = load_workload(f"{SIM['workload']},rate=0.1")
+    results = {}
+    for factor in (0.5, 2.0 / load_profile(SIM["profile"]).link.dispatch_us):
+        prof = load_profile(SIM["profile"])
+        path = folder / f"a10_x{factor:.4f}.json"
+        save_profile(attrs.evolve(prof, link=scaled(prof.link, factor)), path)
+        cfg = attrs.evolve(SIM["config"], profile=str(path))
+        for name in ("vllm_baseline_markov", "fastswitch_markov"):
+            results[f"{name} x{factor:.4f}"] = row(run_one(parse_policy(name), w, cfg,
+                                                           progress=False), w, layers)
+    out.write_text(json.dumps(finite(results), indent=1) + "\n")
+
+
 def merge(parts: list[dict]) -> dict:
     """One pattern's part files as one, loads in increasing order."""
     out: dict = {"pattern": parts[0]["pattern"], "sweep": {}, "sensitivity": {}}
@@ -204,6 +222,8 @@ def main() -> None:
     ap.add_argument("--workload", default=None, help="override the workload spec (no rate)")
     ap.add_argument("--tag", default="", help="part file suffix (more loads for one pattern)")
     ap.add_argument("--no-sensitivity", action="store_true")
+    ap.add_argument("--knee", action="store_true",
+                    help="the baseline at 0.1 conv/s with cheaper copies (x0.5, 2 us a call)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -214,6 +234,10 @@ def main() -> None:
         return
     if args.workload:
         SIM["workload"] = args.workload
+    if args.knee:
+        with tempfile.TemporaryDirectory() as tmp:
+            run_knee(args.out / "fastswitch_knee_sensitivity.json", Path(tmp))
+        return
     if args.part:
         with tempfile.TemporaryDirectory() as tmp:
             out = args.out / f"fastswitch_ladder_sim_{args.pattern}{args.tag}.part.json"
