@@ -107,6 +107,8 @@ class DecodeGroup:
     valid: torch.Tensor
     """bool [b, 1, 1, n * block_size]: the slots, in block and slot order, that hold one of the
     sequence's tokens (a reversed block's tokens sit at its end)."""
+    stale: torch.Tensor
+    """int64 [m]: the other slots, as rows of the gathered [b * n * block_size] slots."""
 
 
 @attrs.frozen
@@ -115,9 +117,10 @@ class DecodePlan:
     (the torch path). Whole blocks are gathered: `index_select` of whole blocks is 5-10x faster
     on CPU than gathering slot by slot, and attention does not care about the order of its keys.
     A block's slots outside the sequence (its unwritten tail, a bidirectional block's other
-    owner) are masked; they may hold stale KV or, in fresh memory, anything, so the gathered
-    copy is made finite before the mask (0 x NaN would still be NaN). Table entries past a
-    sequence's blocks are never read: they name its first block again, all of it masked."""
+    owner) are masked, and zeroed in the gathered copy first: they may hold anything a previous
+    owner left, and 0 x NaN would still be NaN. The sequence's own slots are left as they are,
+    so a bad value there still shows. Table entries past a sequence's blocks are never read:
+    they name its first block again, all of it masked."""
 
     groups: tuple[DecodeGroup, ...]
 
@@ -146,7 +149,8 @@ def plan_decode(block_tables: torch.Tensor, seq_lens_host: Sequence[int], block_
         groups.append(DecodeGroup(
             rows=torch.from_numpy(rows.astype(np.int64)).to(device),
             blocks=torch.from_numpy(blocks.reshape(-1)).to(device),
-            valid=torch.from_numpy(valid).to(device).view(len(rows), 1, 1, n * block_size)))
+            valid=torch.from_numpy(valid).to(device).view(len(rows), 1, 1, n * block_size),
+            stale=torch.from_numpy(np.flatnonzero(~valid)).to(device)))
     return DecodePlan(groups=tuple(groups))
 
 
@@ -170,11 +174,11 @@ def decode_attention_torch(
     num_kv_heads = k_cache.shape[2]
     for g in plan.groups:
         b, span = g.rows.shape[0], g.valid.shape[-1]
-        # whole blocks, made finite (see DecodePlan): [b, S, Hkv, D]
+        # whole blocks, the slots outside each sequence zeroed (see DecodePlan): [b, S, Hkv, D]
         k = k_cache.index_select(0, g.blocks).view(b, span, num_kv_heads, head_dim)
         v = v_cache.index_select(0, g.blocks).view(b, span, num_kv_heads, head_dim)
-        k.nan_to_num_(0.0, 0.0, 0.0)
-        v.nan_to_num_(0.0, 0.0, 0.0)
+        k.view(b * span, -1).index_fill_(0, g.stale, 0.0)
+        v.view(b * span, -1).index_fill_(0, g.stale, 0.0)
         o = F.scaled_dot_product_attention(
             q[g.rows].view(b, num_heads, 1, head_dim), k.transpose(1, 2), v.transpose(1, 2),
             attn_mask=g.valid, scale=scale, enable_gqa=True)  # [b, Hq, 1, D]

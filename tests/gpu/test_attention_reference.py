@@ -106,6 +106,15 @@ def test_decode_ignores_padding_slots_and_table_entries() -> None:
     torch.testing.assert_close(out.double(), naive_attention(batch), atol=1e-5, rtol=1e-5)
 
 
+def test_decode_keeps_a_bad_value_in_a_sequences_own_slot_visible() -> None:
+    # only the slots outside a sequence are cleaned: NaN in one of its own tokens (a missed
+    # copy, a bad swap-in) must still reach its output, not be zeroed away
+    batch = make_paged_batch(decode_lens=[5, 40], seed=4)
+    batch.v_cache[batch.meta.block_tables[1, 1].long(), 3] = float("nan")  # token 19 of row 1
+    out = decode_attention_torch(*decode_args(batch))
+    assert torch.isfinite(out[0]).all() and torch.isnan(out[1]).all()
+
+
 @settings(max_examples=60, deadline=None)
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=40),
        block_size=st.sampled_from([4, 16]), bucket=st.integers(1, 17), seed=st.integers(0, 99),
@@ -138,6 +147,7 @@ def test_decode_plan_reads_only_each_sequences_own_blocks_and_unmasks_exactly_it
             got = {(int(blocks[i, j]), o) for j, o in valid[i].nonzero().tolist()}
             assert got == want and int(valid[i].sum()) == n
             seen.append(row)
+        assert g.stale.tolist() == (~g.valid.reshape(-1)).nonzero().flatten().tolist()
     assert sorted(seen) == list(range(len(lens)))
 
 
