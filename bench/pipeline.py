@@ -86,9 +86,8 @@ def _pipeline_overheads(records) -> dict:
 
 
 async def bench_torch(args) -> dict:
-    from contextlib import AsyncExitStack
-
     import os
+    from contextlib import AsyncExitStack
 
     model = args.model or EngineConfig().model
     base = dict(model=model, device="cpu", cpu_swap_blocks=0, num_blocks=256,
@@ -187,16 +186,16 @@ def bench_coordinator(args) -> dict:
 
             cl._choose = timed_choose
             for inst in cl.instances:
-                snapshot = inst.snapshot
+                stats = inst.stats
 
-                async def timed_snapshot(snapshot=snapshot):
+                async def timed_stats(stats=stats):
                     began = time.perf_counter()
                     try:
-                        return await snapshot()
+                        return await stats()
                     finally:
                         stats_s.append(time.perf_counter() - began)
 
-                inst.snapshot = timed_snapshot
+                inst.stats = timed_stats
             prompts = [list(range(1, 129))] * n
             elapsed, timelines = await _workload(cl, prompts, 32, rate=args.rate)
             steps = sum(inst.engine.backend.runner.steps for inst in cl.instances)

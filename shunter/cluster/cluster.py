@@ -43,12 +43,12 @@ from engine.params import SamplingParams, SchedulingParams
 from engine.policy import EngineCapabilities, Policy
 from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
+from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
 from shunter.cluster.handles import InProcessInstance, RemoteInstance
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
-from shunter.cluster.wire import Hello, Link, summarize
+from shunter.cluster.wire import Hello, Link
 from shunter.engine import Engine
-from shunter.backends import Backend, build_backend
 from shunter.policy_source import engine_capabilities, initial_policy, replacement
 
 ClusterKind = Literal["local", "ray", "inprocess"]
@@ -179,13 +179,12 @@ class Cluster:
                 if not inst.alive or self._closed:
                     continue
                 try:
-                    snap = await inst.snapshot()
+                    stats = await inst.stats()
                 except EngineDeadError as exc:
                     if not self._closed:
                         await inst.mark_down(f"instance {inst.index}: {exc}")
                     continue
-                await self._coordinator.send(StatsReported(instance=inst.index,
-                                                           stats=summarize(snap)))
+                await self._coordinator.send(StatsReported(instance=inst.index, stats=stats))
             await anyio.sleep(self._monitor_interval_s)
 
     # ------------------------------------------------------------------ the Engine's client API

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import attrs
 
+from engine.cluster.dispatch import InstanceStats
 from engine.errors import EngineDeadError, PolicyError
 from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
@@ -27,6 +28,7 @@ from engine.snapshots import EngineSnapshot
 from shunter.cluster.instance import stopped_chunk
 from shunter.cluster.wire import (
     AskSnapshot,
+    AskStats,
     CancelRequest,
     Detach,
     Link,
@@ -35,7 +37,9 @@ from shunter.cluster.wire import (
     ReplacePolicyText,
     Shutdown,
     Snapshot,
+    Stats,
     SubmitRequest,
+    summarize,
 )
 from shunter.engine import Engine
 
@@ -158,7 +162,7 @@ class RemoteInstance(_Relay):
                 match msg:
                     case Output(key=key, output=out):
                         await self._forward(key, out)
-                    case Snapshot(key=key) | PolicyReplaced(key=key):
+                    case Snapshot(key=key) | Stats(key=key) | PolicyReplaced(key=key):
                         reply = self._asks.pop(key, None)
                         if reply is not None:
                             reply.send(msg)
@@ -212,6 +216,13 @@ class RemoteInstance(_Relay):
         if answer.snapshot is None:
             raise EngineDeadError(answer.error or "the instance's engine stopped")
         return answer.snapshot
+
+    async def stats(self) -> InstanceStats:
+        """The summary the monitor reports to the coordinator."""
+        answer: Stats = await self._ask(lambda k: AskStats(key=k))
+        if answer.stats is None:
+            raise EngineDeadError(answer.error or "the instance's engine stopped")
+        return answer.stats
 
     async def replace_policy(self, text: str) -> None:
         answer: PolicyReplaced = await self._ask(lambda k: ReplacePolicyText(key=k, text=text))
@@ -274,6 +285,9 @@ class InProcessInstance(_Relay):
 
     async def snapshot(self) -> EngineSnapshot:
         return await self.engine.inspect()
+
+    async def stats(self) -> InstanceStats:
+        return summarize(await self.engine.inspect())
 
     async def replace_policy(self, text: str) -> None:
         await self.engine.replace_policy(text)

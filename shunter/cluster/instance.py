@@ -19,6 +19,7 @@ from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from shunter.cluster.wire import (
     AskSnapshot,
+    AskStats,
     CancelRequest,
     Detach,
     Hello,
@@ -28,7 +29,9 @@ from shunter.cluster.wire import (
     ReplacePolicyText,
     Shutdown,
     Snapshot,
+    Stats,
     SubmitRequest,
+    summarize,
 )
 from shunter.engine import Engine
 
@@ -89,6 +92,8 @@ class InstanceServer:
                             self._engine._cancel_nowait(self._ids[key])
                     case AskSnapshot(key=key):
                         tg.start_soon(self._snapshot, key)
+                    case AskStats(key=key):
+                        tg.start_soon(self._stats, key)
                     case ReplacePolicyText(key=key, text=text):
                         tg.start_soon(self._replace, key, text)
                     case Shutdown():
@@ -134,6 +139,13 @@ class InstanceServer:
         except EngineDeadError as exc:
             snap, error = None, str(exc)
         await self._link.send(Snapshot(key=key, snapshot=snap, error=error))
+
+    async def _stats(self, key: int) -> None:
+        try:
+            stats, error = summarize(await self._engine.inspect()), None
+        except EngineDeadError as exc:
+            stats, error = None, str(exc)
+        await self._link.send(Stats(key=key, stats=stats, error=error))
 
     async def _replace(self, key: int, text: str) -> None:
         try:

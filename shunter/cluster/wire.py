@@ -47,6 +47,13 @@ class AskSnapshot:
 
 
 @attrs.frozen(kw_only=True)
+class AskStats:
+    """The monitor's question: the summary the coordinator reads, not the whole snapshot."""
+
+    key: int
+
+
+@attrs.frozen(kw_only=True)
 class ReplacePolicyText:
     key: int
     text: str
@@ -63,8 +70,8 @@ class Detach:
     attached to running instances, such as the tests' shared ones)."""
 
 
-ToInstance = Union[SubmitRequest, CancelRequest, AskSnapshot, ReplacePolicyText, Shutdown,
-                   Detach]
+ToInstance = Union[SubmitRequest, CancelRequest, AskSnapshot, AskStats, ReplacePolicyText,
+                   Shutdown, Detach]
 
 
 # ---------------------------------------------------------------- instance -> front door
@@ -84,6 +91,13 @@ class Snapshot:
 
 
 @attrs.frozen(kw_only=True)
+class Stats:
+    key: int
+    stats: InstanceStats | None
+    error: str | None = None
+
+
+@attrs.frozen(kw_only=True)
 class PolicyReplaced:
     key: int
     error: str | None = None
@@ -99,7 +113,7 @@ class Hello:
     policy_source: str
 
 
-FromInstance = Union[Output, Snapshot, PolicyReplaced, Hello]
+FromInstance = Union[Output, Snapshot, Stats, PolicyReplaced, Hello]
 
 
 def summarize(snap: EngineSnapshot) -> InstanceStats:
