@@ -13,9 +13,9 @@ checkpoint space), which the caller must run in the order given and before the s
 - Per block (the *preemption table* of §5.2): its RT owner and fill, its BE owner and fill, and
   the BE slots RT has overwritten (`lost`), each checkpointed to a host slot first.
 - Placement (§5.2 FindBlock/FindPreemptBlock): a BE request takes a block with the most empty
-  slots (a free one); an RT request takes a free block, else the BE block with
-  the most empty slots, whose empty slots it fills first and whose BE slots it then overwrites
-  (block preemption), each copied to the host just before (lazy checkpointing).
+  slots (a free one); an RT request a free block, else the BE block with the most empty slots,
+  filling those first, then overwriting BE slots (block preemption), each copied to the host
+  just before (lazy checkpointing).
 - A BE request with overwritten slots is *displaced*: it cannot run until `restore` swaps back
   exactly its checkpointed slots (in place when the RT owner has left the block, else merged
   with its surviving slots into a fresh block). A BE request whose next slot is taken by an RT
@@ -72,7 +72,6 @@ class BidirectionalBlocks:
         self._free = list(reversed(block_ids))  # blocks with no owner at all
         self._be_only: set[int] = set()  # blocks with a BE owner and no RT one
         self._free_host = list(reversed(range(host_slots)))
-        self._host_total = host_slots
         self._seqs: dict[int, _Seq] = {}
         self.checkpointed_slots_total = 0
         """Slots copied to the host by lazy checkpointing since the start."""
@@ -133,8 +132,7 @@ class BidirectionalBlocks:
         x = self._blocks[b]
         return x.rt, x.rt_fill, x.be, x.be_fill, frozenset(x.lost)
 
-    def shared_blocks(self) -> int:
-        """Blocks holding both an RT and a BE request's KV."""
+    def shared_blocks(self) -> int:  # blocks holding both an RT and a BE request's KV
         return sum(1 for x in self._blocks.values() if x.rt >= 0 and x.be >= 0)
 
     # ------------------------------------------------------------------------ placement
@@ -145,10 +143,6 @@ class BidirectionalBlocks:
             raise BidirectionalError(f"request {rid} is already in the table")
         self._seqs[rid] = _Seq(reverse=reverse)
 
-    def _empty_slots(self, x: _Block) -> int:
-        live_be = x.be_fill - len(x.lost) if x.be >= 0 else 0
-        return self.block_size - (x.rt_fill if x.rt >= 0 else 0) - live_be
-
     def _pick_rt_block(self) -> int | None:
         """A free block, else the BE-only block with the most empty slots (block preemption),
         taking first the blocks of BE requests already displaced: a BE request loses its turn
@@ -157,11 +151,13 @@ class BidirectionalBlocks:
         if self._free:
             return self._free.pop()
 
-        def rank(b: int) -> tuple[bool, int, int]:
-            x = self._blocks[b]
-            return bool(self._seqs[x.be].host), self._empty_slots(x), -b
-
-        return max(self._be_only, key=rank, default=None)
+        best, top, blocks, seqs = None, None, self._blocks, self._seqs
+        for b in self._be_only:  # no RT owner here: the empty slots are the BE side's gaps
+            x = blocks[b]
+            key = (bool(seqs[x.be].host), len(x.lost) - x.be_fill, -b)
+            if top is None or key > top:
+                best, top = b, key
+        return best
 
     def _pick_be_block(self) -> int | None:
         """A free block: of the blocks without a BE owner, those have the most empty slots.
@@ -208,15 +204,19 @@ class BidirectionalBlocks:
             assert b is not None
             self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
-        out = []
-        for pos in range(s.tokens, tokens):
-            block, _ = decode(s.table[pos // self.block_size])
-            x, i = self._blocks[block], pos % self.block_size
+        out, bs, pos = [], self.block_size, s.tokens
+        while pos < tokens:  # block by block; slot by slot only where RT meets a BE owner
+            j = pos // bs
+            block, end = decode(s.table[j])[0], min(tokens, (j + 1) * bs)
+            x = self._blocks[block]
             if s.reverse:
-                x.be_fill = i + 1
+                x.be_fill = end - j * bs
             else:
-                x.rt_fill = i + 1
-                out.extend(self._checkpoint(block, x, i))
+                x.rt_fill = end - j * bs
+                if x.be >= 0:
+                    for i in range(pos - j * bs, end - j * bs):
+                        out.extend(self._checkpoint(block, x, i))
+            pos = end
         s.tokens = max(s.tokens, tokens)
         return copies + SlotCopies(out=tuple(out))
 
