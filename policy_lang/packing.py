@@ -19,7 +19,8 @@ Memory is checked while packing (FindBlock / FindPreemptBlock): a waiting reques
 its next chunk's blocks are free or held by running requests of a class packed later (RT may
 take BE memory, never the reverse, and never another RT request's: displacing running RT
 requests by recompute to admit new ones is what made the shipped policy thrash). A request that
-does not fit is skipped, so it blocks nobody behind it.
+does not fit is skipped, so BE requests behind it still run; the free blocks it waits for are
+held back from newer requests of its own class, which would otherwise starve it.
 
 Request pulling (§4.2, Fig. 8): each class's pending requests (running, swapped) are sorted;
 its waiting queue is already in arrival order, which for one class's TTFT is deadline order, so
