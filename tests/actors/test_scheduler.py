@@ -200,6 +200,26 @@ async def test_a_pool_too_small_swaps_the_least_deserving_request_out(nursery, a
     assert third.swap_in == () and [w.request_id for w in third.seqs] == [1]
 
 
+async def test_a_cancel_while_swapped_out_ends_it_and_frees_its_host_copy(
+        nursery, autojump_clock):
+    s = await _start(nursery, _make_add(1, prompt=(5, 6, 7, 8)), _make_add(2, prompt=(9, 8, 7, 6)),
+                     policy=_make_swap_policy(), num_blocks=2, cpu_blocks=8)
+    first = await s.step()
+    await s.finish(first, (1, 10), (2, 20))
+    await s.outputs()
+    second = await s.step()
+    assert second.preempt == (2,)                    # 2 is on the host now
+    await s.inbox.send(AbortRequest(request_id=2, reason="cancelled"))
+    [end] = await s.outputs()                        # at once: no step of its is running
+    assert (end.request_id, end.finish_reason) == (2, "cancelled")
+    snapshot = await s.inspect()
+    assert (snapshot.swapped, snapshot.cpu_copies, snapshot.cpu_free_blocks) == (0, 0, 8)
+    assert snapshot.cancelled_by_state == (("swapped", 1),)
+    await s.finish(second, (1, 11))
+    await s.outputs()
+    assert (await s.step()).swap_in == ()            # nothing comes back for it
+
+
 async def test_a_swapped_request_comes_back_synchronously_into_its_step(nursery, autojump_clock):
     s = await _start(nursery, _make_add(1, prompt=(5, 6, 7, 8), max_tokens=2),
                      _make_add(2, prompt=(9, 8, 7, 6)), policy=_make_swap_policy(),
