@@ -94,8 +94,14 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--try", dest="extra", action="append", default=[], metavar="VAR=VALUE,...",
                    help="one more setting: environment variables for the default thread count")
+    p.add_argument("--only", default=None, metavar="PREFIX,...",
+                   help="run only the settings whose names start with one of these")
     args = p.parse_args()
     load_at_start = os.getloadavg()
+    if args.only:
+        keep = tuple(args.only.split(","))
+        for name in [n for n in SETTINGS if not n.startswith(keep) and n != BASELINE]:
+            del SETTINGS[name]
     for spec in args.extra:
         SETTINGS[spec] = (dict(kv.split("=", 1) for kv in spec.split(",")), CORES)
     cells: dict[str, dict[str, list[float]]] = {

@@ -15,8 +15,9 @@ Probes come soon after start, then at intervals that double while the choice hol
 `max_interval` steps), and at once when steps of one shape turn `drift` times slower than they
 were after the last probe (another process has just started). A probe costs `pairs` steps at
 the other count, or one when a pair differs `decisive` times or more (a 2-thread step next to a
-busy process took 10x as long here): at the defaults under 2% of the steps even where the other
-count is 2x slower.
+busy process took 10x as long here): at the defaults about 2% of the steps where the other count
+is 2x slower. Single steps are noisy (10% apart from one to the next on a quiet machine here),
+hence the median of several pairs and the margin.
 
 Only when the user named no `--threads`: an explicit count is kept as given.
 """
@@ -52,7 +53,7 @@ class ThreadTuner:
 
     def __init__(self, candidates: Sequence[int], set_threads: Callable[[int], None], *,
                  first_probe: int = 2, min_interval: int = 32, max_interval: int = 256,
-                 pairs: int = 4, margin: float = 0.1, patience: int = 64,
+                 pairs: int = 6, margin: float = 0.1, patience: int = 64,
                  drift: float = 1.5, decisive: float = 2.0) -> None:
         if not candidates:
             raise ValueError("ThreadTuner needs at least one candidate thread count")
@@ -65,10 +66,10 @@ class ThreadTuner:
         self._patience = patience
         self._drift = drift
         self._decisive = decisive
-        self.current = min(self._candidates)
-        """The thread count steps run at outside probes. It starts at the fewest: a count too
-        low costs at most the parallel speed-up until the first probe, one too high next to a
-        busy process made steps 10x slower here (`bench/contention.py`)."""
+        self.current = max(self._candidates)
+        """The thread count steps run at outside probes. It starts at the most (torch's own
+        choice); next to busy processes, where those steps took 10x as long here, the first
+        probe, at the second step, ends after one lopsided pair."""
         self.switches: list[ThreadSwitch] = []
         """Every change of `current`, oldest first."""
         self.probes = 0
