@@ -123,7 +123,8 @@ def model_dir(size: str, workdir: Path) -> Path:
 
 def model_facts(path: Path) -> dict:
     config = json.loads((path / "config.json").read_text())
-    params = sum(f.stat().st_size for f in path.glob("*.safetensors")) // 4  # float32 weights
+    width = 2 if config.get("torch_dtype") in ("bfloat16", "float16") else 4
+    params = sum(f.stat().st_size for f in path.glob("*.safetensors")) // width
     return {"vocab": config["vocab_size"], "layers": config["num_hidden_layers"],
             "hidden": config["hidden_size"], "parameters": params}
 
