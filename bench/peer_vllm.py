@@ -140,7 +140,7 @@ def run_child(python: str, code: str, payload: dict, env: dict) -> dict:
         f.write(code)  # vLLM's engine process re-imports the main script: it must be a file
     try:
         done = subprocess.run([python, f.name, json.dumps(payload)], capture_output=True,
-                              text=True, env=env, timeout=3600)
+                              text=True, env=env, timeout=3600, check=False)
     finally:
         os.unlink(f.name)
     whole = time.perf_counter() - began
@@ -187,8 +187,8 @@ def compare(size: str, batch: int, args: argparse.Namespace, workdir: Path) -> d
 
 
 def table(rows: list[dict]) -> str:
-    out = ["| model | batch | vLLM CPU tok/s | Shunter tok/s | ratio | whole process (vLLM / "
-           "Shunter s) | identical |", "|---|---|---|---|---|---|---|"]
+    out = [("| model | batch | vLLM CPU tok/s | Shunter tok/s | ratio | whole process (vLLM / "
+            "Shunter s) | identical |"), "|---|---|---|---|---|---|---|"]
     for r in rows:
         out.append(f"| {r['size']} ({r['parameters'] / 1e6:.1f}M) | {r['batch']} | "
                    f"{r['vllm']['tokens_per_s']:,.0f} | {r['shunter']['tokens_per_s']:,.0f} | "

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from engine.config import EngineConfig
@@ -24,7 +26,8 @@ def serve(tuner: ThreadTuner, seconds_at: dict[int, float], steps: int,
 
 def make_tuner(**overrides) -> tuple[ThreadTuner, list[int]]:
     calls: list[int] = []
-    kw = dict(min_interval=50, max_interval=50, first_probe=2, pairs=4, margin=0.1) | overrides
+    kw = {"min_interval": 50, "max_interval": 50, "first_probe": 2, "pairs": 4,
+          "margin": 0.1} | overrides
     return ThreadTuner((2, 1), calls.append, **kw), calls
 
 
@@ -94,7 +97,7 @@ def test_intervals_double_while_the_choice_holds():
         serve(tuner, {2: 0.01, 1: 0.015}, steps=1)
         if tuner._probe is not None and not probing:
             starts.append(tuner._steps)
-    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
     # a probe spans 8 steps; the interval after it doubles from 10 (20, 40, then 40 at most)
     assert gaps[:2] == [7 + 20, 7 + 40] and set(gaps[2:]) == {7 + 40}
 
