@@ -140,11 +140,10 @@ def plan_decode(block_tables: torch.Tensor, seq_lens_host: Sequence[int], block_
         n = -(-int(lens[rows].max()) // block_size)
         owned = np.arange(n)[None, :] < -(-lens[rows, None] // block_size)  # [b, n]
         entries = np.where(owned, tables[rows, :n].astype(np.int64), tables[rows, :1])
-        reverse = entries < 0  # filled right to left (bidirectional blocks)
-        blocks = np.where(reverse, -entries - 1, entries)
-        # the token position each physical slot holds: i * bs + o, or i * bs + (bs - 1 - o)
-        position = (np.arange(n)[None, :, None] * block_size
-                    + np.where(reverse[:, :, None], block_size - 1 - slot, slot))  # [b, n, bs]
+        # the mapping of a token offset to its slot is its own inverse, so the same call gives
+        # the token offset each physical slot holds (reversed blocks: bs - 1 - o)
+        blocks, offset = _physical(entries[:, :, None], slot, block_size)  # [b, n, 1], [b, n, bs]
+        position = np.arange(n)[None, :, None] * block_size + offset
         valid = owned[:, :, None] & (position < lens[rows, None, None])
         groups.append(DecodeGroup(
             rows=torch.from_numpy(rows.astype(np.int64)).to(device),
