@@ -64,6 +64,17 @@ async def _serve_all(config: EngineConfig, choice: PolicyChoice, workload: Workl
     return result, log
 
 
+def _replay_task_order_exactly() -> None:
+    """Trio orders the tasks that are ready at the same instant at random, on purpose (and
+    shuffles them fully once hypothesis is imported, as under pytest): two sim runs of one
+    workload then differed by up to 8% in a policy's throughput. A simulator run must replay
+    exactly, so each starts trio's tie-breaking generator from the same seed. The generator is
+    private (`trio._core._run._r`); if trio moves it, runs are merely not reproducible."""
+    rng = getattr(getattr(getattr(trio, "_core", None), "_run", None), "_r", None)
+    if rng is not None:
+        rng.seed(0)
+
+
 def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
             async_backend: str = "asyncio", progress: bool = True,
             clock_limit_s: float | None = None, cluster: Any = None) -> RunOutcome:
@@ -73,6 +84,7 @@ def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
     began = time.perf_counter()
     try:
         if config.backend == "sim":
+            _replay_task_order_exactly()
             clock = trio.testing.MockClock(autojump_threshold=0)
             drive, log = anyio.run(_serve, config, choice, workload, progress, clock_limit_s,
                                    cluster, backend="trio", backend_options={"clock": clock})
