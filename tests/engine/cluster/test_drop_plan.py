@@ -1,0 +1,87 @@
+"""KunServe's drop plan (§4.1): greedy grouping, checked as properties and on examples."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from engine.cluster.drop_plan import InstanceCapacity, group_pool, plan_drop
+
+
+def _cluster(draw_pools, used, queued):
+    return [InstanceCapacity(index=i, pool_blocks=p, used_blocks=min(u, p), queued_blocks=q)
+            for i, (p, u, q) in enumerate(zip(draw_pools, used, queued))]
+
+
+instances = st.integers(1, 8).flatmap(lambda n: st.tuples(
+    st.lists(st.integers(10, 200), min_size=n, max_size=n),
+    st.lists(st.integers(0, 200), min_size=n, max_size=n),
+    st.lists(st.integers(0, 400), min_size=n, max_size=n)))
+
+
+@settings(max_examples=300, deadline=None)
+@given(instances, st.integers(0, 300), st.integers(1, 40))
+def test_greedy_grouping_properties(cluster, weight_blocks, num_layers):
+    inst = _cluster(*cluster)
+    plan = plan_drop(inst, num_layers=num_layers, weight_blocks=weight_blocks)
+    free0 = sum(c.pool_blocks - c.used_blocks for c in inst)
+    demand = sum(c.queued_blocks for c in inst)
+    if plan is None:
+        # refused only when no grouping fits: one group of all (or the most stages the
+        # layers allow, if fewer) frees too little
+        most = min(len(inst), num_layers) - 1
+        assert free0 + most * weight_blocks < demand or weight_blocks == 0 and free0 < demand
+        return
+    # every instance in exactly one group; every group holds every layer exactly once
+    members = sorted(i for g in plan.groups for i in g.members)
+    assert members == [c.index for c in inst]
+    for g in plan.groups:
+        layers = [layer for r in g.layers for layer in r]
+        assert layers == list(range(num_layers)) and len(g.layers) == g.size
+        assert all(len(r) > 0 for r in g.layers)
+    merges = len(inst) - len(plan.groups)
+    # it fits, with the fewest merges that fit (each merge frees exactly one weight copy)
+    assert plan.free_blocks == free0 + merges * weight_blocks >= demand
+    if merges:
+        assert free0 + (merges - 1) * weight_blocks < demand  # no unnecessary cooperation
+    # the smallest groups were merged: sizes never differ by more than a factor of two
+    sizes = sorted(g.size for g in plan.groups)
+    assert sizes[-1] <= 2 * sizes[0]
+
+
+def test_two_of_four_pair_up_when_one_copy_is_enough():
+    inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=90, queued_blocks=q)
+            for i, q in enumerate((100, 0, 0, 0))]
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400)
+    assert [g.members for g in plan.groups] == [(0, 1), (2,), (3,)]
+    assert plan.groups[0].layers == (range(0, 16), range(16, 32))
+    assert group_pool([100, 100], 400) == 600
+
+
+def test_no_drop_when_memory_is_free():
+    inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=10, queued_blocks=50)
+            for i in range(4)]
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400)
+    assert all(g.size == 1 for g in plan.groups) and not plan.merged
+
+
+def test_head_is_the_member_holding_most_kv():
+    inst = [InstanceCapacity(index=0, pool_blocks=100, used_blocks=20, queued_blocks=300),
+            InstanceCapacity(index=1, pool_blocks=100, used_blocks=95, queued_blocks=0)]
+    plan = plan_drop(inst, num_layers=4, weight_blocks=400)
+    assert plan.groups[0].members == (1, 0)
+
+
+def test_existing_groups_are_kept_and_grown():
+    inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=100, queued_blocks=0)
+            for i in range(4)]
+    inst[3] = InstanceCapacity(index=3, pool_blocks=100, used_blocks=100, queued_blocks=700)
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400, groups=[(0, 1)])
+    # (0,1) already freed one copy (400); the next smallest merge is (2)+(3)
+    assert sorted(g.members for g in plan.groups) == [(0, 1), (2, 3)]
+
+
+def test_refused_when_even_one_group_cannot_hold_it():
+    inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=100, queued_blocks=1000)
+            for i in range(2)]
+    assert plan_drop(inst, num_layers=32, weight_blocks=400) is None
