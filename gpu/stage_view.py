@@ -1,0 +1,177 @@
+"""Dropping a layer range from a loaded model, and viewing its arena again so that the freed
+weight memory holds KV blocks (KunServe §4.1), without copying the KV it keeps.
+
+The arena (gpu/arena.py) is block-major: old block b holds layer l's K and V at elements
+[b*L*U + l*U, b*L*U + (l+1)*U), U = 2 * block_size * Hkv * D, and every layer's weights sit on
+block boundaries. A member that keeps layers [a, a+k) needs only k*U elements per block. Its
+stage view cuts the WHOLE buffer into blocks of stride k'*U, k' the smallest divisor of L that is
+at least k, starting at (a mod k')*U: then old block b's kept layers are exactly stage block
+b*L/k' + a//k', so the KV already there for those layers stays where it is and is read through
+the new view (no copy). Every other stage block that does not overlap the weights still kept
+(global tensors and the kept layers) is free for KV: the dropped layers' weights, the other
+layers' KV of the old blocks, and the old blocks themselves, L/k' stage blocks to each.
+
+Dropping copies the dropped weights to host first (the copy restore and fault recovery use) and
+zeroes the freed bytes; restoring writes weights back into their slots (from that host copy or
+from a peer's kept range, one contiguous tensor per range) and returns to the full view.
+"""
+
+from __future__ import annotations
+
+import attrs
+import numpy as np
+import torch
+from torch import nn
+
+from gpu.arena import DeviceArena, plan_layout
+from gpu.config import ModelConfig
+
+
+def stride_layers(num_layers: int, kept: int) -> int:
+    """k': the smallest divisor of `num_layers` that is at least `kept`."""
+    if not 1 <= kept <= num_layers:
+        raise ValueError(f"a stage keeps 1..{num_layers} layers, got {kept}")
+    return next(d for d in range(kept, num_layers + 1) if num_layers % d == 0)
+
+
+class StageView:
+    """Block geometry of one arena re-viewed for a member keeping `keep` (no memory touched
+    except through `layer_kv`)."""
+
+    def __init__(self, config: ModelConfig, block_size: int, total_blocks: int,
+                 weight_ranges: tuple[range, ...], keep: range) -> None:
+        """`weight_ranges`: old-block ranges still holding weights (global tensors, kept
+        layers)."""
+        L = config.num_layers
+        self.keep = keep
+        self.unit = 2 * block_size * config.num_kv_heads * config.head_dim
+        self.stride = stride_layers(L, len(keep))
+        self.per_old = L // self.stride
+        """Stage blocks per old block."""
+        self.first = (keep.start % self.stride) * self.unit
+        """Element where stage block 0 starts."""
+        span = len(keep) * self.unit
+        total = total_blocks * L * self.unit
+        self.num_blocks = (total - self.first - span) // (self.stride * self.unit) + 1
+        starts = self.first + np.arange(self.num_blocks, dtype=np.int64) * self.stride * self.unit
+        usable = np.ones(self.num_blocks, dtype=bool)
+        for r in weight_ranges:  # a stage block overlapping kept weights is not usable
+            lo, hi = r.start * L * self.unit, r.stop * L * self.unit
+            usable &= ~((starts < hi) & (starts + span > lo))
+        self.usable = np.flatnonzero(usable)
+        """Stage block ids free for KV (ascending)."""
+
+    @property
+    def capacity(self) -> int:
+        return len(self.usable)
+
+    def local_of_old(self, old_block: int) -> int:
+        """The stage block holding old block `old_block`'s kept layers."""
+        return old_block * self.per_old + self.keep.start // self.stride
+
+    def layer_kv(self, buffer: torch.Tensor, i: int, block_size: int, heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_cache, v_cache) of kept layer i (0-based within `keep`), each
+        [num_blocks, block_size, Hkv, D] strided over `buffer`."""
+        size = (self.num_blocks, block_size, heads, head_dim)
+        stride = (self.stride * self.unit, heads * head_dim, head_dim, 1)
+        k_at = self.first + i * self.unit
+        return (buffer.as_strided(size, stride, k_at),
+                buffer.as_strided(size, stride, k_at + self.unit // 2))
+
+
+def group_pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
+                      total_blocks: int, layers: tuple[range, ...]) -> int:
+    """A group's block count: the smallest member capacity (one block space for all; every
+    member has the same arena). Needs no model."""
+    layout = plan_layout(config, block_size, dtype)
+    return min(StageView(config, block_size, total_blocks, kept_weight_ranges(layout, keep),
+                         keep).capacity for keep in layers)
+
+
+def kept_weight_ranges(layout, keep: range) -> tuple[range, ...]:
+    """Old-block ranges that still hold weights when `keep` is kept: the global tensors and
+    the kept layers' blocks."""
+    return (layout.global_blocks,
+            range(layout.layer_blocks[keep.start].start, layout.layer_blocks[keep.stop - 1].stop))
+
+
+def dropped_ranges(layout, num_layers: int, keep: range) -> tuple[tuple[range, range], ...]:
+    """(layers, old blocks) of each contiguous dropped range (before and after `keep`)."""
+    out = []
+    for layers in (range(0, keep.start), range(keep.stop, num_layers)):
+        if len(layers):
+            out.append((layers, range(layout.layer_blocks[layers.start].start,
+                                      layout.layer_blocks[layers.stop - 1].stop)))
+    return tuple(out)
+
+
+@attrs.define(eq=False)
+class DropState:
+    """What a dropped model remembers to restore itself."""
+
+    keep: range
+    view: StageView
+    all_layers: nn.ModuleList
+    host_copy: dict[tuple[int, int], torch.Tensor]
+    """(first, stop) old block range -> its weights on host, taken at the drop."""
+    freed_bytes: int
+
+
+def elem_range(arena: DeviceArena, blocks: range) -> slice:
+    per = arena.layout.block_elems
+    return slice(blocks.start * per, blocks.stop * per)
+
+
+def drop_layers(model, keep: range) -> DropState:
+    """Make the loaded full model `model` (CausalLM) a stage keeping `keep`, in place."""
+    arena: DeviceArena = model.arena
+    L = model.config.num_layers
+    if getattr(model, "drop_state", None) is not None:
+        raise RuntimeError(f"layers already dropped (keeping {model.drop_state.keep})")
+    if keep.step != 1 or not 0 <= keep.start < keep.stop <= L:
+        raise ValueError(f"keep must be a contiguous range within 0..{L}, got {keep}")
+    layout = arena.layout
+    view = StageView(model.config, arena.block_size, arena.total_blocks,
+                     kept_weight_ranges(layout, keep), keep)
+    host, freed = {}, 0
+    pin = arena.device.type == "cuda"
+    for _, blocks in dropped_ranges(layout, L, keep):
+        part = arena.buffer[elem_range(arena, blocks)]
+        host[(blocks.start, blocks.stop)] = part.to("cpu", copy=True).pin_memory() if pin \
+            else part.clone()
+        part.zero_()
+        freed += part.numel() * part.element_size()
+    state = DropState(keep=keep, view=view, all_layers=model.model.layers, host_copy=host,
+                      freed_bytes=freed)
+    model.model.layers = nn.ModuleList(model.model.layers[i] for i in keep)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer = i
+    c = model.config
+    model._kv = tuple(view.layer_kv(arena.buffer, i, arena.block_size, c.num_kv_heads,
+                                    c.head_dim) for i in range(len(keep)))
+    model.first_stage, model.last_stage = keep.start == 0, keep.stop == L
+    model.drop_state = state
+    return state
+
+
+def restore_layers(model, fill=None) -> None:
+    """Write the dropped weights back and return to the full view. `fill(blocks, dst)` writes
+    old block range `blocks` of weights into `dst` (a peer's copy received over the network);
+    None: from the host copy taken at the drop."""
+    state: DropState | None = getattr(model, "drop_state", None)
+    if state is None:
+        raise RuntimeError("no layers are dropped")
+    arena: DeviceArena = model.arena
+    for (first, stop), saved in state.host_copy.items():
+        dst = arena.buffer[elem_range(arena, range(first, stop))]
+        if fill is None:
+            dst.copy_(saved, non_blocking=False)
+        else:
+            fill(range(first, stop), dst)
+    model.model.layers = state.all_layers
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer = i
+    model._kv = tuple(arena.layer_kv(i) for i in range(model.config.num_layers))
+    model.first_stage = model.last_stage = True
+    model.drop_state = None
