@@ -4,9 +4,7 @@ Each iteration: freeze the requests into views, ask the policy for an order, fit
 (engine/planner.py), send the whole plan to the allocator in one `RunStep` (engine/step_plan.py),
 and wait for the executor's `StepFinished` while still taking new requests, cancellations and
 policy swaps. Queues are request states: waiting, running, swapped (KV on the host), swapping_in.
-Host copies and their reuse (FastSwitch §3.3) and the sync/async swap-in choice (§3.2) are
-mechanisms of their own in engine/memory/.
-"""
+Host copies, their reuse, the swap-in choice (FastSwitch §3.2-3.3) live in engine/memory/."""
 
 from __future__ import annotations
 
@@ -19,20 +17,21 @@ import anyio
 import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.cluster.adoption import AdoptionMixin, GroupSeat
 from engine.config import EngineConfig
 from engine.cost_model import CostModel
 from engine.memory.host_copies import HostCopies
 from engine.memory.swap_in_profiler import SwapInProfiler
 from engine.messages import (
-    AbortRequest, AddRequest, AllocatorMessage, FrontendMessage, InspectScheduler, ReplacePolicy,
-    RunStep, SchedulerMessage, StepFailed, StepFinished, StepOutputs, SwapDone, TakeIterationLog,
-    TokenOutput,
+    AbortRequest, AddRequest, AllocatorMessage, FrontendMessage, InspectScheduler, Regroup,
+    ReplacePolicy, RunStep, SchedulerMessage, StepFailed, StepFinished, StepOutputs, StepStarted,
+    SwapDone, TakeIterationLog, TokenOutput,
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
 from engine.request import Request, refusal
 from engine.scheduler_stats import SchedulerStats
-from engine.step_plan import BidirectionalMemory, build_run_step, finish_step, start_step
+from engine.step_plan import BidirectionalMemory, build_run_step, finish_step, land_swaps, start_step
 
 log = structlog.get_logger(actor="scheduler")
 
@@ -40,7 +39,7 @@ IDLE_POLL_S = 0.005
 """How long to wait before asking the policy again when it scheduled nothing."""
 
 
-class Scheduler:
+class Scheduler(AdoptionMixin):
     name = "scheduler"
 
     def __init__(self, *, config: EngineConfig, policy: Policy, num_blocks: int, max_context: int,
@@ -70,24 +69,28 @@ class Scheduler:
         self._prefixes = self._stats.prefixes  # the device prefix cache (vLLM's APC)
         self._copies = HostCopies(cpu_blocks, config.block_size) if cpu_blocks else None
         self._profiler = SwapInProfiler()
+        self._seat = GroupSeat()
         self._use(policy, version=1)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
         while True:
             if not self._live and not self._release:
+                await self._flush()
                 await self._handle(await self._inbox.receive())
                 continue
             await self._drain()
             step = self._next_step()
             if step is None:
+                await self._flush()
                 with anyio.move_on_after(IDLE_POLL_S):
                     await self._handle(await self._inbox.receive())
                 continue
             if self._config.charge_scheduler_time:  # sim: planning's CPU time, on its clock
                 await anyio.sleep(self._stats.last_scheduler_s)
-            await self._allocator.send(step)
+            await self._allocator.send(self._with_regroup(step))
             await self._wait_for(step.step_id)
+            self._regroups_after_step()
 
     async def _drain(self) -> None:
         while True:
@@ -111,12 +114,16 @@ class Scheduler:
                 self._add(msg)
             case AbortRequest(request_id=rid, reason=reason):
                 self._abort(rid, reason)
+            case StepStarted():  # the last step's tokens stream while this one runs
+                pass
             case StepFinished():
                 self._on_step_finished(msg)
             case StepFailed():
                 self._on_step_failed(msg)
             case SwapDone():
                 self._on_swap_done(msg)
+            case Regroup():  # KunServe groups: engine/cluster/adoption.py
+                self._regroup(msg)
             case InspectScheduler(reply=reply):
                 reply.send(self._stats.snapshot(
                     iteration=self._iteration, policy=self._policy.settings.name,
@@ -132,6 +139,10 @@ class Scheduler:
                 reply.send(None)
             case _:
                 assert_never(msg)
+        if not isinstance(msg, StepFinished):  # its outputs wait for the next StepStarted
+            await self._flush()
+
+    async def _flush(self) -> None:
         if self._outputs:
             outputs, self._outputs = tuple(self._outputs), []
             await self._frontend.send(StepOutputs(time=anyio.current_time(), outputs=outputs))
@@ -179,8 +190,7 @@ class Scheduler:
             request_id=req.id, token_ids=(), finish_reason=reason, error=error,
             metrics=req.timeline(anyio.current_time(), reason)))
 
-    def _free_blocks(self) -> int:
-        """Device blocks no live request holds (a shared cached block counts once): derived."""
+    def _free_blocks(self) -> int:  # held by no live request (a shared cached one counts once)
         used = sum(r.blocks for r in self._live.values()) - self._prefixes.shared_extra
         return self._bidi.planning_free() if self._bidi else self._total_blocks - used
 
@@ -191,6 +201,7 @@ class Scheduler:
         return SchedulerView(
             now=now, iteration=self._iteration, requests=self._prefixes.views(self._live, now),
             free_blocks=self._free_blocks(), total_blocks=self._total_blocks,
+            reverse_free_blocks=self._bidi.reverse_free() if self._bidi else None,
             block_size=c.block_size, max_num_seqs=c.max_num_seqs, cost=self._stats.cost_model,
             max_batched_tokens=c.max_batched_tokens, last_iteration_ms=self._last_iteration_ms)
 
@@ -276,20 +287,8 @@ class Scheduler:
 
     def _on_swap_done(self, msg: SwapDone) -> None:
         """Asynchronous swap-ins that finished go back to the running batch."""
-        now = anyio.current_time()
-        for rid in msg.request_ids:
-            req = self._live.get(rid)
-            if req is not None and req.state == "swapping_in":
-                req.swap_in_done(now)
-        for rid in msg.failed:
-            req = self._live.get(rid)
-            if req is None and self._copies is not None:
-                # an ended turn whose KV was being kept: which copy is unknown
-                self._copies.drop_conversation_copies()
-            elif req is not None and req.state in ("swapped", "swapping_in"):
-                self._finish(req, "error", f"copying its KV between device and host failed: "
-                                           f"{msg.error}")
-            # a running request's failed swap-in fails the step that waited for it
+        for req in land_swaps(msg, self._live, self._copies, anyio.current_time()):
+            self._finish(req, "error", f"copying its KV between device and host failed: {msg.error}")
         self._profiler.observe(msg.seconds_per_block)
 
     def _on_step_failed(self, msg: StepFailed) -> None:

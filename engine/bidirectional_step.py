@@ -45,6 +45,10 @@ class BidirectionalMemory:
         the simulator, bench/results/bros_bicache.md: -10% output tokens/s)."""
         return self.table.rt_room()
 
+    def reverse_free(self) -> int:
+        """Blocks a BE request may take: only free ones (it never starts in an RT block)."""
+        return self.table.num_free
+
     def fit(self, plan: IterationPlan, requests: Mapping[int, Request],
             release: Sequence[int]) -> BidirectionalOrders:
         """Fit `plan` (changed in place: requests that cannot be placed leave it) and return

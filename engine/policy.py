@@ -126,6 +126,10 @@ class SchedulerView:
     last_iteration_ms: float = 0.0
     cost: CostModel | None = None
     """Predicts an iteration's latency from its batch shape; None when the backend has none."""
+    reverse_free_blocks: int | None = None
+    """On BROS's bidirectional table (§5.2): the blocks a best-effort request (no TTFT or TPOT
+    goal) may take, only wholly free ones, whereas `free_blocks` also counts the BE blocks an
+    RT request may overwrite. None: every request may take `free_blocks`."""
 
     @property
     def kv_usage(self) -> float:
@@ -190,6 +194,13 @@ class MemorySettings:
     bidirectional: bool = False
     """BROS §5: RT and BE requests share blocks from opposite ends, RT overwriting BE slots
     after checkpointing them to the host (engine/memory/bidirectional.py); chosen at start."""
+    kv_exchange: Literal["fifo", "coordinated"] = "fifo"
+    """KunServe §4.2, once instances form groups: `fifo` sends a group's exchanged KV in one
+    queue with the activations (they wait behind it); `coordinated` sends it in chunks and lets
+    activations go first."""
+    microbatch: Literal["tokens", "lookahead"] = "tokens"
+    """KunServe §4.3, how a group's step is cut into microbatches: by token count, or by the
+    attention-aware cost model over the whole lookahead window (engine/cluster/lookahead.py)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -243,6 +254,8 @@ class EngineCapabilities:
     bidirectional: bool | None = None
     """Whether the engine runs BROS's bidirectional block table, once chosen (from the policy
     it starts with); a later policy cannot turn it on."""
+    group_modes: frozenset[str] = frozenset()
+    """KunServe group settings its runner honours (`kv_exchange`, `microbatch` values)."""
 
     @property
     def swap(self) -> bool:
@@ -283,6 +296,11 @@ class EngineCapabilities:
                         f"match this engine's device allocator, which runs {self.allocator} (it "
                         f"follows the policy the engine started with; restart the engine to "
                         f"change it)"))
+        for name in ("kv_exchange", "microbatch"):
+            value = getattr(m, name)
+            if (name in written or value != getattr(default, name)) and value not in self.group_modes:
+                out.append((name, f"{name} {value} is not supported by this engine (its runner "
+                                  f"cannot run KunServe pipeline groups; the simulator's can)"))
         if m.prefix_cache and self.allocator == "groups":
             out.append(("prefix_cache", "prefix_cache on does not work with this engine's device "
                         "allocator, which runs block groups (it follows the policy the engine "

@@ -109,6 +109,13 @@ class _Batch:
         self.tokens_left = view.max_batched_tokens
         self.block_size = view.block_size
         self.free = view.free_blocks
+        self.reverse_free = view.reverse_free_blocks
+        """Free blocks left for BE requests on a bidirectional table (None: no such table): a
+        BE request starts only in wholly free blocks and a displaced one swaps back into them,
+        while `free` also counts BE blocks RT may overwrite. Without it, BE requests took token
+        budget for memory `fit` then could not give them (sim, tests/sim/test_bros_overload.py:
+        62% of planned BE tokens left out)."""
+        self.reverse_takes: list[int] = []
         self.selected: list[RequestView] = []
         self.classes: list[int] = []
         self.chunks: list[tuple[int, int]] = []
@@ -140,6 +147,21 @@ class _Batch:
     def need(self, r: RequestView, chunk: tuple[int, int]) -> int:
         return max(0, _blocks(chunk[0] + chunk[1], self.block_size) - r.blocks)
 
+    def reverse_need(self, r: RequestView, need: int) -> int:
+        """Wholly free blocks r takes: RT takes those first; a BE request also its restore's
+        blocks (at most one per checkpointed block)."""
+        if self.reverse_free is None:
+            return 0
+        if r.ttft_ms is None and r.tpot_ms is None:
+            return need + r.checkpointed_blocks
+        return min(need, self.reverse_free)
+
+    def reverse_short(self, r: RequestView, need: int, extra: int = 0) -> bool:
+        """A BE request whose blocks are not wholly free (`fit` would leave it out)."""
+        if self.reverse_free is None or r.ttft_ms is not None or r.tpot_ms is not None:
+            return False
+        return self.reverse_need(r, need) > self.reverse_free + extra
+
     def iterations(self, r: RequestView, chunk: tuple[int, int]) -> int:
         """Iterations until r's current token: this one, then the rest of its prefill."""
         rest = r.remaining_tokens - chunk[1]
@@ -160,6 +182,10 @@ class _Batch:
         self.classes.append(cls)
         self.chunks.append(chunk)
         self.needs.append(need)
+        take = self.reverse_need(r, need)
+        self.reverse_takes.append(take)
+        if self.reverse_free is not None:
+            self.reverse_free = max(0, self.reverse_free - take)
         self.budgets.append(budget)
         self.ids.add(r.id)
         self.shape = shape
@@ -172,8 +198,10 @@ class _Batch:
         self.free += self.needs[i]
         self.ids.discard(self.selected[i].id)
         self.copy_blocks -= self.copies[i]
+        if self.reverse_free is not None:
+            self.reverse_free += self.reverse_takes[i]
         for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets,
-                    self.copies):
+                    self.copies, self.reverse_takes):
             del seq[i]
         self.shape = BatchShape.of(self.chunks) if self.cost is not None else self.shape
         self.min_slack = min(self.budgets, default=math.inf)
@@ -288,6 +316,8 @@ class PackOrder:
         if admits and need > free and need > free + lender.available(rank):
             batch.reserved.setdefault(r.id, (step.cls, max(0, min(need, free))))
             return "skip"
+        if batch.reverse_short(r, need):
+            return "skip"
         shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
         est = batch.predict(shape, _copies(r))
         budget = r.slack_ms / batch.iterations(r, chunk)
@@ -330,7 +360,8 @@ class PackOrder:
             if chunk[1] < cand.remaining_tokens:
                 continue  # a sliver of a prompt in a decode's place serves nobody
             need = batch.need(cand, chunk)
-            if need > batch.free + batch.needs[i]:
+            if need > batch.free + batch.needs[i] or batch.reverse_short(
+                    cand, need, batch.reverse_takes[i]):
                 continue  # BE takes no memory from RT
             rest = batch.chunks[:i] + batch.chunks[i + 1:]
             shape = BatchShape.of(rest + [chunk]) if batch.cost is not None else batch.shape
