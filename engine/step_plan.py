@@ -4,7 +4,8 @@
   scheduler sends the allocator; a pure function, it changes neither the plan nor the requests;
 - `start_step`: then the requests move as the plan says (running, swapping in, in flight);
 - `finish_step`: the executor's `StepFinished` lands on the requests in flight: their KV, their
-  new tokens, why they end, what the policy is told.
+  new tokens, why they end, what the policy is told;
+- `land_swaps`: the swap pool's `SwapDone` lands on the requests it swapped in.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from collections.abc import Mapping, Sequence
 import attrs
 
 from engine.bidirectional_step import BidirectionalMemory
-from engine.messages import RequestSetup, RunStep, SeqWork, StepFinished, SwapIn, SwapOut
+from engine.memory.host_copies import HostCopies
+from engine.messages import RequestSetup, RunStep, SeqWork, StepFinished, SwapDone, SwapIn, SwapOut
 from engine.planner import IterationPlan
 from engine.policy import RequestView, SwapGranularity
 from engine.request import Request
@@ -114,3 +116,22 @@ def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
             served.append((seen[rid], n - 1, 1))
             events.append((req, token, req.stop_reason(token, max_context, limit)))
     return StepResult(served=served, deadline_misses=misses, events=events)
+
+
+def land_swaps(msg: SwapDone, requests: Mapping[int, Request], copies: HostCopies | None,
+               now: float) -> list[Request]:
+    """Asynchronous swap-ins that finished go back to the running batch; returns the requests
+    whose KV could not be copied back, to end with an error. A running request's failed swap-in
+    fails the step that waited for it instead."""
+    for rid in msg.request_ids:
+        req = requests.get(rid)
+        if req is not None and req.state == "swapping_in":
+            req.swap_in_done(now)
+    failed = []
+    for rid in msg.failed:
+        req = requests.get(rid)
+        if req is None and copies is not None:
+            copies.drop_conversation_copies()  # an ended turn's kept KV: which copy is unknown
+        elif req is not None and req.state in ("swapped", "swapping_in"):
+            failed.append(req)
+    return failed
