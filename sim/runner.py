@@ -30,6 +30,8 @@ class SimRunner:
         self._block_size = block_size
         self._tables: dict[int, list[int]] = {}
         self.swapper: SimSwapper | None = None
+        self._overlap_end = 0.0
+        """When the slot copies the current step overlaps end (BROS §4.1: max(model, copy))."""
 
     async def start(self) -> range:
         return range(self.num_blocks)
@@ -68,6 +70,8 @@ class SimRunner:
             seconds += wait_in + self._own_copy_wait("out", wait_in + seconds)
         if seconds > 0:
             await anyio.sleep(seconds)
+        if self.swapper is not None:
+            stall += await self._wait_for_overlapped()
         self.steps += 1
         self.busy_s += seconds
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled), compute_s=seconds,
@@ -91,8 +95,18 @@ class SimRunner:
         bs = self._block_size
         written = [b for w in step.seqs for b in tables.get(w.request_id, [])[w.written(bs)]]
         now = anyio.current_time()
+        self._overlap_end = self.swapper.overlapped_until(step.wait_tickets, written)
         stall = max(0.0, self.swapper.ready_at(step.wait_tickets, written) - now)
         if stall > 0:
             self.swapper.add_stall(stall)
             await anyio.sleep(stall)
         return stall
+
+    async def _wait_for_overlapped(self) -> float:
+        """The step ends when the slot copies it overlapped end too; the excess is stall."""
+        assert self.swapper is not None
+        wait = max(0.0, self._overlap_end - anyio.current_time())
+        if wait > 0:
+            self.swapper.add_stall(wait)
+            await anyio.sleep(wait)
+        return wait

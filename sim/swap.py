@@ -44,6 +44,9 @@ class SimSwapper:
         self._host_busy: dict[int, float] = {}
         self.slots: dict[str, int] = {}
         """Slots moved by slot copies, per direction (BROS's checkpoints and restores)."""
+        self._overlapped: set[int] = set()
+        self._slot_busy: dict[int, float] = {}
+        """Device blocks in slot copies, which overlap the step instead of preceding it."""
 
     def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
                granularity: str) -> None:
@@ -52,6 +55,7 @@ class SimSwapper:
             return
         now = anyio.current_time()
         after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
+                    + [self._slot_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
         runs = len(coalesce(pairs))
         calls = len(pairs) * 2 * self.num_layers if granularity == "per-block" else runs
@@ -75,6 +79,7 @@ class SimSwapper:
         bs = self.block_size
         devices, hosts = slot_blocks(direction, pairs, bs)
         after = max([self._device_busy.get(g, 0.0) for g in devices]
+                    + [self._slot_busy.get(g, 0.0) for g in devices]
                     + [self._host_busy.get(h, 0.0) for h in hosts] + [anyio.current_time()])
         calls = len(slot_runs(pairs, bs))
         engine = "out" if direction == "out" else "in"
@@ -82,8 +87,9 @@ class SimSwapper:
         self.engine.counters.runs += calls
         self.slots[direction] = self.slots.get(direction, 0) + len(pairs)
         self._end[ticket_id] = t.end
+        self._overlapped.add(ticket_id)
         for g in devices:
-            self._device_busy[g] = max(self._device_busy.get(g, 0.0), t.end)
+            self._slot_busy[g] = max(self._slot_busy.get(g, 0.0), t.end)
         for h in hosts:
             self._host_busy[h] = max(self._host_busy.get(h, 0.0), t.end)
 
@@ -92,9 +98,11 @@ class SimSwapper:
         done = [tid for tid, end in self._end.items() if end <= now]
         for tid in done:
             del self._end[tid]
+            self._overlapped.discard(tid)
         if not self._end:  # nothing in flight: no block is busy any more
             self._device_busy.clear()
             self._host_busy.clear()
+            self._slot_busy.clear()
         return done
 
     def take_failures(self) -> dict[int, str]:
@@ -108,8 +116,15 @@ class SimSwapper:
 
     def ready_at(self, tickets: Iterable[int], written_blocks: Iterable[int]) -> float:
         """When a step that waits for `tickets` and writes `written_blocks` may start."""
-        return max([self._end.get(t, 0.0) for t in tickets]
+        return max([self._end.get(t, 0.0) for t in tickets if t not in self._overlapped]
                    + [self._device_busy.get(g, 0.0) for g in written_blocks] + [0.0])
+
+    def overlapped_until(self, tickets: Iterable[int], written_blocks: Iterable[int]) -> float:
+        """When the slot copies a step depends on end: BROS's checkpoints and swap-backs run
+        on their own stream beside the model (§5.2: "consolidated and conducted
+        asynchronously"), so the step lasts max(model, copies) (§4.1) rather than their sum."""
+        return max([self._end[t] for t in tickets if t in self._overlapped]
+                   + [self._slot_busy.get(g, 0.0) for g in written_blocks] + [0.0])
 
     def add_stall(self, seconds: float) -> None:
         self.engine.counters.stall_s += seconds

@@ -8,10 +8,13 @@ import pytest
 import torch
 import trio
 
+from engine.cost_model import CostModel
 from engine.memory.slot_runs import slot_blocks, slot_runs
+from engine.messages import BlockUpdate, ExecuteStep, SeqWork
 from gpu.slot_copy import copy_slots
-from sim.profile import CopyLink
-from sim.swap import SimSwapper
+from sim.profile import CopyLink, ModelShape
+from sim.runner import SimRunner
+from sim.swap import YIELD_MS, SimSwapper
 
 BS = 4
 
@@ -31,11 +34,41 @@ async def test_sim_charges_calls_times_dispatch_plus_bytes_over_bandwidth(autoju
                     yield_ms=None)  # no bounded dispatch: the bare cost
     now = trio.current_time()
     sw.submit(1, "out", [(4, 0), (5, 1), (9, 7)], "slots")  # two runs, three slots of 1 MB
-    assert sw.ready_at([1], []) == pytest.approx(now + 2 * 100e-6 + 3e6 / 1e9)
-    assert sw.ready_at([], [2]) == pytest.approx(now + 2 * 100e-6 + 3e6 / 1e9), "block 2 is busy"
+    end = now + 2 * 100e-6 + 3e6 / 1e9
+    assert sw.overlapped_until([1], []) == pytest.approx(end)
+    assert sw.overlapped_until([], [2]) == pytest.approx(end), "block 2 is busy"
+    assert sw.ready_at([1], [2]) == 0.0, "slot copies overlap the step (BROS §4.1), never lead it"
     assert sw.slots == {"out": 3}
     await trio.sleep(0.01)
     assert sw.poll() == [1]
+
+
+@pytest.mark.trio
+@pytest.mark.parametrize("copy_slots_n", [1, 400])
+async def test_a_step_overlapping_slot_copies_lasts_max_of_model_and_copies(autojump_clock,
+                                                                           copy_slots_n):
+    """BROS §4.1: iteration = max(model, swap). A step that writes a block being checkpointed
+    and waits for that ticket runs beside the copy: short copies hide behind the model, long
+    ones set the step's length (the excess counted as stall); never model + copies."""
+    model = ModelShape(name="toy", num_layers=2, hidden_size=64, intermediate_size=128,
+                       num_heads=4, num_kv_heads=2, head_dim=16, vocab_size=500)
+    cost = CostModel(a_ms=10.0, b_ms_per_prefill_token=0.0, c_ms_per_prefill_token_sq=0.0,
+                     d_ms_per_decode_seq=0.0, e_ms_per_decode_context_token=0.0)  # 10 ms a step
+    link = CopyLink(bandwidth_gb_per_s=0.001, dispatch_us=0.0)  # 1 MB/s: 512 B a slot
+    runner = SimRunner(cost, 1000, link=link, model=model, block_size=BS)
+    sw = await runner.make_swapper(100)
+    pairs = [(BS * (10 + i // BS) + i % BS, i) for i in range(copy_slots_n)]
+    sw.submit(7, "out", pairs, "slots")
+    copy_s = copy_slots_n * model.block_bytes(BS) // BS / 1e6
+    step = ExecuteStep(step_id=1, release=(), setups=(), wait_tickets=(7,),
+                       blocks=(BlockUpdate(request_id=1, reset=True, append=(10,)),),
+                       seqs=(SeqWork(request_id=1, start=0, num_tokens=1, sample=True),))
+    began = trio.current_time()
+    done = await runner.step(step)
+    # the step's own token copy may wait one bounded-dispatch slice behind the checkpoints
+    slack = YIELD_MS / 1000 + 1e-9
+    assert max(0.010, copy_s) - 1e-9 <= trio.current_time() - began <= max(0.010, copy_s) + slack
+    assert done.compute_s + done.stall_s == pytest.approx(trio.current_time() - began)
 
 
 def test_torch_copier_moves_exactly_the_slots():
