@@ -62,6 +62,10 @@ class EngineConfig:
     as many as the device pool has; 0: no swap space (policies that swap are refused)."""
     profile: str = "llama3-8b-a100"
     """Sim backend: the timing profile (a name from `shunter profile list`, or a JSON path)."""
+    cost_profile: str | None = None
+    """Torch backend: a profile JSON fitted on this machine (`shunter profile fit`) whose cost
+    model the policies predict iterations with (BROS §4.1: profiled offline); None: the engine
+    fits one online from its own iterations."""
     record_iterations: bool = False
     """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
     charge_scheduler_time: bool = False
@@ -86,6 +90,9 @@ class EngineConfig:
         if self.charge_scheduler_time and self.backend != "sim":
             raise ConfigError("charge_scheduler_time is for the sim backend (a real backend's "
                               f"clock already includes the scheduler), got backend {self.backend!r}")
+        if self.cost_profile is not None and self.backend != "torch":
+            raise ConfigError("cost_profile is for the torch backend (the sim's cost model is its "
+                              f"profile), got backend {self.backend!r}")
         if self.backend not in ("torch", "sim"):
             raise ConfigError(f"backend must be 'torch' or 'sim', got {self.backend!r}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

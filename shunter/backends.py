@@ -119,4 +119,22 @@ def _torch_backend(config: EngineConfig) -> Backend:
         eos_token_ids=tuple(model.eos_token_ids),
         max_context=max_context,
         max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
+        cost_model=_fitted_cost(config, model) if config.cost_profile else None,
     )
+
+
+def _fitted_cost(config: EngineConfig, model: Any) -> CostModel:
+    """The cost model of a profile fitted for this model (`shunter profile fit`), with its copy
+    link, so the torch backend's policies predict as the simulator's do (BROS §4.1). A profile
+    of another model is refused: its step times would be another model's."""
+    profile = load_profile(str(config.cost_profile))
+    m = profile.model
+    mine = (model.num_layers, model.hidden_size, model.num_kv_heads, model.head_dim)
+    if (m.num_layers, m.hidden_size, m.num_kv_heads, m.head_dim) != mine:
+        raise ConfigError(
+            f"cost_profile {config.cost_profile}: fitted for {m.name} ({m.num_layers} layers, "
+            f"hidden {m.hidden_size}, {m.num_kv_heads} KV heads of {m.head_dim}), not for "
+            f"{config.model} ({mine[0]} layers, hidden {mine[1]}, {mine[2]} KV heads of {mine[3]})")
+    return attrs.evolve(profile.cost, block_bytes=m.block_bytes(config.block_size),
+                        copy=CopyCost(bandwidth_gb_per_s=profile.link.bandwidth_gb_per_s,
+                                      dispatch_us=profile.link.dispatch_us))

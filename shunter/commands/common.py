@@ -59,6 +59,9 @@ def add_step_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     g.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                    help="weight and KV dtype (auto: float32 on CPU, the model's own on CUDA)")
+    g.add_argument("--cost-profile", type=Path, default=None, metavar="FILE",
+                   help="torch backend: a profile from `shunter profile fit` on this machine, "
+                        "whose cost model the policies predict with (default: fitted online)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads, fixed (default on CPU: chosen while serving from "
                         "the steps' own times, one per core or fewer when other work takes a "
@@ -76,6 +79,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
         max_batched_tokens=args.max_batched_tokens, device=args.device, dtype=args.dtype,
         threads=args.threads, cpu_swap_blocks=getattr(args, "cpu_swap_blocks", None),
     )
+    if getattr(args, "cost_profile", None) is not None:
+        fields["cost_profile"] = str(args.cost_profile)
     if args.model is not None:
         if not args.model.is_dir():
             raise ConfigError(f"--model {args.model}: no such directory")
