@@ -103,6 +103,7 @@ class Allocator:
             pool.free(rid)
             self._expected.pop(rid, None)
         updates: dict[int, BlockUpdate] = {}
+        moves = self._resize(plan.pool_blocks, updates) if plan.pool_blocks is not None else ()
         for rid in plan.preempt:
             pool.free(rid)
             updates[rid] = BlockUpdate(request_id=rid, reset=True, append=())
@@ -133,8 +134,22 @@ class Allocator:
                     updates[rid] = BlockUpdate(request_id=rid, reset=old.reset,
                                                append=old.append + new)
         step = ExecuteStep(step_id=plan.step_id, release=plan.release, setups=plan.setups,
-                           blocks=tuple(updates.values()), seqs=plan.seqs)
+                           blocks=tuple(updates.values()), seqs=plan.seqs,
+                           pool_blocks=plan.pool_blocks, moves=tuple(moves), group=plan.group)
         return step, tuple(transfers)
+
+    def _resize(self, blocks: int, updates: dict[int, BlockUpdate]) -> list[tuple[int, int]]:
+        """KunServe: the pool grows by the blocks freed weights became, or shrinks back; tables
+        whose blocks moved are sent whole to the executor."""
+        resize = getattr(self._pool, "resize", None)
+        if resize is None:
+            raise RuntimeError("KunServe's pool resizing needs the per-block allocator")
+        moves = resize(blocks)
+        for rid in {rid for rid, t in self._pool.owners().items() for b in t
+                    if b in {d for _, d in moves}}:
+            updates[rid] = BlockUpdate(request_id=rid, reset=True,
+                                       append=tuple(self._pool.table(rid)))
+        return moves
 
     def _renew_hint(self, request_id: int) -> None:
         """A request starting with no blocks (new, or back after a preemption) tells the pool

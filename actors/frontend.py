@@ -28,9 +28,11 @@ from engine.messages import (
     AddRequest,
     Cancel,
     FrontendMessage,
+    HandOverStreams,
     SchedulerMessage,
     StepOutputs,
     Submit,
+    TakeOverStreams,
     TokenOutput,
 )
 from engine.outputs import Admitted, ClientOutput, GenerationChunk, Rejected
@@ -132,6 +134,12 @@ class Frontend:
             case StepOutputs(outputs=outputs):
                 for out in outputs:
                     await self._deliver(out)
+            case HandOverStreams(request_ids=ids, reply=reply):  # KunServe: to the group's head
+                reply.send({rid: self._streams.pop(rid) for rid in ids if rid in self._streams})
+            case TakeOverStreams(streams=streams, reply=reply):
+                new = {old: next(self._ids) for old in streams}
+                self._streams.update({new[old]: s for old, s in streams.items()})
+                reply.send(new)
             case _:
                 assert_never(msg)
 

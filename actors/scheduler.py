@@ -24,8 +24,8 @@ from engine.memory.host_copies import HostCopies
 from engine.memory.swap_in_profiler import SwapInProfiler
 from engine.messages import (
     AbortRequest, AddRequest, AllocatorMessage, FrontendMessage, InspectScheduler, Regroup,
-    ReplacePolicy, RunStep, SchedulerMessage, StepFailed, StepFinished, StepOutputs, StepStarted,
-    SwapDone, TakeIterationLog, TokenOutput,
+    ReplacePolicy, RunStep, SchedulerMessage, StepFailed, StepFinished, StepOutputs, SwapDone,
+    TakeIterationLog, TokenOutput,
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
@@ -76,13 +76,11 @@ class Scheduler(AdoptionMixin):
         task_status.started()
         while True:
             if not self._live and not self._release:
-                await self._flush()
                 await self._handle(await self._inbox.receive())
                 continue
             await self._drain()
             step = self._next_step()
             if step is None:
-                await self._flush()
                 with anyio.move_on_after(IDLE_POLL_S):
                     await self._handle(await self._inbox.receive())
                 continue
@@ -114,8 +112,6 @@ class Scheduler(AdoptionMixin):
                 self._add(msg)
             case AbortRequest(request_id=rid, reason=reason):
                 self._abort(rid, reason)
-            case StepStarted():  # the last step's tokens stream while this one runs
-                pass
             case StepFinished():
                 self._on_step_finished(msg)
             case StepFailed():
@@ -139,10 +135,6 @@ class Scheduler(AdoptionMixin):
                 reply.send(None)
             case _:
                 assert_never(msg)
-        if not isinstance(msg, StepFinished):  # its outputs wait for the next StepStarted
-            await self._flush()
-
-    async def _flush(self) -> None:
         if self._outputs:
             outputs, self._outputs = tuple(self._outputs), []
             await self._frontend.send(StepOutputs(time=anyio.current_time(), outputs=outputs))

@@ -74,7 +74,25 @@ class StepOutputs:
     outputs: tuple[TokenOutput, ...]
 
 
-FrontendMessage = Submit | Cancel | StepOutputs
+@attrs.frozen(kw_only=True)
+class HandOverStreams:
+    """KunServe group (engine/cluster/adoption.py): give up the client streams of `request_ids`
+    (their requests moved to the group's head) without ending them; the reply carries them."""
+
+    request_ids: tuple[int, ...]
+    reply: Reply[dict[int, object]]
+
+
+@attrs.frozen(kw_only=True)
+class TakeOverStreams:
+    """The head takes streams handed over by a member, under new ids; the reply maps each old
+    id to its new one."""
+
+    streams: dict[int, object]
+    reply: Reply[dict[int, int]]
+
+
+FrontendMessage = Submit | Cancel | StepOutputs | HandOverStreams | TakeOverStreams
 
 # --------------------------------------------------------------------------------- scheduler
 
@@ -166,9 +184,27 @@ class ReplacePolicy:
     reply: Reply[None]
 
 
+@attrs.frozen(kw_only=True)
+class Regroup:
+    """KunServe groups (engine/cluster/adoption.py), applied between steps: `export` hands every
+    live request over (a member joining a group); `adopt` takes requests (the head), their KV
+    arriving by `SwapDone`; `pool_blocks` resizes the KV pool; `group` switches the runner
+    (a plan of one member: serve alone again). The reply carries the exported requests."""
+
+    export: bool = False
+    adopt: tuple[object, ...] = ()
+    """`engine.request.Request`s, already under this engine's ids."""
+    exchange: tuple[int, ...] = ()
+    """This engine's own requests whose KV must be exchanged before they run again."""
+    pool_blocks: int | None = None
+    group: object | None = None
+    """`engine.cluster.drop_plan.GroupPlan` or None (unchanged)."""
+    reply: Reply[tuple[object, ...]]
+
+
 SchedulerMessage = (
     AddRequest | AbortRequest | StepFinished | StepFailed | SwapDone | InspectScheduler
-    | ReplacePolicy | TakeIterationLog
+    | ReplacePolicy | TakeIterationLog | Regroup
 )
 
 # --------------------------------------------------------------------------------- allocator
@@ -266,6 +302,11 @@ class RunStep:
     allocator passes these on instead of allocating from its pool."""
     prefix: PrefixOps | None = None
     """Prefix cache changes; None when there are none."""
+    pool_blocks: int | None = None
+    """KunServe: the KV pool's new size in blocks (grown by freed weights, or back), applied
+    before anything else; None: unchanged."""
+    group: object | None = None
+    """KunServe: the runner serves from this step as this `GroupPlan` (one member: alone)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -309,6 +350,12 @@ class ExecuteStep:
     seqs: tuple[SeqWork, ...]
     wait_tickets: tuple[int, ...] = ()
     """Swap tickets (synchronous swap-ins) that must complete before the step computes."""
+    pool_blocks: int | None = None
+    """KunServe: the pool's new size (the runner re-views its arena first); None: unchanged."""
+    moves: tuple[tuple[int, int], ...] = ()
+    """KunServe: (src, dst) block copies to do before the step (a shrunk pool's tail moved)."""
+    group: object | None = None
+    """KunServe: from this step, run as this `GroupPlan` (one member: alone); None: unchanged."""
 
 
 ExecutorMessage = ExecuteStep

@@ -298,7 +298,8 @@ class EngineCapabilities:
                         f"change it)"))
         for name in ("kv_exchange", "microbatch"):
             value = getattr(m, name)
-            if (name in written or value != getattr(default, name)) and value not in self.group_modes:
+            if (name in written or value != getattr(default, name)) and (
+                    value not in self.group_modes):
                 out.append((name, f"{name} {value} is not supported by this engine (its runner "
                                   f"cannot run KunServe pipeline groups; the simulator's can)"))
         if m.prefix_cache and self.allocator == "groups":

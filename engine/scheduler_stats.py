@@ -116,4 +116,5 @@ class SchedulerStats:
             cpu_kept_blocks=copies.kept_blocks if copies else 0,
             prefix_cache=self.prefixes.snapshot(),
             cancelled_by_state=tuple(sorted(self.cancelled_by_state.items())),
+            queued_tokens=sum(r.context_tokens for r in live if r.state in ("waiting", "swapped")),
         )

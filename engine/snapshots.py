@@ -28,6 +28,9 @@ class SchedulerSnapshot:
     """How often the policy's drop trigger started firing."""
     overload_restores: int = 0
     """How often its restore trigger started firing."""
+    queued_tokens: int = 0
+    """KV tokens the requests not running need (prompt and output so far): the queued demand
+    KunServe's global monitor reads (§4.1)."""
     cpu_free_blocks: int = 0
     cpu_total_blocks: int = 0
     cpu_copies: int = 0

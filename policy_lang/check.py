@@ -40,7 +40,8 @@ ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1),
             "reset_on": Param(kind="symbol", default="violation",
                               symbols=("violation", "predicted", "observed"))}
 MEMORY = {"swap_granularity": ("per-block", "groups"), "swap_in": ("sync", "async", "adaptive"),
-          "kv_reuse": ("on", "off"), "turn_copies": ("on", "off"), "prefix_cache": ("on", "off"), "bidirectional": ("on", "off")}
+          "kv_reuse": ("on", "off"), "turn_copies": ("on", "off"), "prefix_cache": ("on", "off"), "bidirectional": ("on", "off"),
+          "kv_exchange": ("fifo", "coordinated"), "microbatch": ("tokens", "lookahead")}
 PREEMPT_MODES = ("swap", "recompute", "never")
 OVERLOAD_ACTIONS = ("drop", "restore")
 

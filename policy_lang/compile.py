@@ -216,7 +216,9 @@ def _memory(rules: RuleSet) -> MemorySettings:
                           kv_reuse=values.get("kv_reuse", "off") == "on",
                           turn_copies=values.get("turn_copies", "on") == "on",
                           prefix_cache=values.get("prefix_cache", "off") == "on",
-                          bidirectional=values.get("bidirectional", "off") == "on")
+                          bidirectional=values.get("bidirectional", "off") == "on",
+                          kv_exchange=values.get("kv_exchange", default.kv_exchange),
+                          microbatch=values.get("microbatch", default.microbatch))
 
 
 def _rerank(rules: RuleSet) -> Rerank | None:

@@ -43,6 +43,12 @@ _MEMORY = {
                              "right; RT overwrites BE slots after checkpointing just those to the "
                              "host (BROS §5)",
     ("bidirectional", "off"): "no block is shared between requests",
+    ("kv_exchange", "fifo"): "a pipeline group's exchanged KV shares one queue with activations",
+    ("kv_exchange", "coordinated"): "a pipeline group's KV moves in chunks, activations first "
+                                    "(KunServe §4.2)",
+    ("microbatch", "tokens"): "a pipeline group cuts its steps into microbatches by tokens",
+    ("microbatch", "lookahead"): "a pipeline group forms cost-balanced microbatches over the "
+                                 "lookahead window (KunServe §4.3)",
 }
 
 

@@ -16,6 +16,7 @@ from engine.policy import (
     Decision,
     EngineCapabilities,
     IterationOutcome,
+    OverloadSignal,
     PolicySettings,
     RequestView,
     SchedulerView,
@@ -146,6 +147,14 @@ class CompiledPolicy:
         overload = self._overload.evaluate(view) if self._overload is not None else None
         return Decision(order=order, max_batch=limit, displace=self._displace, overload=overload,
                         batch=getattr(self._order, "batch", None))
+
+    def overload_signal(self, view: Any) -> OverloadSignal | None:
+        """The `overload` triggers alone, on `view` (a `SchedulerView`, or the cluster
+        coordinator's `engine.cluster.overload.ClusterLoad`: KunServe's global monitor)."""
+        if self._overload is None:
+            return None
+        self._env.begin(view)
+        return self._overload.evaluate(view)
 
     def observe(self, outcome: IterationOutcome) -> None:
         for observe in self._observers:

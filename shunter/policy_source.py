@@ -26,16 +26,17 @@ def engine_capabilities(config: EngineConfig, backend: Any = None) -> EngineCapa
     """The mechanisms an engine built from `config` has. Preemption by recompute always; swap
     (both granularities, every swap-in mode, KV reuse across turns) when the backend's runner
     can make a swapper and the config leaves it host blocks (`cpu_swap_blocks` is not 0)."""
+    groups = frozenset(getattr(getattr(backend, "runner", None), "GROUP_MODES", ()))
     if config.cpu_swap_blocks == 0:
         return EngineCapabilities(
-            no_swap="this engine has no swap space: --cpu-swap-blocks is 0")
+            no_swap="this engine has no swap space: --cpu-swap-blocks is 0", group_modes=groups)
     if not hasattr(getattr(backend, "runner", None), "make_swapper"):
         return EngineCapabilities(
-            no_swap="this engine was started with a backend that cannot swap")
+            no_swap="this engine was started with a backend that cannot swap", group_modes=groups)
     return EngineCapabilities(
         preempt_modes=frozenset({"recompute", "never", "swap"}),
         swap_granularities=frozenset({"per-block", "groups"}),
-        swap_in_modes=frozenset({"sync", "async", "adaptive"}), kv_reuse=True)
+        swap_in_modes=frozenset({"sync", "async", "adaptive"}), kv_reuse=True, group_modes=groups)
 
 
 def initial_policy(config: EngineConfig, policy: Policy | None,

@@ -62,6 +62,8 @@ class InstanceStats:
     total_blocks: int
     preemptions: int = 0
     iteration_ms: float = 0.0
+    queued_tokens: int = 0
+    """KV tokens its queued requests need (KunServe's head-of-line demand, §4.1)."""
 
     @property
     def kv_usage(self) -> float:

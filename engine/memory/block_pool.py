@@ -118,3 +118,33 @@ class BlockPool:
     def owners(self) -> dict[int, list[int]]:
         """Every request's table (for invariant checks and inspection)."""
         return {rid: list(t) for rid, t in self._tables.items()}
+
+    def resize(self, n: int) -> list[tuple[int, int]]:
+        """KunServe (§4.1, §4.4): the pool becomes blocks `[first, first + n)`. Growing adds the
+        new range to the free stack (below the free blocks, so the old ones are reused first);
+        shrinking moves each held block of the removed range to a free block kept (the caller
+        copies the KV), and returns those (src, dst) moves. Raises when the kept range cannot
+        hold every held block, or the prefix cache holds a block of the removed range."""
+        first, old = self._all.start, len(self._all)
+        if n < 1:
+            raise BlockPoolError(f"a block pool needs at least one block, asked for {n}")
+        if n >= old:
+            self._free[:0] = list(reversed(range(first + old, first + n)))
+            self._all = range(first, first + n)
+            return []
+        end = first + n
+        if any(b >= end for b in self._key_of):
+            raise BlockPoolError("the prefix cache holds blocks of the range a shrink removes")
+        kept_free = [b for b in self._free if b < end]
+        held = [(rid, i, b) for rid, t in self._tables.items() for i, b in enumerate(t) if b >= end]
+        if len(held) > len(kept_free):
+            raise BlockPoolError(f"shrinking to {n} blocks: {len(held)} held blocks must move "
+                                 f"and only {len(kept_free)} kept blocks are free")
+        moves = []
+        for rid, i, b in held:
+            dst = kept_free.pop()
+            self._tables[rid][i] = dst
+            moves.append((b, dst))
+        self._free = kept_free
+        self._all = range(first, end)
+        return moves

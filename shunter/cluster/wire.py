@@ -120,7 +120,8 @@ def summarize(snap: EngineSnapshot) -> InstanceStats:
     s = snap.scheduler
     return InstanceStats(waiting=s.waiting, running=s.running, swapped=s.swapped,
                          free_blocks=s.free_blocks, total_blocks=s.total_blocks,
-                         preemptions=s.preemptions, iteration_ms=s.iteration_ms)
+                         preemptions=s.preemptions, iteration_ms=s.iteration_ms,
+                         queued_tokens=s.queued_tokens)
 
 
 class Link:

@@ -18,7 +18,8 @@ from shunter.cli import main
 from tests.factories import make_scheduler_view, make_view
 
 SHIPPED = ["bros", "bros_no_bicache", "fastswitch_markov", "fastswitch_random", "fcfs", "groups_markov",
-           "groups_random", "kunserve", "priority", "reuse_markov", "reuse_random",
+           "groups_random", "kunserve", "kunserve_drop", "kunserve_exchange",
+           "kunserve_lookahead", "priority", "reuse_markov", "reuse_random",
            "round_robin_rtbe", "rtbe_classes", "vllm_baseline_markov", "vllm_baseline_random",
            "vllm_prefix_markov", "vllm_prefix_random", "vtc"]
 
@@ -58,7 +59,10 @@ CITED = {  # the paper sections each file's header comment cites, in order
     "fcfs": ["FastSwitch §4", "BROS §7.1", "KunServe §5"],
     "groups_markov": ["FastSwitch §4", "§3.1"],
     "groups_random": ["FastSwitch §4", "§3.1"],
-    "kunserve": ["KunServe §4.1", "§4.4", "§5"],
+    "kunserve": ["KunServe §4", "§4.4", "§5", "§3"],
+    "kunserve_drop": ["KunServe §5.3", "§4.1"],
+    "kunserve_exchange": ["KunServe §5.3", "§4.2"],
+    "kunserve_lookahead": ["KunServe §5.3", "§4.3"],
     "priority": ["FastSwitch §2.2"],
     "reuse_markov": ["FastSwitch §4", "§3.3"],
     "reuse_random": ["FastSwitch §4", "§3.3"],

@@ -55,7 +55,7 @@ async def test_replacing_the_policy_while_100_requests_stream_loses_none():
     prompts = [[rng.randrange(4, VOCAB) for _ in range(rng.randint(2, 24))] for _ in range(100)]
     results: list = [None] * 100
     replacements = [policy_path(n).read_text() for n in
-                    ("priority", "fcfs", "vtc", "round_robin_rtbe", "kunserve", "bros_no_bicache")]
+                    ("priority", "fcfs", "vtc", "round_robin_rtbe", "kunserve_drop", "bros_no_bicache")]
     config = EngineConfig(block_size=4, max_num_seqs=8, max_batched_tokens=32,
                           policy=policy_path("bros_no_bicache"))
     with captured_logs() as logs:
@@ -87,7 +87,7 @@ async def test_replacing_the_policy_while_100_requests_stream_loses_none():
     assert snap.scheduler.policy == "bros_no_bicache" and snap.allocator.allocated_blocks == 0
     replaced = [e for e in logs if e["event"] == "policy replaced" and e.get("actor") == "engine"]
     assert [e["new"] for e in replaced] == ["priority", "fcfs", "vtc", "round_robin_rtbe",
-                                            "kunserve", "bros_no_bicache"]
+                                            "kunserve_drop", "bros_no_bicache"]
     assert "+policy priority {" in replaced[0]["diff"]
     assert "-policy bros_no_bicache {" in replaced[0]["diff"]
 

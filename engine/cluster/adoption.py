@@ -1,0 +1,114 @@
+"""KunServe groups at one engine (§4.1-4.4): what the scheduler does with a `Regroup`.
+
+A member joining a group hands every live request over (`export`): they leave its tables (their
+blocks go back) and travel, state and all, to the group's head. The head takes them (`adopt`):
+a request with KV (computed tokens) is `swapping_in` until the KV exchange tells it, by
+`SwapDone`, that its chunks have all arrived; meanwhile the blocks it will need are counted as
+held, so nothing the policy admits can take them. It then runs on from where it was (a decode
+at position `computed_tokens`: never recomputed). The head's own requests whose KV for the
+layers it dropped must move wait the same way (`exchange`). The pool's new size and the runner's
+group mode go to the allocator and executor with the next step (`RunStep.pool_blocks`,
+`RunStep.group`). Nothing here runs while a step is in flight: a `Regroup` that arrives then
+is applied when the step comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import attrs
+
+from engine.messages import Regroup, RunStep
+from engine.planner import blocks_for
+from engine.request import Request
+
+
+@attrs.define
+class GroupSeat:
+    """The scheduler's pending group changes."""
+
+    pending: list[Regroup] = attrs.field(factory=list)
+    pool_blocks: int | None = None
+    group: object | None = None
+    exported: int = 0
+    adopted: int = 0
+
+
+class AdoptionMixin:
+    """Mixed into the scheduler actor; reads and changes its `_live`, `_release`,
+    `_total_blocks`, `_in_flight` and `_seat`."""
+
+    _live: dict[int, Request]
+    _release: list[int]
+    _total_blocks: int
+    _in_flight: dict[int, Request]
+    _seat: GroupSeat
+    _config: object
+
+    def _regroup(self, msg: Regroup) -> None:
+        if self._in_flight:
+            self._seat.pending.append(msg)
+        else:
+            self._apply_regroup(msg)
+
+    def _regroups_after_step(self) -> None:
+        pending, self._seat.pending = self._seat.pending, []
+        for msg in pending:
+            self._apply_regroup(msg)
+
+    def _apply_regroup(self, msg: Regroup) -> None:
+        now, seat = anyio.current_time(), self._seat
+        out: list[Request] = []
+        if msg.export:
+            for req in list(self._live.values()):
+                del self._live[req.id]
+                if req.known_to_executor or req.blocks:
+                    self._release.append(req.id)
+                req.known_to_executor = False
+                out.append(req)
+            seat.exported += len(out)
+        bs = self._config.block_size  # type: ignore[attr-defined]
+        for req in msg.adopt:
+            assert isinstance(req, Request)
+            self._live[req.id] = req
+            adopt(req, bs, now)
+        seat.adopted += len(msg.adopt)
+        for rid in msg.exchange:
+            req = self._live.get(rid)
+            if req is not None and req.state == "running" and req.computed_tokens:
+                req.state, req.swap_started = "swapping_in", now
+        if msg.pool_blocks is not None:
+            self._total_blocks = seat.pool_blocks = msg.pool_blocks
+            stats = getattr(self, "_stats", None)
+            if stats is not None:
+                stats.total_blocks = msg.pool_blocks
+        if msg.group is not None:
+            seat.group = msg.group
+        msg.reply.send(tuple(out))
+
+    def _with_regroup(self, step: RunStep) -> RunStep:
+        """The next step carries the pool's new size and the runner's new mode, once."""
+        seat = self._seat
+        if seat.pool_blocks is None and seat.group is None:
+            return step
+        step = attrs.evolve(step, pool_blocks=seat.pool_blocks, group=seat.group)
+        seat.pool_blocks = seat.group = None
+        return step
+
+
+def adopt(req: Request, block_size: int, now: float) -> None:
+    """A request arriving at the head: with KV, it waits for its exchange holding the blocks
+    it will be given; without, it waits to be scheduled like any new one."""
+    req.in_flight_tokens, req.known_to_executor = 0, False
+    if req.computed_tokens and req.state != "swapped":
+        req.state, req.swap_started = "swapping_in", now
+        req.blocks = blocks_for(req.computed_tokens, block_size)
+    elif req.state != "swapped":
+        req.state, req.blocks, req.computed_tokens = "waiting", 0, 0
+
+
+def exchange_bytes(requests: Sequence[Request], *, token_bytes: int, moved_share: float) -> int:
+    """Bytes of KV a group's exchange moves for `requests` (each token's KV of every layer is
+    `token_bytes`; `moved_share` of the layers live elsewhere after the drop)."""
+    return int(sum(r.computed_tokens for r in requests) * token_bytes * moved_share)
