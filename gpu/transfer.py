@@ -1,16 +1,19 @@
-"""The per-instance transfer queue: every tensor an instance sends to another goes through one
-queue and one sending thread, so compute goes on while activations are on the wire, and
-later traffic on the same link (KunServe §4.3: KV exchanged between instances of a pipeline
-group) waits behind activations instead of delaying them.
+"""The per-instance transfer queue: every tensor an instance sends to another goes through it,
+so compute goes on while activations are on the wire, and later traffic on the same link
+(KunServe §4.2: KV exchanged between instances of a pipeline group) never delays them.
 
 Sends use torch.distributed point-to-point in the group the instance joined (gloo on CPU, NCCL
-on CUDA). Activations go before any queued KV transfer; within a kind, in order.
+on CUDA); a gloo send completes only once the receiver posts its receive. Two lanes, each one
+sending thread: activations go out as soon as they are queued, even while a KV chunk is on the
+wire; the KV lane sends one chunk at a time, in order, and before each chunk waits until no
+activation is queued (the paper's "after a chunk, let a pending activation go first"). A
+receiver that waits for a KV chunk before taking the next activation, or the other way round,
+cannot deadlock the link: neither lane ever waits for the other's receiver.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
+import collections
 import threading
 from collections.abc import Callable
 from typing import Literal
@@ -19,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 TransferKind = Literal["activation", "kv"]
-_RANK = {"activation": 0, "kv": 1}
 
 Sender = Callable[[torch.Tensor, int, int], None]
 """(tensor, destination rank, tag): sends one tensor and returns once it is sent."""
@@ -30,20 +32,25 @@ def _dist_send(tensor: torch.Tensor, dst: int, tag: int) -> None:
 
 
 class TransferQueue:
-    """A priority queue of sends served by one thread."""
+    """Two lanes of sends (activations, KV), one thread each."""
 
     def __init__(self, send: Sender = _dist_send) -> None:
         self._send = send
-        self._heap: list[tuple[int, int, torch.Tensor, int, int]] = []
-        self._order = itertools.count()
+        self._lanes: dict[str, collections.deque] = {"activation": collections.deque(),
+                                                     "kv": collections.deque()}
         self._cond = threading.Condition()
-        self._pending = 0
+        self._pending = {"activation": 0, "kv": 0}
         self._closed = False
         self._error: BaseException | None = None
         self.sent_bytes = {"activation": 0, "kv": 0}
         """Bytes sent so far, by kind."""
-        self._thread = threading.Thread(target=self._loop, name="shunter-transfer", daemon=True)
-        self._thread.start()
+        self.kv_yields = 0
+        """Times a KV chunk waited for queued activations to go first."""
+        self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
+                                          name=f"shunter-transfer-{kind}")
+                         for kind in ("activation", "kv")]
+        for t in self._threads:
+            t.start()
 
     def put_activation(self, tensor: torch.Tensor, *, dst: int, tag: int) -> None:
         self.put(tensor, dst=dst, tag=tag, kind="activation")
@@ -52,14 +59,15 @@ class TransferQueue:
         with self._cond:
             if self._error is not None:
                 raise RuntimeError(f"the transfer thread failed: {self._error}")
-            heapq.heappush(self._heap, (_RANK[kind], next(self._order), tensor, dst, tag))
-            self._pending += 1
+            self._lanes[kind].append((tensor, dst, tag))
+            self._pending[kind] += 1
             self._cond.notify_all()
 
-    def flush(self) -> None:
-        """Wait until everything queued has been sent."""
+    def flush(self, kind: TransferKind | None = None) -> None:
+        """Wait until everything queued (of `kind`, or of every kind) has been sent."""
+        kinds = (kind,) if kind is not None else tuple(self._pending)
         with self._cond:
-            while self._pending and self._error is None:
+            while any(self._pending[k] for k in kinds) and self._error is None:
                 self._cond.wait()
             if self._error is not None:
                 raise RuntimeError(f"the transfer thread failed: {self._error}")
@@ -68,16 +76,21 @@ class TransferQueue:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._thread.join(timeout=5)
+        for t in self._threads:
+            t.join(timeout=5)
 
-    def _loop(self) -> None:
+    def _loop(self, kind: str) -> None:
+        lane, acts = self._lanes[kind], self._lanes["activation"]
         while True:
             with self._cond:
-                while not self._heap and not self._closed:
+                while not self._closed and self._error is None and (
+                        not lane or (kind == "kv" and acts)):
+                    if kind == "kv" and lane and acts:
+                        self.kv_yields += 1
                     self._cond.wait()
-                if not self._heap:
+                if self._closed or self._error is not None:
                     return
-                rank, _, tensor, dst, tag = heapq.heappop(self._heap)
+                tensor, dst, tag = lane.popleft()
             try:
                 self._send(tensor, dst, tag)
             except BaseException as exc:  # reported to the compute thread at its next put/flush
@@ -86,7 +99,6 @@ class TransferQueue:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self.sent_bytes["activation" if rank == 0 else "kv"] += (
-                    tensor.numel() * tensor.element_size())
-                self._pending -= 1
+                self.sent_bytes[kind] += tensor.numel() * tensor.element_size()
+                self._pending[kind] -= 1
                 self._cond.notify_all()

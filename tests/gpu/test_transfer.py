@@ -16,7 +16,7 @@ def test_activations_overtake_queued_kv_and_order_holds_within_a_kind():
     first_started, release = threading.Event(), threading.Event()
 
     def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
-        if not sent:  # hold the first send so the rest queue up behind it
+        if tag == 0:  # hold the first KV chunk on the wire so the rest queue up
             first_started.set()
             release.wait(5)
         sent.append(tag)
@@ -29,9 +29,11 @@ def test_activations_overtake_queued_kv_and_order_holds_within_a_kind():
         q.put(torch.zeros(4), dst=1, tag=2, kind="kv")
         q.put_activation(torch.zeros(2), dst=1, tag=3)
         q.put_activation(torch.zeros(2), dst=1, tag=4)
+        q.flush("activation")  # while chunk 0 is still held on the wire
         release.set()
         q.flush()
-        assert sent == [0, 3, 4, 1, 2]
+        # the activations went out while chunk 0 was still on the wire; chunks 1, 2 after them
+        assert sent == [3, 4, 0, 1, 2]
         assert q.sent_bytes == {"activation": 16, "kv": 48}
     finally:
         q.close()

@@ -1,0 +1,96 @@
+"""One member's translation from the group's block ids (what the head's allocator hands out)
+to the stage blocks of its re-viewed arena (gpu/stage_view.py).
+
+A group id gets its stage block the first time this member sees it and keeps it for the group's
+lifetime, so a block the allocator frees and hands out again (or keeps as a cached prefix) still
+means the same memory. Blocks already holding this member's layers of a request's KV are
+*reserved* for that request: when its table arrives, its entries take those blocks, so the KV
+is used where it lies. Only when an entry was mapped before (the allocator reused a group id
+already seen) is the KV copied, and counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+from gpu.stage_view import StageView
+
+
+class BlockMap:
+    def __init__(self, view: StageView, group: range) -> None:
+        if view.capacity < len(group):
+            raise ValueError(f"a member with {view.capacity} stage blocks cannot hold a group "
+                             f"pool of {len(group)} blocks")
+        self.group = group
+        self._local = np.full(group.stop, -1, dtype=np.int64)
+        self._taken = np.zeros(view.num_blocks, dtype=bool)
+        self._free = [int(b) for b in view.usable[::-1]]  # pop() takes the lowest
+        self._reserved: dict[int, list[int]] = {}
+        self.copied_blocks = 0
+        """Blocks of kept KV that had to be copied (a reserved block could not be used)."""
+
+    def pin(self, group_id: int, local: int) -> None:
+        """Map `group_id` to `local` now (KV already there)."""
+        self._check(group_id)
+        if self._local[group_id] >= 0 or self._taken[local]:
+            raise ValueError(f"group block {group_id} or stage block {local} is mapped already")
+        self._local[group_id] = local
+        self._taken[local] = True
+
+    def reserve(self, request_id: int, locals_: Iterable[int]) -> None:
+        """Stage blocks holding `request_id`'s KV, in table order, for when its table comes."""
+        held = list(locals_)
+        for b in held:
+            if self._taken[b]:
+                raise ValueError(f"stage block {b} is mapped already")
+            self._taken[b] = True
+        self._reserved[request_id] = held
+
+    def assign(self, request_id: int, index: int, group_id: int) -> tuple[int, int] | None:
+        """Map table entry `index` of `request_id` (group id `group_id`). Returns (src, dst)
+        stage blocks to copy when the request's reserved block could not be used."""
+        self._check(group_id)
+        held = self._reserved.get(request_id)
+        want = held[index] if held is not None and index < len(held) else None
+        copy = None
+        if self._local[group_id] < 0:
+            if want is not None:
+                self._local[group_id] = want
+                held[index] = -1
+            else:
+                self._local[group_id] = self._pop()
+        elif want is not None:
+            copy = (want, int(self._local[group_id]))
+            self.copied_blocks += 1
+        return copy
+
+    def done_reserving(self, request_id: int) -> None:
+        """The request's table is placed: blocks of its reservation left unused are free."""
+        for b in self._reserved.pop(request_id, ()):
+            if b >= 0:
+                self._taken[b] = False
+                self._free.append(b)
+
+    def local(self, group_id: int) -> int:
+        b = int(self._local[group_id])
+        if b < 0:
+            raise KeyError(f"group block {group_id} has no stage block on this member")
+        return b
+
+    def locals(self, table: Iterable[int]) -> list[int]:
+        return [self.local(g) for g in table]
+
+    def _pop(self) -> int:
+        while self._free:
+            b = self._free.pop()
+            if not self._taken[b]:
+                self._taken[b] = True
+                return b
+        raise RuntimeError("no free stage block left (the group pool was larger than this "
+                           "member's capacity)")
+
+    def _check(self, group_id: int) -> None:
+        if group_id not in self.group:
+            raise ValueError(f"block {group_id} is outside the group's block ids {self.group}")

@@ -1,0 +1,304 @@
+"""The head's step runner while its instance leads a pipeline group of running instances
+(KunServe §4.1-4.4), and the loop a member instance serves the group with.
+
+`GroupRunner` wraps the head's own `TorchRunner` (its model, arena, device thread and
+sequences). `open()` tells every member to join (`GroupStart` over the data plane), drops the
+head's own other layers and starts the KV exchange; each `execute(step)` sends the step to every
+member, runs the head's layers (the first stage) and collects the members' answers, the last
+one's sampled tokens included; `restore(tables)` brings every member's dropped layers back
+(from the members keeping them, or from each one's host copy), moves the KV of the head's
+requests for the layers it had dropped back to the head, and leaves everyone serving alone.
+A member serves with `serve_member(runner, head_rank)` until the head restores or goes away.
+
+Faults: any send or receive with a lost member raises `GroupMemberLost` naming it; the head then
+`recover_from_host()`s: its dropped layers come back from its host copy, and every request
+loses the KV of the lost member's layers, so the engine recomputes them (their tables are
+empty on the runner).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from engine.messages import ExecuteStep, SampledToken, StepFinished
+from gpu.data_plane import (
+    CONTROL_TAG,
+    REPLY_TAG,
+    WEIGHTS_TAG,
+    GroupMemberLost,
+    data_plane,
+    recv_obj,
+    recv_tensor,
+    send_obj,
+)
+from gpu.group_stage import (
+    Adopted,
+    GroupRestore,
+    GroupStage,
+    GroupStart,
+    GroupStep,
+    MemberReply,
+    SeqState,
+    start_transfers,
+)
+from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
+from gpu.pipeline import StepRecord
+from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
+
+
+class GroupRunner:
+    def __init__(self, solo, ranks: Sequence[int], layers: Sequence[range],
+                 adopted: Sequence[Adopted] = (), *, chunk_blocks: int = 4,
+                 microbatches: int | None = None) -> None:
+        self.solo = solo
+        self.ranks, self.layers = tuple(ranks), tuple(layers)
+        self.adopted = tuple(adopted)
+        self.chunk_blocks = chunk_blocks
+        self.microbatches = microbatches or 2 * len(self.ranks)
+        arena = solo._model.arena
+        self.pool = range(arena.weight_blocks, arena.weight_blocks + group_pool_blocks(
+            solo._model.config, arena.block_size, arena.dtype, arena.total_blocks, self.layers))
+        """The group's block ids (they include the head's solo ids)."""
+        self.stage: GroupStage | None = None
+        self._fed_back: tuple[SampledToken, ...] = ()
+        self._expect: dict[int, set[int]] = {}
+        self._ready: list[int] = []
+        self.records: list[StepRecord] | None = None
+        self.exchange = None
+        self.restore_stats: dict[str, float] = {}
+
+    # ------------------------------------------------------------------ forming
+
+    def open(self) -> range:
+        plane = data_plane()
+        if self.ranks[0] != plane.rank:
+            raise ValueError(f"the head must be member 0: ranks {self.ranks}, this is "
+                             f"{plane.rank}")
+        seqs = tuple(SeqState(request_id=rid, tokens=tuple(s.tokens), table=tuple(s.table),
+                              sampling=s.sampling) for rid, s in self.solo._seqs.items())
+        start = GroupStart(ranks=self.ranks, layers=self.layers, group=self.pool, seqs=seqs,
+                           adopted=self.adopted, chunk_blocks=self.chunk_blocks,
+                           microbatches=self.microbatches)
+        for rank in self.ranks[1:]:
+            send_obj(start, rank, CONTROL_TAG, "the group was formed")
+        gens = {rid: s.generator for rid, s in self.solo._seqs.items()}
+        self.stage = GroupStage(self.solo._model, plane, start, 0, {}, gens)
+        self.exchange = self.stage.stats
+        """The head's exchange counters (bytes, chunks, per-request arrival times)."""
+        self.solo._seqs.clear()
+        for t in start_transfers(start, self.stage.block_size):
+            self._expect.setdefault(t.request_id, set()).add(t.dst)
+        self._ready = [a.request_id for a in self.adopted if a.request_id not in self._expect]
+        self._note_arrived(0, self.stage.receiver.take_arrived())
+        return self.pool
+
+    def _note_arrived(self, member: int, rids: Sequence[int]) -> None:
+        for rid in rids:
+            left = self._expect.get(rid)
+            if left is not None:
+                left.discard(member)
+                if not left:
+                    del self._expect[rid]
+                    self._ready.append(rid)
+
+    def arrived(self) -> list[int]:
+        """Requests whose KV is complete on every member since the last call."""
+        self._note_arrived(0, self.stage.receiver.take_arrived())
+        out, self._ready = self._ready, []
+        return out
+
+    def exchanging(self) -> set[int]:
+        """Requests whose KV is still arriving somewhere."""
+        return set(self._expect)
+
+    # ------------------------------------------------------------------ steps
+
+    def execute(self, step: ExecuteStep) -> StepFinished:
+        began = time.perf_counter()
+        msg = GroupStep(step=step, fed_back=self._fed_back)
+        for rank in self.ranks[1:]:
+            send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
+        try:
+            mine = self.stage.run(msg)
+        finally:
+            self._fed_back = ()  # run() appended them to the head's sequences
+        replies = [mine]
+        for m, rank in enumerate(self.ranks[1:], start=1):
+            reply: MemberReply = recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")
+            if reply.error is not None:
+                raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
+            self._note_arrived(m, reply.arrived)
+            replies.append(reply)
+        self._note_arrived(0, mine.arrived)
+        self._fed_back = replies[-1].sampled
+        if self.records is not None:
+            self.records.append(StepRecord(
+                step_id=step.step_id, wall_s=time.perf_counter() - began,
+                compute_s=tuple(r.compute_s for r in replies),
+                wait_s=tuple(r.wait_s for r in replies)))
+        return StepFinished(step_id=step.step_id, sampled=self._fed_back,
+                            compute_s=time.perf_counter() - began)
+
+    def poll(self, step_id: int) -> list[int]:
+        """An empty step (members report arrivals); returns `arrived()`."""
+        self.execute(ExecuteStep(step_id=step_id, release=(), setups=(), blocks=(), seqs=()))
+        return self.arrived()
+
+    # ------------------------------------------------------------------ restore
+
+    def restore(self, tables: Mapping[int, Sequence[int]], source: str = "peer",
+                release: Sequence[int] = ()) -> None:
+        """Solo again. `tables`: every live request's solo block ids (below the solo range's
+        end); `release`: requests ended since the last step. Afterwards the head's TorchRunner
+        holds every request, with these tables."""
+        began = time.perf_counter()
+        stage = self.stage
+        for rid in release:
+            stage.seqs.pop(rid, None)
+        for t in self._fed_back:  # the head is not the last stage: tokens it has not appended
+            if t.request_id in stage.seqs:
+                stage.seqs[t.request_id].tokens.append(t.token_id)
+        missing = set(stage.seqs) - set(tables)
+        if missing:
+            raise ValueError(f"restore needs a solo table for every live request; missing "
+                             f"{sorted(missing)}")
+        msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
+                           release=tuple(release))
+        for rank in self.ranks[1:]:
+            send_obj(msg, rank, CONTROL_TAG, "the group was restored")
+        transfers = restore_transfers(stage, self.layers)
+        receiver = KvReceiver(self.ranks, 0, transfers, self.chunk_blocks, 1,
+                              (2, stage.block_size, stage.model.config.num_kv_heads,
+                               stage.model.config.head_dim), stage.model.arena.dtype,
+                              stage.stats)
+        own = {rid: stage.read_layers(s.table) for rid, s in stage.seqs.items()}
+        weights_s = _restore_weights(stage, self.ranks, self.layers, source)
+        arena = stage.model.arena
+        for rid, s in stage.seqs.items():
+            new = list(tables[rid])
+            n = min(len(new), len(s.table))
+            idx = torch.tensor(new[:n], device=arena.device)
+            full = arena.kv  # [blocks, L, 2, bs, H, D], the full view again
+            full[idx, stage.keep.start:stage.keep.stop] = own[rid][:n].to(arena.device)
+            for t, data in receiver.wait(rid):
+                full[idx, t.layers.start:t.layers.stop] = data[:n].to(arena.device)
+            self.solo._seqs[rid] = _solo_seq(self.solo, s, new)
+        for rank in self.ranks[1:]:
+            reply: MemberReply = recv_obj(rank, REPLY_TAG, "its layers were restored")
+            if reply.error is not None:
+                raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
+        self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
+                              "kv_bytes": float(stage.stats.received_bytes)}
+        self.stage = None
+
+    def recover_from_host(self) -> list[int]:
+        """After a member was lost: the head's dropped layers come back from its host copy and
+        every request keeps its tokens but no KV (an empty table): the engine must recompute
+        them. Returns their ids."""
+        stage = self.stage
+        for t in self._fed_back:
+            if t.request_id in stage.seqs:
+                stage.seqs[t.request_id].tokens.append(t.token_id)
+        restore_layers(stage.model)
+        data_plane().renew_queue()
+        for rid, s in stage.seqs.items():
+            self.solo._seqs[rid] = _solo_seq(self.solo, s, [])
+        self.stage = None
+        return sorted(self.solo._seqs)
+
+    # ------------------------------------------------------------------ executor protocol
+
+    async def start(self) -> range:
+        return await self.solo._thread.run(self.open)
+
+    async def step(self, step: ExecuteStep) -> StepFinished:
+        return await self.solo._thread.run(self.execute, step)
+
+
+def restore_transfers(stage: GroupStage, layers: Sequence[range]) -> list[KvTransfer]:
+    """Each member's layers of every live request, back to the head."""
+    return [KvTransfer(request_id=rid, src=k, dst=0, layers=layers[k], blocks=len(s.table))
+            for rid, s in sorted(stage.seqs.items()) for k in range(1, len(layers))]
+
+
+def _solo_seq(solo, s, table: list[int]):
+    from gpu.runner import _DeviceSeq
+
+    return _DeviceSeq(tokens=s.tokens, table=table, sampling=s.sampling, generator=s.generator)
+
+
+def _kept_blocks(stage: GroupStage, keep: range) -> range:
+    lb = stage.model.arena.layout.layer_blocks
+    return range(lb[keep.start].start, lb[keep.stop - 1].stop)
+
+
+def _restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[range],
+                     source: str) -> float:
+    """Every member's dropped layers back into place: from the members keeping them (each
+    sends its kept range, one tensor, to every other) or from its own host copy."""
+    began = time.perf_counter()
+    arena = stage.model.arena
+    if source == "host":
+        restore_layers(stage.model)
+        return time.perf_counter() - began
+    if source != "peer":
+        raise ValueError(f"restore source must be 'peer' or 'host', got {source!r}")
+    plane = stage.plane
+    mine = arena.buffer[elem_range(arena, _kept_blocks(stage, stage.keep))]
+    for k, rank in enumerate(ranks):
+        if k != stage.me:
+            plane.queue.put(mine, dst=rank, tag=WEIGHTS_TAG, kind="kv")
+
+    def fill(blocks: range, dst: torch.Tensor) -> None:
+        per = arena.layout.block_elems
+        for k, keep in enumerate(layers):
+            kb = _kept_blocks(stage, keep)
+            if k != stage.me and blocks.start <= kb.start and kb.stop <= blocks.stop:
+                lo = (kb.start - blocks.start) * per
+                recv_tensor(dst[lo:lo + len(kb) * per], ranks[k], WEIGHTS_TAG,
+                            "its layers were being restored")
+
+    restore_layers(stage.model, fill)
+    plane.queue.flush()
+    return time.perf_counter() - began
+
+
+def serve_member(solo, head_rank: int) -> dict:
+    """A member instance's part in a group (blocking; on its device thread): join when the
+    head's `GroupStart` comes, run its steps, restore when told. Returns the exchange counters.
+    Its runner's own sequences are handed to the group (their KV becomes the adopted
+    requests'); afterwards it is solo with no sequences."""
+    plane = data_plane()
+    start: GroupStart = recv_obj(head_rank, CONTROL_TAG, "the group was formed")
+    me = start.ranks.index(plane.rank)
+    stage = GroupStage(solo._model, plane, start, me, solo._seqs)
+    solo._seqs.clear()
+    while True:
+        msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
+        if isinstance(msg, GroupStep):
+            try:
+                reply = stage.run(msg)
+            except GroupMemberLost:
+                raise
+            except Exception as exc:  # reported to the head, which fails the step
+                reply = MemberReply(step_id=msg.step.step_id,
+                                    error=f"{type(exc).__name__}: {exc}")
+            send_obj(reply, head_rank, REPLY_TAG, "answering a step")
+            continue
+        assert isinstance(msg, GroupRestore), msg
+        for rid in msg.release:
+            stage.seqs.pop(rid, None)
+        transfers = restore_transfers(stage, start.layers)
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 1,
+                       lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
+                       stage.stats)
+        _restore_weights(stage, start.ranks, start.layers, msg.source)
+        plane.queue.flush()
+        send_obj(MemberReply(step_id=-1), head_rank, REPLY_TAG, "its layers were restored")
+        stats = stage.stats
+        return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
+                "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
+                "copied_blocks": stage.map.copied_blocks}

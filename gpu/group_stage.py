@@ -1,0 +1,272 @@
+"""One member's part of a pipeline group formed at run time (KunServe §4.1-4.2): its model with
+the other members' layers dropped (gpu/stage_view.py), its block map, the group's sequences,
+and the KV exchange in both directions. The head (member 0) and every other member run the same
+class; the head's runner (gpu/group_runner.py) drives it and sends the others their control
+messages over the data plane.
+
+Forming the group: every member gathers the KV it must send (its own requests' KV for the other
+members' layers: from the old full-layout blocks, before anything overwrites them), drops its
+layers, maps the blocks that already hold its layers of a request's KV, and starts receiving.
+A request whose KV is still arriving is placed into its blocks the first time a step includes
+it, after waiting for exactly its own chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import attrs
+import torch
+
+from engine.cluster.plan import split_microbatches
+from engine.messages import ExecuteStep, SampledToken, SeqWork
+from engine.params import SamplingParams
+from gpu.block_map import BlockMap
+from gpu.data_plane import DataPlane, GroupMemberLost, recv_tensor
+from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, send_transfers
+from gpu.metadata import build_step_inputs
+from gpu.pipeline_stage import _tag as activation_tag
+from gpu.sampler import make_generator, sample
+from gpu.stage_view import drop_layers
+
+
+@attrs.frozen(kw_only=True)
+class SeqState:
+    """A request of the head as the group starts: its tokens and table (group block ids)."""
+
+    request_id: int
+    tokens: tuple[int, ...]
+    table: tuple[int, ...]
+    sampling: SamplingParams
+
+
+@attrs.frozen(kw_only=True)
+class Adopted:
+    """A request that moved to the head from member `owner`, whose KV lies there."""
+
+    request_id: int
+    """Its id on the head."""
+    owner: int
+    """Member index (pipeline order)."""
+    old_request_id: int
+    """Its id on the owner's runner."""
+    kv_tokens: int
+    """Tokens whose KV the owner holds."""
+
+
+@attrs.frozen(kw_only=True)
+class GroupStart:
+    ranks: tuple[int, ...]
+    """Data-plane rank of each member, pipeline order; ranks[0] is the head."""
+    layers: tuple[range, ...]
+    group: range
+    """The group's block ids."""
+    seqs: tuple[SeqState, ...]
+    adopted: tuple[Adopted, ...]
+    chunk_blocks: int
+    microbatches: int
+
+
+@attrs.frozen(kw_only=True)
+class GroupStep:
+    step: ExecuteStep
+    fed_back: tuple[SampledToken, ...]
+
+
+@attrs.frozen(kw_only=True)
+class GroupRestore:
+    tables: Mapping[int, tuple[int, ...]]
+    """Each live request's solo table on the head."""
+    source: str
+    """'peer' (dropped weights from the members keeping them) or 'host' (each one's copy)."""
+    release: tuple[int, ...] = ()
+    """Requests that ended since the last step (dropped before anything moves)."""
+
+
+@attrs.frozen(kw_only=True)
+class MemberReply:
+    step_id: int
+    sampled: tuple[SampledToken, ...] = ()
+    compute_s: tuple[float, ...] = ()
+    wait_s: tuple[float, ...] = ()
+    arrived: tuple[int, ...] = ()
+    error: str | None = None
+
+
+@attrs.define(slots=True, eq=False)
+class _Seq:
+    tokens: list[int]
+    table: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+
+def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
+    """Every KV transfer forming the group needs: each request's KV for every other member's
+    layers, from the member holding it."""
+    out = []
+    n = len(start.ranks)
+    for s in start.seqs:  # the head's own requests: all of their table
+        out += [KvTransfer(request_id=s.request_id, src=0, dst=k, layers=start.layers[k],
+                           blocks=len(s.table)) for k in range(1, n)]
+    for a in start.adopted:
+        blocks = -(-a.kv_tokens // block_size)
+        out += [KvTransfer(request_id=a.request_id, src=a.owner, dst=k, layers=start.layers[k],
+                           blocks=blocks) for k in range(n) if k != a.owner and blocks]
+    return out
+
+
+class GroupStage:
+    def __init__(self, model, plane: DataPlane, start: GroupStart, me: int,
+                 owned: Mapping[int, object], generators: Mapping[int, torch.Generator | None]
+                 = {}) -> None:
+        """`owned`: this member's solo sequences (old request id -> an object with `.table`),
+        whose KV the adopted requests it owned still hold."""
+        self.model, self.plane, self.start, self.me = model, plane, start, me
+        arena = model.arena
+        self.block_size = arena.block_size
+        self.keep = start.layers[me]
+        self.stats = ExchangeStats()
+        transfers = start_transfers(start, self.block_size)
+        old = {s.request_id: list(s.table) for s in start.seqs}
+        old.update({a.request_id: list(owned[a.old_request_id].table)
+                    for a in start.adopted if a.owner == me})
+
+        def gather(t: KvTransfer) -> torch.Tensor:  # the old full-layout blocks, all layers
+            idx = torch.tensor(old[t.request_id][:t.blocks], device=arena.device)
+            return arena.kv[idx][:, t.layers.start:t.layers.stop].to("cpu")
+
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 0, gather,
+                       self.stats)
+        self.drop = drop_layers(model, self.keep)
+        view = self.drop.view
+        self.map = BlockMap(view, start.group)
+        self.seqs: dict[int, _Seq] = {}
+        for a in start.adopted:  # reserved first: nothing else may take those blocks
+            if a.owner == me:
+                blocks = -(-a.kv_tokens // self.block_size)
+                self.map.reserve(a.request_id, [view.local_of_old(b)
+                                                for b in old[a.request_id][:blocks]])
+        for s in start.seqs:
+            self.seqs[s.request_id] = _Seq(tokens=list(s.tokens), table=list(s.table),
+                                           sampling=s.sampling,
+                                           generator=generators.get(s.request_id))
+            for i, g in enumerate(s.table):
+                if me == 0:
+                    self.map.pin(g, view.local_of_old(g))
+                else:
+                    self.map.assign(s.request_id, i, g)
+        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, 0,
+                                   (2, self.block_size, model.config.num_kv_heads,
+                                    model.config.head_dim), arena.dtype, self.stats)
+        self._hidden = model.config.hidden_size
+
+    # ------------------------------------------------------------------ steps
+
+    def run(self, msg: GroupStep) -> MemberReply:
+        step = msg.step
+        if not self.model.last_stage:
+            for t in msg.fed_back:
+                seq = self.seqs.get(t.request_id)
+                if seq is not None:
+                    seq.tokens.append(t.token_id)
+        self._book(step)
+        for w in step.seqs:
+            self._place(w.request_id)
+        ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
+        micro = split_microbatches(ordered, self.start.microbatches,
+                                   [w.num_tokens for w in ordered])
+        sampled, compute, waits = [], [], []
+        for m, work in enumerate(micro):
+            c, w, out = self._microbatch(step.step_id, m, work)
+            compute.append(c)
+            waits.append(w)
+            sampled.extend(out)
+        try:
+            self.plane.queue.flush("activation")  # KV chunks keep going behind them
+        except RuntimeError as exc:  # the sending thread failed: the next member went away
+            raise GroupMemberLost(self.start.ranks[min(self.me + 1, len(self.start.ranks) - 1)],
+                                  "activations were being sent", exc) from exc
+        return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
+                           compute_s=tuple(compute), wait_s=tuple(waits),
+                           arrived=tuple(self.receiver.take_arrived()))
+
+    def _book(self, step: ExecuteStep) -> None:
+        for rid in step.release:
+            self.seqs.pop(rid, None)
+        for s in step.setups:
+            gen = make_generator(s.sampling, fallback_seed=s.request_id,
+                                 device=self.model.arena.device)
+            self.seqs[s.request_id] = _Seq(tokens=list(s.prompt_ids), table=[],
+                                           sampling=s.sampling, generator=gen)
+        for u in step.blocks:
+            seq = self.seqs[u.request_id]
+            if u.reset:
+                seq.table.clear()
+            for g in u.append:
+                copy = self.map.assign(u.request_id, len(seq.table), g)
+                if copy is not None:
+                    self._copy_block(*copy)
+                seq.table.append(g)
+            self.map.done_reserving(u.request_id)
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        for k_cache, v_cache in self.model._kv:
+            k_cache[dst] = k_cache[src]
+            v_cache[dst] = v_cache[src]
+
+    def _place(self, request_id: int) -> None:
+        """Wait for this request's own chunks (if any are due here) and write them into its
+        blocks."""
+        if not self.receiver.expects(request_id):
+            return
+        for t, data in self.receiver.wait(request_id):  # data [blocks, layers, 2, bs, H, D]
+            locals_ = torch.tensor(self.map.locals(self.seqs[request_id].table[:t.blocks]))
+            self.write_layers(locals_, t.layers, data)
+
+    def write_layers(self, locals_: torch.Tensor, layers: range, data: torch.Tensor) -> None:
+        device = self.model.arena.device
+        for j, layer in enumerate(layers):
+            k_cache, v_cache = self.model._kv[layer - self.keep.start]
+            k_cache[locals_] = data[:, j, 0].to(device)
+            v_cache[locals_] = data[:, j, 1].to(device)
+
+    def read_layers(self, table: Sequence[int]) -> torch.Tensor:
+        """This member's layers of blocks `table`: [blocks, kept layers, 2, bs, H, D] on host."""
+        idx = torch.tensor(self.map.locals(table))
+        return torch.stack([torch.stack((k[idx], v[idx]), dim=1) for k, v in self.model._kv],
+                           dim=1).to("cpu")
+
+    @torch.inference_mode()
+    def _microbatch(self, step_id: int, m: int,
+                    work: Sequence[SeqWork]) -> tuple[float, float, list[SampledToken]]:
+        chunks = []
+        for w in work:
+            seq = self.seqs[w.request_id]
+            chunks.append((seq.tokens[w.start:w.start + w.num_tokens], w.start,
+                           self.map.locals(seq.table)))
+        device = self.model.arena.device
+        inputs = build_step_inputs(chunks, self.block_size, device,
+                                   sample=[w.sample for w in work])
+        waited, x = 0.0, inputs.input_ids
+        ranks, tag = self.start.ranks, activation_tag(step_id, m)
+        if not self.model.first_stage:
+            began = time.perf_counter()
+            x = torch.empty(len(inputs.input_ids), self._hidden, dtype=self.model.arena.dtype,
+                            device=device)  # [T, hidden]
+            recv_tensor(x, ranks[self.me - 1], tag, "activations were due")
+            waited = time.perf_counter() - began
+        began = time.perf_counter()
+        out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)
+        sampled: list[SampledToken] = []
+        if self.model.last_stage:
+            takers = [w for w in work if w.sample]
+            seqs = [self.seqs[w.request_id] for w in takers]
+            tokens = sample(out, [s.sampling for s in seqs], [s.generator for s in seqs])
+            for w, seq, tok in zip(takers, seqs, tokens):
+                seq.tokens.append(tok)
+                sampled.append(SampledToken(request_id=w.request_id, token_id=tok))
+        else:
+            self.plane.queue.put_activation(out, dst=ranks[self.me + 1], tag=tag)
+        return time.perf_counter() - began, waited, sampled

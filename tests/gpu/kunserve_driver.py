@@ -1,0 +1,138 @@
+"""The test's stand-in for the engines over two torch instance processes (tests/gpu/
+kunserve_host.py): a plain greedy scheduler per instance (a block free list, prefill then one
+decode token a step), and the group moves of KunServe driven by hand: drop, adopt, exchange,
+pipelined steps, restore. It drives the runners directly, not through Engine/Cluster."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+from collections.abc import Sequence
+
+import attrs
+
+from engine.messages import BlockUpdate, ExecuteStep, RequestSetup, SeqWork
+from engine.params import SamplingParams
+
+GREEDY = SamplingParams(max_tokens=64, temperature=0)
+
+
+@attrs.define(eq=False)
+class Req:
+    name: str
+    prompt: list[int]
+    max_tokens: int
+    rid: int
+    out: list[int] = attrs.Factory(list)
+    table: list[int] = attrs.Factory(list)
+    computed: int = 0
+    fresh: bool = True
+    """The runner has not been told about it yet (a setup goes with its next step)."""
+    ready: bool = True
+    reset: bool = False
+    """Its KV was lost: recompute it (the runner still has its tokens)."""
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.out
+
+    @property
+    def done(self) -> bool:
+        return len(self.out) >= self.max_tokens
+
+
+class Host:
+    def __init__(self, ctx, rank: int, world: int, init: str, model_dir, num_blocks: int,
+                 block_size: int) -> None:
+        from tests.gpu.kunserve_host import host_main
+
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=host_main, args=(rank, world, init, str(model_dir),
+                                                        num_blocks, block_size, child),
+                                daemon=True)
+        self.proc.start()
+        child.close()
+
+    def call(self, *msg, timeout: float = 120.0):
+        self.conn.send(msg)
+        return self.answer(timeout)
+
+    def answer(self, timeout: float = 120.0):
+        if not self.conn.poll(timeout):
+            raise TimeoutError(f"instance pid {self.proc.pid} did not answer")
+        kind, value = self.conn.recv()
+        if kind != "ok" and kind != "ready":
+            raise RuntimeError(f"instance pid {self.proc.pid}: {kind}: {value}")
+        return value
+
+
+def start_hosts(model_dir, num_blocks: int, block_size: int, n: int = 2) -> list[Host]:
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    hosts = [Host(ctx, r, n, f"tcp://127.0.0.1:{port}", model_dir, num_blocks, block_size)
+             for r in range(n)]
+    return hosts
+
+
+class Scheduler:
+    """One engine's bookkeeping: its pool (block ids), its requests, its next step."""
+
+    def __init__(self, pool: range, block_size: int) -> None:
+        self.block_size = block_size
+        self.free = list(reversed(pool))
+        self.reqs: dict[int, Req] = {}
+        self.release: list[int] = []
+        self.step_id = 0
+
+    def grow(self, pool: range) -> None:
+        held = {b for r in self.reqs.values() for b in r.table}
+        self.free = [b for b in reversed(pool) if b not in held]
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def fits(self, req: Req) -> bool:
+        return self.blocks_for(len(req.tokens) + req.max_tokens) <= len(self.free)
+
+    def add(self, req: Req) -> None:
+        self.reqs[req.rid] = req
+
+    def next_step(self) -> ExecuteStep:
+        setups, blocks, seqs = [], [], []
+        for r in self.reqs.values():
+            if r.done or not r.ready:
+                continue
+            if r.fresh:
+                setups.append(RequestSetup(request_id=r.rid, prompt_ids=tuple(r.tokens),
+                                           sampling=GREEDY, eos_token_ids=()))
+                r.fresh = False
+            n = len(r.tokens) - r.computed
+            need = self.blocks_for(r.computed + n) - len(r.table)
+            new = [self.free.pop() for _ in range(max(0, need))]
+            if new or r.reset:
+                r.table += new
+                blocks.append(BlockUpdate(request_id=r.rid, reset=r.reset, append=tuple(new)))
+                r.reset = False
+            seqs.append(SeqWork(request_id=r.rid, start=r.computed, num_tokens=n, sample=True))
+        self.step_id += 1
+        step = ExecuteStep(step_id=self.step_id, release=tuple(self.release),
+                           setups=tuple(setups), blocks=tuple(blocks), seqs=tuple(seqs))
+        self.release = []
+        return step
+
+    def finish(self, step: ExecuteStep, sampled: Sequence) -> None:
+        got = {t.request_id: t.token_id for t in sampled}
+        for w in step.seqs:
+            r = self.reqs[w.request_id]
+            assert w.request_id in got, f"{r.name} got no token in step {step.step_id}"
+            r.computed += w.num_tokens
+            r.out.append(got[w.request_id])
+            if r.done:
+                self.free += r.table
+                r.table = []
+                self.release.append(r.rid)
+
+    def live(self) -> list[Req]:
+        return [r for r in self.reqs.values() if not r.done]
