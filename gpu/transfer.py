@@ -6,15 +6,17 @@ Sends use torch.distributed point-to-point in the group the instance joined (glo
 on CUDA); a gloo send completes only once the receiver posts its receive. Two lanes, each one
 sending thread: activations go out as soon as they are queued, even while a KV chunk is on the
 wire; the KV lane sends one chunk at a time, in order, and before each chunk waits until no
-activation is queued (the paper's "after a chunk, let a pending activation go first"). A
-receiver that waits for a KV chunk before taking the next activation, or the other way round,
-cannot deadlock the link: neither lane ever waits for the other's receiver.
+activation is queued (the paper's "after a chunk, let a pending activation go first"), for at
+most `yield_s`: a receiver that needs a KV chunk before it takes the next activation would
+otherwise never let the activations drain (the group's scheduler waits for a request's KV
+before running it, so this bound is a safety net, not the common path).
 """
 
 from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Literal
 
@@ -34,8 +36,9 @@ def _dist_send(tensor: torch.Tensor, dst: int, tag: int) -> None:
 class TransferQueue:
     """Two lanes of sends (activations, KV), one thread each."""
 
-    def __init__(self, send: Sender = _dist_send) -> None:
+    def __init__(self, send: Sender = _dist_send, *, yield_s: float = 0.05) -> None:
         self._send = send
+        self._yield_s = yield_s
         self._lanes: dict[str, collections.deque] = {"activation": collections.deque(),
                                                      "kv": collections.deque()}
         self._cond = threading.Condition()
@@ -83,11 +86,13 @@ class TransferQueue:
         lane, acts = self._lanes[kind], self._lanes["activation"]
         while True:
             with self._cond:
-                while not self._closed and self._error is None and (
-                        not lane or (kind == "kv" and acts)):
-                    if kind == "kv" and lane and acts:
-                        self.kv_yields += 1
+                while not self._closed and self._error is None and not lane:
                     self._cond.wait()
+                if kind == "kv" and acts:  # let queued activations go first, for a while
+                    self.kv_yields += 1
+                    until = time.monotonic() + self._yield_s
+                    while acts and not self._closed and time.monotonic() < until:
+                        self._cond.wait(until - time.monotonic())
                 if self._closed or self._error is not None:
                     return
                 tensor, dst, tag = lane.popleft()
