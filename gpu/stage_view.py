@@ -99,7 +99,7 @@ def kept_weight_ranges(layout, keep: range) -> tuple[range, ...]:
 def dropped_ranges(layout, num_layers: int, keep: range) -> tuple[tuple[range, range], ...]:
     """(layers, old blocks) of each contiguous dropped range (before and after `keep`)."""
     out = []
-    for layers in (range(0, keep.start), range(keep.stop, num_layers)):
+    for layers in (range(keep.start), range(keep.stop, num_layers)):
         if len(layers):
             out.append((layers, range(layout.layer_blocks[layers.start].start,
                                       layout.layer_blocks[layers.stop - 1].stop)))

@@ -10,6 +10,9 @@ import traceback
 
 def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
               block_size: int, conn) -> None:
+    import faulthandler
+    import signal
+
     import torch
 
     from engine.config import EngineConfig
@@ -17,9 +20,6 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
     from gpu.data_plane import GroupMemberLost, data_plane, join_data_plane
     from gpu.group_runner import GroupRunner, serve_member
     from gpu.runner import TorchRunner
-
-    import faulthandler
-    import signal
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)

@@ -41,7 +41,7 @@ def _prefill(model: CausalLM, tokens: list[int], table: list[int]) -> torch.Tens
                                inputs.meta, inputs.logits_indices)
 
 
-@pytest.mark.parametrize("keep", [range(0, 2), range(2, 4), range(1, 3), range(3, 4)])
+@pytest.mark.parametrize("keep", [range(2), range(2, 4), range(1, 3), range(3, 4)])
 def test_kept_kv_is_read_in_place_and_freed_blocks_are_usable(four_layer_dir, keep):
     model = CausalLM.from_pretrained(four_layer_dir, num_kv_blocks=6, block_size=4)
     arena = model.arena
@@ -86,7 +86,7 @@ def test_a_two_stage_drop_computes_what_the_full_model_does(four_layer_dir):
     W = full.arena.weight_blocks
     tokens = list(range(20, 29))
     want = _prefill(full, tokens, [W, W + 1, W + 2])
-    drop_layers(a, range(0, 2))
+    drop_layers(a, range(2))
     sb = drop_layers(b, range(2, 4))
     # freed blocks only (not the old KV region): stage blocks that were dropped weights
     table_a = [int(x) for x in a.drop_state.view.usable[:3]]
@@ -111,6 +111,6 @@ def test_group_pool_is_the_smallest_member_capacity(four_layer_dir):
     config = ModelConfig.from_dir(four_layer_dir)
     model = CausalLM.from_pretrained(four_layer_dir, num_kv_blocks=6, block_size=4)
     layout, T = model.arena.layout, model.arena.total_blocks
-    layers = (range(0, 2), range(2, 4))
+    layers = (range(2), range(2, 4))
     caps = [StageView(config, 4, T, kept_weight_ranges(layout, k), k).capacity for k in layers]
     assert group_pool_blocks(config, 4, torch.float32, T, layers) == min(caps)
