@@ -15,7 +15,8 @@ import numpy as np
 
 from engine.cost_model import COLUMNS, BatchShape, CostModel, features, fit_coefficients, model_from
 
-__all__ = ["COLUMNS", "Fit", "features", "fit_cost_model", "relative_errors"]
+__all__ = ["COLUMNS", "Fit", "features", "fit_cost_model", "fit_recorded_steps", "relative_errors",
+           "total_ratio"]
 
 
 @attrs.frozen(kw_only=True)
@@ -57,3 +58,34 @@ def fit_cost_model(rows: Sequence[tuple[BatchShape, float]], *, source: str,
                median_relative_error=float(np.median(rel)),
                held_out_median_error=float(np.median(mixed_rel)) if mixed_rel is not None else None,
                held_out_rows=len(mixed) if held_out else 0)
+
+
+def fit_recorded_steps(rows: Sequence[tuple[BatchShape, float]], *, source: str,
+                       held_out: Sequence[tuple[BatchShape, float]] = ()) -> Fit:
+    """Fit on the steps a real engine ran (issue 18): one joint fit over whatever mix of
+    prefill, mixed and decode batches its workloads produced, on relative error, then scaled
+    so that the fitted steps' total time equals the measured total (a relative-error fit sits
+    below the mean where step times scatter upward, and the simulator's clock adds times up).
+    `held_out`: steps of other runs, to report the error on (`held_out_median_error`)."""
+    if len(rows) < len(COLUMNS):
+        raise ValueError(f"need at least {len(COLUMNS)} measurements to fit, got {len(rows)}")
+    if any(ms <= 0 for _, ms in rows):
+        raise ValueError("every measured time must be > 0")
+    coef = fit_coefficients(rows, split=False)
+    cost = model_from(coef, source)
+    predicted = sum(cost.predict_ms(s) for s, _ in rows)
+    scale = sum(ms for _, ms in rows) / predicted
+    cost = model_from(coef * scale, source)
+    rel = relative_errors(cost, rows)
+    out = relative_errors(cost, held_out) if held_out else None
+    return Fit(cost=cost, mean_relative_error=float(rel.mean()),
+               max_relative_error=float(rel.max()), rows=len(rows),
+               median_relative_error=float(np.median(rel)),
+               held_out_median_error=float(np.median(out)) if out is not None else None,
+               held_out_rows=len(held_out), note=f"; fitted on recorded engine steps, x{scale:.3f} "
+                                                 f"to their total time")
+
+
+def total_ratio(cost: CostModel, rows: Sequence[tuple[BatchShape, float]]) -> float:
+    """Predicted over measured total time of `rows` (1.0: the clock adds up right)."""
+    return sum(cost.predict_ms(s) for s, _ in rows) / sum(ms for _, ms in rows)

@@ -74,6 +74,28 @@ class CopyLink:
 
 
 @attrs.frozen(kw_only=True)
+class EngineCost:
+    """The serving engine's own time per iteration, outside the step (issue 18): planning, the
+    allocator, the hops to and from the device thread, outputs and streaming. A real engine
+    spends it between steps; the simulator's actors take no virtual time, so a profile fitted
+    on this machine (`shunter/fidelity.py`) carries it and the sim runner sleeps it. Profiles
+    without it (the shared GPU profiles) charge nothing."""
+
+    per_iteration_ms: float = 0.0
+    per_seq_ms: float = 0.0
+    """Per sequence the step computed."""
+    per_sampled_ms: float = 0.0
+    """Per token the step sampled (outputs, detokenizing, streaming)."""
+    before_share: float = 0.5
+    """Share of it spent before the step starts (planning, messages); the rest after it ends,
+    before its tokens reach the frontend."""
+    source: str = ""
+
+    def ms(self, seqs: int, sampled: int) -> float:
+        return self.per_iteration_ms + self.per_seq_ms * seqs + self.per_sampled_ms * sampled
+
+
+@attrs.frozen(kw_only=True)
 class Profile:
     name: str
     model: ModelShape
@@ -86,6 +108,8 @@ class Profile:
     activation_gib: float = 0.0
     """Device memory the steps' activations take out of that share (vLLM's profiling step)."""
     source: str = ""
+    engine_cost: EngineCost | None = None
+    """The engine's own cost around each step; None (charged nothing) unless fitted here."""
 
     def num_blocks(self, block_size: int, memory_utilization: float | None = None) -> int:
         """KV blocks that fit in the device memory left after the weights."""
@@ -107,7 +131,8 @@ class Profile:
                 "memory_utilization": self.memory_utilization,
                 **({"activation_gib": self.activation_gib} if self.activation_gib else {}),
                 "model": attrs.asdict(self.model), "cost_model": cost,
-                "copy_link": attrs.asdict(self.link)}
+                "copy_link": attrs.asdict(self.link),
+                **({"engine_cost": attrs.asdict(self.engine_cost)} if self.engine_cost else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> Profile:
@@ -120,7 +145,8 @@ class Profile:
                 activation_gib=float(data.get("activation_gib", 0.0)),
                 model=ModelShape(**data["model"]),
                 cost=CostModel(**data["cost_model"], source=f"profile {data['name']}: {source}"),
-                link=CopyLink(**data["copy_link"]))
+                link=CopyLink(**data["copy_link"]),
+                engine_cost=EngineCost(**data["engine_cost"]) if "engine_cost" in data else None)
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: not a valid profile: {type(exc).__name__}: {exc}") from None
 

@@ -42,6 +42,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     fit.add_argument("--kv-cache-mib", type=float, default=256.0,
                      help="KV memory the profile's device offers (CPU: the torch backend's default)")
     fit.add_argument("--repeats", type=int, default=3, help="timed repeats per shape (median)")
+    fit.add_argument("--workload", action="append", default=[], metavar="SPEC",
+                     help="instead of the grid: serve this workload (repeatable) on the torch "
+                          "backend, fit on the steps it ran and charge the engine's own time "
+                          "between steps (issue 18; bench/sim_validation.py)")
+    fit.add_argument("--policy", default="fcfs", help="with --workload: the policy to serve it with")
     fit.add_argument("--no-calibrate", action="store_true",
                      help="fit the steps alone; by default the fit is then calibrated inside a "
                           "running engine (its step slowdown and per-iteration overhead)")
@@ -75,6 +80,8 @@ def run_fit(args: argparse.Namespace) -> int:
     def progress(i: int, n: int) -> None:
         print(f"\rmeasuring step times: {i}/{n}", end="", file=sys.stderr, flush=True)
 
+    if args.workload:
+        return _fit_on_workloads(args, config)
     rows = measure(config, repeats=args.repeats, on_row=progress)
     print(file=sys.stderr)
     gb_per_s, dispatch_us = measure_copy(args.device)
@@ -93,4 +100,27 @@ def run_fit(args: argparse.Namespace) -> int:
     print(f"wrote {args.out}: {fit.rows} shapes, prediction error median "
           f"{fit.median_relative_error:.1%}, mean {fit.mean_relative_error:.1%} (max "
           f"{fit.max_relative_error:.1%}){held}")
+    return 0
+
+
+def _fit_on_workloads(args: argparse.Namespace, config: EngineConfig) -> int:
+    from gpu.profiler import measure_copy
+    from shunter.benchmark.policies import parse_policy
+    from shunter.fidelity import profile_from_runs, recorded_run
+    from shunter.workloads import load_workload
+
+    runs = []
+    for spec in args.workload:
+        print(f"serving {spec} on the torch backend", file=sys.stderr, flush=True)
+        runs.append(recorded_run(parse_policy(args.policy), load_workload(spec), config))
+    gb_per_s, dispatch_us = measure_copy(args.device)
+    profile, fit = profile_from_runs(config, runs, name=args.name or args.out.stem,
+                                     kv_cache_mib=args.kv_cache_mib, gb_per_s=gb_per_s,
+                                     dispatch_us=dispatch_us, source=", ".join(args.workload))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    save_profile(profile, args.out)
+    e = profile.engine_cost
+    print(f"wrote {args.out}: {fit.rows} recorded steps, prediction error median "
+          f"{fit.median_relative_error:.1%}; engine cost {e.per_iteration_ms:.3f} ms per iteration "
+          f"+ {e.per_seq_ms:.4f} per sequence + {e.per_sampled_ms:.4f} per sampled token")
     return 0

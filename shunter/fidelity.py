@@ -1,0 +1,196 @@
+"""Where the simulator's clock and the real one part (issue 18): a torch run that records every
+step the engine ran, with the time it took on the device thread and the engine's own time
+around it, and what to fit from such records.
+
+Each iteration of a real engine, on one clock (`perf_counter`; the event loop's clock is the
+same monotonic clock on Linux):
+
+    planned (scheduler) --pre--> step starts on the device thread --exec--> step ends
+        --post--> the next iteration is planned
+
+`exec` is what the step runner does (inputs, forward, sampling); `pre` + `post` is the
+engine's own work the simulator's actors do in no virtual time (planning, the allocator, the
+hops to and from the device thread, outputs to the frontend, streaming). Both are recorded per
+iteration so that the simulator can be charged the engine's measured cost
+(`sim.profile.EngineCost`), and the cost model fitted on the step shapes real workloads
+produce rather than on a grid.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import attrs
+import numpy as np
+
+from engine.config import EngineConfig
+from engine.cost_model import BatchShape
+from engine.iteration_log import IterationLog
+from engine.messages import ExecuteStep, StepFinished
+from engine.metrics import RunMetrics, run_metrics
+from shunter.backends import build_backend
+from shunter.benchmark.driver import Driver, DriveResult
+from shunter.benchmark.policies import PolicyChoice
+from shunter.calibrate import profile_for
+from shunter.engine import Engine
+from shunter.workloads import Workload
+from sim.fit import Fit, fit_recorded_steps
+from sim.profile import EngineCost, Profile
+
+
+@attrs.frozen(kw_only=True)
+class StepRecord:
+    """One step of a real run, in perf_counter seconds."""
+
+    shape: BatchShape
+    seqs: int
+    """Sequences the step computed."""
+    sampled: int
+    """Tokens it sampled (one per sequence that finished its prompt or decoded)."""
+    began: float
+    ended: float
+    stall_s: float
+    """Of ended - began, time spent waiting for swap copies (modelled apart by the sim)."""
+
+    @property
+    def compute_ms(self) -> float:
+        return (self.ended - self.began - self.stall_s) * 1000.0
+
+
+@attrs.frozen(kw_only=True)
+class RecordedRun:
+    metrics: RunMetrics
+    steps: tuple[StepRecord, ...]
+    planned: tuple[float, ...]
+    """When each iteration was planned (the iteration log's times)."""
+    wall_s: float
+    swap: dict[str, Any]
+    swap_submits: tuple[float, ...] = ()
+    """When each swap transfer was handed to the copier (perf_counter)."""
+
+    def swap_iteration_share(self) -> float:
+        """Share of iterations during which (from its plan to the next) a swap was issued."""
+        if not self.planned:
+            return 0.0
+        hit = {int(np.searchsorted(self.planned, t, side="right")) - 1 for t in self.swap_submits}
+        return len(hit - {-1}) / len(self.planned)
+
+
+def _record_steps(runner: Any, into: list[StepRecord]) -> None:
+    """Wrap `runner.execute` (called on its device thread) to append a StepRecord per step."""
+    execute = runner.execute
+
+    def recorded(step: ExecuteStep) -> StepFinished:
+        began = time.perf_counter()
+        done = execute(step)
+        ended = time.perf_counter()
+        if step.seqs:
+            shape = BatchShape.of((w.start, w.num_tokens) for w in step.seqs)
+            into.append(StepRecord(shape=shape, seqs=len(step.seqs), sampled=len(done.sampled),
+                                   began=began, ended=ended, stall_s=done.stall_s))
+        return done
+
+    runner.execute = recorded
+
+
+def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -> RecordedRun:
+    """Serve `workload` with the policy on the torch engine `base` names, recording every step."""
+    config = attrs.evolve(base, record_iterations=True, policy=choice.path, **choice.overrides)
+    backend = build_backend(config)
+    steps: list[StepRecord] = []
+    submits: list[float] = []
+    _record_steps(backend.runner, steps)
+
+    async def serve() -> tuple[DriveResult, IterationLog | None]:
+        async with Engine.start(config, backend=backend) as engine:
+            if engine.swapper is not None:
+                _record_submits(engine.swapper, submits)
+            driver = Driver(engine, workload, vocab=backend.vocab_size,
+                            declared_classes={c.name for c in engine.policy.settings.classes})
+            result = await driver.run()
+            return result, await engine.take_iteration_log()
+
+    began = time.perf_counter()
+    drive, log = anyio.run(serve)
+    wall = time.perf_counter() - began
+    metrics = run_metrics(drive.timelines, duration_s=drive.finished - drive.started,
+                          goals=drive.goals, failed=drive.failed, log=log)
+    return RecordedRun(metrics=metrics, steps=tuple(steps),
+                       planned=tuple(log.time) if log is not None else (), wall_s=wall,
+                       swap=attrs.asdict(log.swap) if log is not None else {},
+                       swap_submits=tuple(submits))
+
+
+def _record_submits(swapper: Any, into: list[float]) -> None:
+    submit = swapper.submit
+
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        into.append(time.perf_counter())
+        return submit(*args, **kwargs)
+
+    swapper.submit = recorded
+
+
+def fit_rows(runs: Sequence[RecordedRun]) -> list[tuple[BatchShape, float]]:
+    """(shape, compute ms) of every step of `runs`: the rows to fit the cost model on."""
+    return [(s.shape, s.compute_ms) for r in runs for s in r.steps if s.compute_ms > 0]
+
+
+def engine_gaps(run: RecordedRun) -> list[tuple[StepRecord, float, float]]:
+    """(step, ms of engine work between its end and the next step's start, of which ms after
+    the next step was planned) for every step the next one followed at once (the engine had
+    work waiting; a gap spent mostly before the next plan is the engine idling for arrivals)."""
+    out = []
+    planned = np.array(run.planned)
+    for cur, nxt in zip(run.steps, run.steps[1:]):
+        # the plan of the next step: the latest planning time before it started
+        i = int(np.searchsorted(planned, nxt.began)) - 1
+        if i < 0 or planned[i] < cur.began:
+            continue
+        idle = planned[i] - cur.ended  # > 0: planned some time after the step ended
+        gap_ms = (nxt.began - cur.ended) * 1000.0
+        if idle * 1000.0 > gap_ms * 0.5 + 1.0:  # mostly waiting for an arrival
+            continue
+        out.append((cur, gap_ms, (nxt.began - planned[i]) * 1000.0))
+    return out
+
+
+def fit_engine_cost(runs: Sequence[RecordedRun], source: str) -> EngineCost:
+    """Least squares of the gap between back-to-back steps on (1, sequences, sampled tokens):
+    the engine's own cost per iteration and per sequence, kept >= 0."""
+    pairs = [(s, g) for r in runs for s, g, _ in engine_gaps(r)]
+    pre = sum(p for r in runs for _, _, p in engine_gaps(r))
+    if len(pairs) < 8:
+        raise ValueError(f"only {len(pairs)} back-to-back steps to fit the engine's cost on")
+    gaps = np.array([g for _, g in pairs])
+    keep = gaps <= np.quantile(gaps, 0.98)  # a step next to another process's burst
+    x = np.array([[1.0, s.seqs, s.sampled] for s, _ in pairs])[keep]
+    y = gaps[keep]
+    coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if coef[1] < 0 or coef[2] < 0:  # refit on what stays non-negative
+        col = 1 if coef[2] < 0 else 2
+        sub, *_ = np.linalg.lstsq(x[:, [0, col]], y, rcond=None)
+        coef = np.zeros(3)
+        coef[[0, col]] = np.maximum(sub, 0.0)
+    pred = x @ coef
+    return EngineCost(per_iteration_ms=float(max(coef[0], 0.0)), per_seq_ms=float(coef[1]),
+                      per_sampled_ms=float(coef[2]), before_share=float(pre / gaps.sum()),
+                      source=f"{source}; {int(keep.sum())} back-to-back steps, median gap "
+                             f"{float(np.median(y)):.3f} ms, median error "
+                             f"{float(np.median(np.abs(pred - y))):.3f} ms")
+
+
+def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name: str,
+                      kv_cache_mib: float, gb_per_s: float, dispatch_us: float,
+                      source: str) -> tuple[Profile, Fit]:
+    """A sim profile of `config.model` on this machine fitted on recorded runs: the cost model
+    on their steps, the engine's own cost on the gaps between them, the given copy link."""
+    rows = fit_rows(runs)
+    fit = fit_recorded_steps(rows, source=f"{len(rows)} recorded steps of {source}")
+    cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}")
+    profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
+                          gb_per_s=gb_per_s, dispatch_us=dispatch_us)
+    return attrs.evolve(profile, engine_cost=cost), fit
