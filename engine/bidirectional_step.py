@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from engine.memory.bidirectional import BidirectionalBlocks, SlotCopies
+from engine.memory.slot_runs import NO_COPIES
 from engine.messages import BidirectionalOrders, BlockUpdate, SwapTransfer
 from engine.planner import IterationPlan
 from engine.request import Request
@@ -33,7 +34,7 @@ def best_effort(r: Request) -> bool:
 class BidirectionalMemory:
     def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
         self.table = BidirectionalBlocks(block_ids, block_size, host_slots)
-        self._sent: dict[int, tuple[int, ...]] = {}
+        self._sent: dict[int, list[int]] = {}
         """The block table the executor holds for each request."""
         self.swapped_out = 0
         """Requests swapped out whole by the extreme case since the start."""
@@ -72,16 +73,18 @@ class BidirectionalMemory:
                 plan.work[rid], plan.block_targets[rid] = n, 0
         blocks = []
         for rid in plan.work:
-            table = tuple(t.table(rid))
+            table = t.table(rid)  # a copy
             plan.block_targets[rid] = len(table)
             if self._sent.get(rid) != table:
                 self._sent[rid] = table
-                blocks.append(BlockUpdate(request_id=rid, reset=True, append=table))
+                blocks.append(BlockUpdate(request_id=rid, reset=True, append=tuple(table)))
+        bs = t.block_size
         for rid in t.requests():
             if (r := requests.get(rid)) is not None:
-                r.blocks = len(t.table(rid))
-                r.checkpointed_blocks = t.checkpointed_blocks(rid)
-                r.checkpointed_slots = t.checkpointed_slots(rid)
+                # len(table(rid)) without copying it: a table covers its tokens unless swapped
+                r.blocks = 0 if t.swapped(rid) else -(-t.tokens(rid) // bs)
+                slots = r.checkpointed_slots = t.checkpointed_slots(rid)
+                r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
         return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
 
     def _forget(self, rid: int) -> None:
@@ -100,13 +103,13 @@ class BidirectionalMemory:
             if not t.can_restore(rid):
                 return False
             _add(transfers, rid, t.restore(rid))
-        if not t.is_reversed(rid):
+        if not t.can_extend(rid, tokens):  # false also while still swapped or displaced
+            if t.is_reversed(rid) or t.swapped(rid) or t.displaced(rid):
+                return False
             self._make_room(rid, tokens, plan, requests, transfers)
-        if t.swapped(rid) or t.displaced(rid):
-            return False
-        if not t.can_extend(rid, tokens):
-            return False
-        _add(transfers, rid, t.extend(rid, tokens))
+            if not t.can_extend(rid, tokens):
+                return False
+        _add(transfers, rid, t.extend(rid, tokens, checked=True))
         return True
 
     def _make_room(self, rid: int, tokens: int, plan: IterationPlan,
@@ -133,6 +136,8 @@ class BidirectionalMemory:
 
 def _add(transfers: list[SwapTransfer], rid: int, copies: SlotCopies) -> None:
     """The copies as swap transfers, in the order they must run, each waited for by the step."""
+    if copies is NO_COPIES:
+        return
     for direction, pairs in (("out", copies.out), ("move", copies.move), ("in", copies.into)):
         if pairs:
             transfers.append(SwapTransfer(request_id=rid, direction=direction, pairs=pairs,

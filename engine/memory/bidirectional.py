@@ -31,7 +31,7 @@ from collections.abc import Iterator
 
 import attrs
 
-from engine.memory.slot_runs import SlotCopies, decode, encode, physical_slot
+from engine.memory.slot_runs import NO_COPIES, SlotCopies, decode, encode, physical_slot
 
 __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
            "physical_slot"]
@@ -189,16 +189,16 @@ class BidirectionalBlocks:
         lowest = self.block_size - 1 - last % self.block_size
         return int(x.rt >= 0 and x.rt_fill > lowest)
 
-    def extend(self, rid: int, tokens: int) -> SlotCopies:
+    def extend(self, rid: int, tokens: int, *, checked: bool = False) -> SlotCopies:
         """Make the request hold KV slots for `tokens` tokens (it is about to write positions
         `tokens()` .. `tokens - 1`). Returns the copies to run first: checkpoints of the BE slots
-        an RT write overwrites, or a BE block moved away from an RT guest."""
+        an RT write overwrites, or a BE block moved away (`checked`: can_extend was asked)."""
         s = self._seqs[rid]
-        if not self.can_extend(rid, tokens):
+        if not checked and not self.can_extend(rid, tokens):
             raise BidirectionalError(f"request {rid} cannot grow to {tokens} tokens")
-        copies = SlotCopies()
+        copies = NO_COPIES
         if s.reverse and self._be_collides(rid, s, tokens):
-            copies = copies + self._move_last_block(rid, s)
+            copies = self._move_last_block(rid, s)
         while len(s.table) < self._blocks_for(tokens):
             b = self._pick_be_block() if s.reverse else self._pick_rt_block()
             assert b is not None
@@ -218,7 +218,7 @@ class BidirectionalBlocks:
                         out.extend(self._checkpoint(block, x, i))
             pos = end
         s.tokens = max(s.tokens, tokens)
-        return copies + SlotCopies(out=tuple(out))
+        return copies + SlotCopies(out=tuple(out)) if out else copies
 
     def _checkpoint(self, block: int, x: _Block, offset: int) -> list[tuple[int, int]]:
         """RT is about to write `offset` of `block`: if that slot holds live BE KV, copy it

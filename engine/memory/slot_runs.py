@@ -44,6 +44,9 @@ class SlotCopies:
         return bool(self.out or self.move or self.into)
 
 
+NO_COPIES = SlotCopies()
+"""What most extensions need: nothing (shared, so the hot path allocates none)."""
+
 SlotDirection = str
 """`out` (device -> host), `in` (host -> device) or `move` (device -> device)."""
 

@@ -51,6 +51,8 @@ class SlotModel:
                 assert self.host[h] == (rid, pos), "a checkpoint does not hold its KV"
             assert len(host) == (t.tokens(rid) if t.swapped(rid) else
                                  t.tokens(rid) - sum(1 for _ in t.live_slots(rid)))
+            # fit (engine/bidirectional_step.py) counts a request's blocks from this
+            assert len(t.table(rid)) == (0 if t.swapped(rid) else -(-t.tokens(rid) // t.block_size))
         # a checkpoint covers exactly the overwritten slots of each block
         for b in range(t.num_total):
             rt, _, be, _, lost = t.block(b)
