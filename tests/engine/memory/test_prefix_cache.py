@@ -81,6 +81,9 @@ class Model:
         hit = self.cache.lookup(rid, context)
         new = -(-len(context) // BS) - len(hit)
         if new + self.cache.idle_count(hit) > self.pool.num_free + self.cache.num_idle:
+            # refused: this model may admit the id later with another context, which an engine
+            # request never has, so it is forgotten here (the cache memoizes a request's keys)
+            self.cache.forget(rid)
             return
         self.cache.acquire(rid, hit)
         self.released = [k for k in self.released if k not in hit]
