@@ -36,6 +36,7 @@ from gpu.data_plane import (
 )
 from gpu.group_stage import (
     Adopted,
+    GroupAbandon,
     GroupRestore,
     GroupStage,
     GroupStart,
@@ -128,6 +129,9 @@ class GroupRunner:
         replies = [mine]
         for m, rank in enumerate(self.ranks[1:], start=1):
             reply: MemberReply = recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")
+            if reply.lost is not None:
+                raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
+                                      f"instance {rank})", RuntimeError(reply.error))
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
             self._note_arrived(m, reply.arrived)
@@ -194,11 +198,18 @@ class GroupRunner:
                               "kv_bytes": float(stage.stats.received_bytes)}
         self.stage = None
 
-    def recover_from_host(self) -> list[int]:
-        """After a member was lost: the head's dropped layers come back from its host copy and
-        every request keeps its tokens but no KV (an empty table): the engine must recompute
-        them. Returns their ids."""
+    def recover_from_host(self, lost: int) -> list[int]:
+        """After member instance `lost` was lost: every survivor is told to restore from its
+        host copy (`GroupAbandon`); the head's dropped layers come back from its own, and every
+        request keeps its tokens but no KV (an empty table): the engine must recompute them.
+        Returns their ids."""
         stage = self.stage
+        for rank in self.ranks[1:]:
+            if rank != lost:
+                try:
+                    send_obj(GroupAbandon(lost=lost), rank, CONTROL_TAG, "the group was abandoned")
+                except GroupMemberLost:
+                    pass  # lost as well: nothing to tell it
         for t in self._fed_back:
             if t.request_id in stage.seqs:
                 stage.seqs[t.request_id].tokens.append(t.token_id)
@@ -277,16 +288,24 @@ def serve_member(solo, head_rank: int) -> dict:
     stage = GroupStage(solo._model, plane, start, me, solo._seqs)
     solo._seqs.clear()
     while True:
-        msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
+        try:
+            msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
+        except GroupMemberLost as exc:  # the head went away: its requests end with it there
+            return _abandon(stage, f"head lost: {exc}")
+        if isinstance(msg, GroupAbandon):
+            return _abandon(stage, f"member instance {msg.lost} lost")
         if isinstance(msg, GroupStep):
             try:
                 reply = stage.run(msg)
-            except GroupMemberLost:
-                raise
+            except GroupMemberLost as exc:
+                reply = MemberReply(step_id=msg.step.step_id, error=str(exc), lost=exc.rank)
             except Exception as exc:  # reported to the head, which fails the step
                 reply = MemberReply(step_id=msg.step.step_id,
                                     error=f"{type(exc).__name__}: {exc}")
-            send_obj(reply, head_rank, REPLY_TAG, "answering a step")
+            try:
+                send_obj(reply, head_rank, REPLY_TAG, "answering a step")
+            except GroupMemberLost as exc:
+                return _abandon(stage, f"head lost: {exc}")
             continue
         assert isinstance(msg, GroupRestore), msg
         for rid in msg.release:
@@ -302,3 +321,10 @@ def serve_member(solo, head_rank: int) -> dict:
         return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
                 "copied_blocks": stage.map.copied_blocks}
+
+
+def _abandon(stage: GroupStage, why: str) -> dict:
+    """A member leaves a broken group: its dropped layers from its host copy, no sequences."""
+    restore_layers(stage.model)
+    data_plane().renew_queue()
+    return {"abandoned": why}

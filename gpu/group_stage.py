@@ -92,6 +92,16 @@ class MemberReply:
     wait_s: tuple[float, ...] = ()
     arrived: tuple[int, ...] = ()
     error: str | None = None
+    lost: int | None = None
+    """The rank of a member this one lost contact with while running the step."""
+
+
+@attrs.frozen(kw_only=True)
+class GroupAbandon:
+    """A member was lost: every survivor restores its dropped layers from its host copy and
+    serves alone, empty (the head recomputes the requests)."""
+
+    lost: int
 
 
 @attrs.define(slots=True, eq=False)

@@ -64,7 +64,7 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
                     "chunks_received": ex.chunks_received, "ready_s": dict(ex.ready_s)})))
                 group = None
             elif cmd == "recover":
-                conn.send(("ok", group.recover_from_host()))
+                conn.send(("ok", group.recover_from_host(args[0])))
                 group = None
             elif cmd == "queue_bytes":
                 conn.send(("ok", dict(data_plane().queue.sent_bytes)))

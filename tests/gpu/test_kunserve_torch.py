@@ -34,7 +34,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hosts(model_dir):
-    hosts = start_hosts(model_dir, SOLO_BLOCKS, BLOCK)
+    hosts = start_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
     ranges = [range(*h.answer(timeout=180)) for h in hosts]
     yield hosts, ranges
     for h in hosts:
@@ -81,7 +81,7 @@ def _check(model_dir, reqs) -> None:
 
 
 def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
-    (h0, h1), (solo0, solo1) = hosts
+    (h0, h1, _), (solo0, solo1, _) = hosts
     rng = random.Random(0)
     s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
     a = [Req(f"A{i}", _prompt(rng, 9 + i), 16 - 8 * i, rid=1 + i) for i in range(2)]
@@ -155,40 +155,64 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     _check(model_dir, a + b + burst + [d])
 
 
-def test_member_lost_while_grouped_head_recovers_from_host_copy(model_dir, hosts):
-    (h0, h1), (solo0, solo1) = hosts
-    rng = random.Random(1)
-    s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
+def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member, victim, seed):
+    """`member` joins `head`'s group with one request of its own, a few pipelined steps run,
+    then `victim` (one of the two) is killed. Returns the head's scheduler and its requests."""
+    rng = random.Random(seed)
+    s0, s1 = Scheduler(solo_head, BLOCK), Scheduler(solo_member, BLOCK)
     e = [Req(f"E{i}", _prompt(rng, 8 + i), 10, rid=200 + i) for i in range(2)]
     f = Req("F0", _prompt(rng, 9), 10, rid=300)
     for r in e:
         s0.add(r)
     s1.add(f)
-    _run([(h0, s0), (h1, s1)], 2)
-    h1.conn.send(("member", 0))
+    _run([(head, s0), (member, s1)], 2)
+    member.conn.send(("member", ranks[0]))
     f_new = Req("F0", f.prompt, f.max_tokens, rid=400, out=list(f.out), computed=f.computed,
                 ready=False)
     adopted = (Adopted(request_id=400, owner=1, old_request_id=300, kv_tokens=f.computed),)
-    (start, stop), arrived = h0.call("form", (0, 1), LAYERS, adopted, 2)
+    (start, stop), arrived = head.call("form", ranks, LAYERS, adopted, 2)
     s0.grow(range(start, stop))
     for r in s0.live():
         r.ready = False
     s0.add(f_new)
     for rid in arrived:
         s0.reqs[rid].ready = True
-    _group_steps(h0, s0, lambda: f_new.ready and len(f_new.out) > len(f.out) + 1)
-    h1.proc.kill()
-    h1.proc.join(timeout=10)
+    _group_steps(head, s0, lambda: f_new.ready and len(f_new.out) > len(f.out) + 1)
+    victim.proc.kill()
+    victim.proc.join(timeout=10)
+    return s0, e + [f_new]
+
+
+def test_member_lost_while_grouped_head_recovers_from_host_copy(model_dir, hosts):
+    (h0, _, h2), (solo0, _, solo2) = hosts
+    s0, reqs = _grouped_then_killed(model_dir, h0, h2, (0, 2), solo0, solo2, h2, 1)
     step = s0.next_step()
     h0.conn.send(("step", step))
     kind, message = h0.conn.recv()
-    assert kind == "lost" and "member instance 1 was lost" in message, (kind, message)
+    assert kind == "lost" and "member instance 2 was lost" in message, (kind, message)
     # the head serves alone from its host copy; every request is recomputed from its tokens
-    rids = h0.call("recover")
+    rids = h0.call("recover", 2)
     assert sorted(rids) == sorted(r.rid for r in s0.live())
     s0.free = list(reversed(solo0))
     for r in s0.live():
         r.table, r.computed, r.reset = [], 0, True
     while any(not r.done for r in s0.reqs.values()):
         _run([(h0, s0)], 1)
-    _check(model_dir, e + [f_new])
+    _run([(h0, s0)], 1)  # hands the runner the last releases
+    _check(model_dir, reqs)
+
+
+def test_head_lost_while_grouped_member_serves_alone_from_host_copy(model_dir, hosts):
+    """The head's requests die with it (the front door ends them with its "instance went
+    away" error, issue 15); the member restores its dropped layers from its host copy and
+    serves alone, empty, with the whole model again."""
+    (h0, h1, _), (solo0, solo1, _) = hosts
+    _grouped_then_killed(model_dir, h1, h0, (1, 0), solo1, solo0, h1, 2)
+    stats = h0.answer()
+    assert "head lost" in stats["abandoned"], stats
+    s0 = Scheduler(solo0, BLOCK)
+    g = Req("G0", _prompt(random.Random(3), 11), 8, rid=500)
+    s0.add(g)
+    while not g.done:
+        _run([(h0, s0)], 1)
+    _check(model_dir, [g])
