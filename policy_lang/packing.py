@@ -123,8 +123,7 @@ class _Batch:
         self.budgets: list[float] = []
         """Per-iteration time budget each request counts with toward min_slack (inf: none)."""
         self.shape = BatchShape()
-        self.copy_blocks = 0
-        """KV blocks the batch brings back from the host (swapped, or checkpointed slots)."""
+        self.copy_blocks = 0  # KV blocks the batch brings back from the host (swap, checkpoints)
         self.copies: list[int] = []
         self.min_slack = math.inf
         self.ids: set[int] = set()
@@ -133,6 +132,7 @@ class _Batch:
         a request of its class behind it may not take those (each freed block going to a newer,
         smaller request starved it: a 15.6 s TTFT p99.9 under memory pressure). Other classes
         may: RT takes BE memory back anyway."""
+        self.held: dict[int, int] = {}  # class -> blocks `reserved` holds for it, kept summed
         self.borrowers: set[int] = set()
         """Requests in the batch that took memory from a later class's requests."""
         self.lent: set[int] = set()
@@ -140,6 +140,15 @@ class _Batch:
 
     def full(self) -> bool:
         return len(self.selected) >= self.limit or self.tokens_left <= 0
+
+    def reserve(self, rid: int, cls: int, blocks: int) -> None:
+        if rid not in self.reserved:
+            self.reserved[rid] = (cls, blocks)
+            self.held[cls] = self.held.get(cls, 0) + blocks
+
+    def unreserve(self, rid: int) -> None:
+        if (entry := self.reserved.pop(rid, None)) is not None:
+            self.held[entry[0]] -= entry[1]
 
     def chunk(self, r: RequestView, extra_tokens: int = 0) -> tuple[int, int]:
         return r.computed_tokens, max(1, min(r.remaining_tokens, self.tokens_left + extra_tokens))
@@ -311,10 +320,9 @@ class PackOrder:
         admits = r.state != "running" or chunk[1] > 1
         # FindPreemptBlock: only classes packed later lend memory for a new request or a
         # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
-        free = batch.free - sum(b for c, b in batch.reserved.values() if c == step.cls)
-        free += batch.reserved.get(r.id, (0, 0))[1]
+        free = batch.free - batch.held.get(step.cls, 0) + batch.reserved.get(r.id, (0, 0))[1]
         if admits and need > free and need > free + lender.available(rank):
-            batch.reserved.setdefault(r.id, (step.cls, max(0, min(need, free))))
+            batch.reserve(r.id, step.cls, max(0, min(need, free)))
             return "skip"
         if batch.reverse_short(r, need):
             return "skip"
@@ -324,7 +332,7 @@ class PackOrder:
         if budget < est:
             if not late_ok:
                 if admits:
-                    batch.reserved.setdefault(r.id, (step.cls, max(0, min(need, free))))
+                    batch.reserve(r.id, step.cls, max(0, min(need, free)))
                 return "late"
             budget = math.inf
         if step.cond is not None:
@@ -340,7 +348,7 @@ class PackOrder:
             batch.free += need - free  # the claimed blocks, freed for r by the planner
             batch.borrowers.add(r.id)
             batch.lent = lender.claimed
-        batch.reserved.pop(r.id, None)
+        batch.unreserve(r.id)
         batch.add(r, step.cls, chunk, need, shape, budget)
         return "taken"
 

@@ -39,9 +39,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--model", type=Path, default=None,
                      help="torch backend: Hugging Face-format model directory (default: shipped); "
                           "http: the served model's name (default: the first /v1/models lists)")
-    p.add_argument("--cost-profile", type=Path, default=None, metavar="FILE",
-                   help="torch backend: a profile from `shunter profile fit` on this machine, "
-                        "whose cost model the policies predict with (default: fitted online)")
     h = p.add_argument_group("http backend")
     h.add_argument("--url", default=None, help="the server's base URL, e.g. http://127.0.0.1:8000")
     h.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
