@@ -50,3 +50,50 @@ def test_a_failed_send_is_reported_to_the_compute_thread():
             q.flush()
     finally:
         q.close()
+
+
+def _held_sender(hold_tag: int):
+    sent: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if tag == hold_tag:  # this activation stays on the wire until released
+            started.set()
+            release.wait(5)
+        sent.append(tag)
+
+    return send, sent, started, release
+
+
+def test_a_kv_chunk_waits_while_activations_are_queued():
+    send, sent, started, release = _held_sender(10)
+    q = TransferQueue(send, yield_s=5.0)
+    try:
+        q.put_activation(torch.zeros(2), dst=1, tag=10)
+        assert started.wait(5)
+        q.put_activation(torch.zeros(2), dst=1, tag=11)  # queued behind the one on the wire
+        q.put(torch.zeros(4), dst=1, tag=0, kind="kv")
+        threading.Event().wait(0.1)
+        assert sent == []  # the chunk yields to the queued activation
+        release.set()
+        q.flush()
+        assert sent == [10, 11, 0] and q.kv_yields == 1
+    finally:
+        q.close()
+
+
+def test_the_yield_is_bounded_so_a_stuck_activation_cannot_hold_kv_forever():
+    send, sent, started, release = _held_sender(10)
+    q = TransferQueue(send, yield_s=0.05)
+    try:
+        q.put_activation(torch.zeros(2), dst=1, tag=10)
+        assert started.wait(5)
+        q.put_activation(torch.zeros(2), dst=1, tag=11)
+        q.put(torch.zeros(4), dst=1, tag=0, kind="kv")
+        q.flush("kv")  # a receiver waiting for this chunk before it takes activations
+        assert sent == [0]
+        release.set()
+        q.flush()
+        assert sent == [0, 10, 11]
+    finally:
+        q.close()
