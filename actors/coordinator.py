@@ -13,10 +13,14 @@ import structlog
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from engine.cluster.dispatch import DispatchRule, DispatchTable, NoInstanceError
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.overload import OverloadMonitor
 from engine.cluster.messages import (
+    CheckOverload,
     ChooseInstance,
     CoordinatorMessage,
     InspectCluster,
+    GroupsChanged,
     InstanceDown,
     RequestEnded,
     SetDispatchRule,
@@ -30,8 +34,12 @@ class Coordinator:
     name = "coordinator"
 
     def __init__(self, *, table: DispatchTable, rule: DispatchRule,
-                 inbox: MemoryObjectReceiveStream[CoordinatorMessage]) -> None:
+                 inbox: MemoryObjectReceiveStream[CoordinatorMessage],
+                 overload: OverloadMonitor | None = None) -> None:
         self.table = table
+        self.overload = overload
+        """KunServe's global monitor (None: the policy has no overload triggers, or the
+        cluster's instances cannot form groups)."""
         self.rule = rule
         """The running policy's dispatch rule (`engine.cluster.dispatch.DISPATCH_RULES`)."""
         self._inbox = inbox
@@ -62,5 +70,19 @@ class Coordinator:
                 self.rule = rule
             case InspectCluster(reply=reply):
                 reply.send(tuple(self.table.views()))
+            case CheckOverload(reply=reply):
+                views = self.table.views()
+                reply.send(None if self.overload is None else self.overload.decide(
+                    [self.table.stats(v.index) for v in views], [v.alive for v in views]))
+            case GroupsChanged(formed=GroupPlan() as group):
+                self.overload.formed(group)
+                for head, g in list(self.overload.groups.items()):
+                    self.table.redirect.update({m: head for m in g.members[1:]})
+                self.table.redirect.pop(group.head, None)
+            case GroupsChanged(restored=head):
+                members = [m for m, h in self.table.redirect.items() if h == head]
+                for m in members:
+                    del self.table.redirect[m]
+                self.overload.restored(head)
             case _:
                 assert_never(msg)

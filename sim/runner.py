@@ -8,7 +8,8 @@ import anyio
 
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
-from sim.profile import CopyLink, ModelShape
+from sim.group import GroupNetwork, SimGroup, enter_group
+from sim.profile import CopyLink, EngineCost, ModelShape
 from sim.swap import SimSwapper
 
 SIM_TOKEN_ID = 1
@@ -16,10 +17,17 @@ SIM_TOKEN_ID = 1
 
 
 class SimRunner:
+    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead")
+    """KunServe group settings it honours (sim/group.py, sim/exchange.py)."""
+
     def __init__(self, cost: CostModel, num_blocks: int, *, token_id: int = SIM_TOKEN_ID,
                  link: CopyLink | None = None, model: ModelShape | None = None,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, engine_cost: EngineCost | None = None) -> None:
         self.cost = cost
+        self.engine_cost = engine_cost
+        """The engine's own time around each step (issue 18), slept before and after it."""
+        self.engine_s = 0.0
+        """Simulated seconds charged for it."""
         self.num_blocks = num_blocks
         self.token_id = token_id
         self.steps = 0
@@ -31,6 +39,9 @@ class SimRunner:
         self._tables: dict[int, list[int]] = {}
         self.swapper: SimSwapper | None = None
         self._overlap_end = 0.0
+        self.network: GroupNetwork | None = None
+        """Set by a simulated cluster: what this runner needs to head a KunServe group."""
+        self.group: SimGroup | None = None
         """When the slot copies the current step overlaps end (BROS §4.1: max(model, copy))."""
 
     async def start(self) -> range:
@@ -44,6 +55,12 @@ class SimRunner:
         return self.swapper
 
     async def step(self, step: ExecuteStep) -> StepFinished:
+        if step.group is not None:  # KunServe: a pipeline group from this step (or alone again)
+            self.group = enter_group(step.group, self.cost, self.network, self.token_id)
+        if self.group is not None:
+            done = await self.group.step(step)
+            self.steps, self.busy_s = self.steps + 1, self.busy_s + done.compute_s
+            return done
         stall = 0.0
         if self.swapper is not None:
             stall = await self._wait_for_swaps(step)
@@ -65,6 +82,13 @@ class SimRunner:
         shape = BatchShape(prefill_tokens=pt, prefill_sq=psq, prefill_prefix=ppre,
                            decode_seqs=ds, decode_context=dc)
         seconds = self.cost.predict_ms(shape) / 1000.0 if step.seqs else 0.0
+        after = 0.0
+        if self.engine_cost is not None and step.seqs:
+            around = self.engine_cost.ms(len(step.seqs), len(sampled)) / 1000.0
+            before = around * self.engine_cost.before_share
+            after = around - before
+            self.engine_s += around
+            await anyio.sleep(before)
         if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out
             wait_in = self._own_copy_wait("in", 0.0)
             seconds += wait_in + self._own_copy_wait("out", wait_in + seconds)
@@ -72,6 +96,8 @@ class SimRunner:
             await anyio.sleep(seconds)
         if self.swapper is not None:
             stall += await self._wait_for_overlapped()
+        if after > 0:
+            await anyio.sleep(after)
         self.steps += 1
         self.busy_s += seconds
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled), compute_s=seconds,

@@ -45,6 +45,8 @@ class AdoptionMixin:
     _in_flight: dict[int, Request]
     _seat: GroupSeat
     _config: object
+    """The reply carries what moved: a member's exported requests; at the head, the requests
+    now waiting for their KV (adopted ones with KV, and its own listed in `exchange`)."""
 
     def _regroup(self, msg: Regroup) -> None:
         if self._in_flight:
@@ -59,6 +61,12 @@ class AdoptionMixin:
 
     def _apply_regroup(self, msg: Regroup) -> None:
         now, seat = anyio.current_time(), self._seat
+        if msg.pool_blocks is not None and msg.pool_blocks < self._total_blocks:
+            used = sum(r.blocks for r in self._live.values())
+            if used > msg.pool_blocks:  # a restore that does not fit yet: the caller retries
+                msg.reply.fail(PoolTooSmall(f"{used} blocks are held, the pool would have "
+                                            f"{msg.pool_blocks}"))
+                return
         out: list[Request] = []
         if msg.export:
             for req in list(self._live.values()):
@@ -73,11 +81,14 @@ class AdoptionMixin:
             assert isinstance(req, Request)
             self._live[req.id] = req
             adopt(req, bs, now)
+            if req.state == "swapping_in":
+                out.append(req)
         seat.adopted += len(msg.adopt)
         for rid in msg.exchange:
             req = self._live.get(rid)
             if req is not None and req.state == "running" and req.computed_tokens:
                 req.state, req.swap_started = "swapping_in", now
+                out.append(req)
         if msg.pool_blocks is not None:
             self._total_blocks = seat.pool_blocks = msg.pool_blocks
             stats = getattr(self, "_stats", None)
@@ -86,6 +97,7 @@ class AdoptionMixin:
         if msg.group is not None:
             seat.group = msg.group
         msg.reply.send(tuple(out))
+
 
     def _with_regroup(self, step: RunStep) -> RunStep:
         """The next step carries the pool's new size and the runner's new mode, once."""
@@ -112,3 +124,7 @@ def exchange_bytes(requests: Sequence[Request], *, token_bytes: int, moved_share
     """Bytes of KV a group's exchange moves for `requests` (each token's KV of every layer is
     `token_bytes`; `moved_share` of the layers live elsewhere after the drop)."""
     return int(sum(r.computed_tokens for r in requests) * token_bytes * moved_share)
+
+
+class PoolTooSmall(Exception):
+    """A shrink asked for while the requests hold more blocks than the smaller pool has."""

@@ -92,6 +92,8 @@ class DispatchTable:
         self._instances = [_Instance() for _ in range(count)]
         self._block_size = block_size
         self.dispatches = 0
+        self.redirect: dict[int, int] = {}
+        """KunServe: a grouped member -> its head; a member is never chosen while grouped."""
 
     def views(self) -> list[InstanceView]:
         out = []
@@ -106,7 +108,7 @@ class DispatchTable:
         return out
 
     def choose(self, rule: DispatchRule) -> int:
-        live = [v for v in self.views() if v.alive]
+        live = [v for v in self.views() if v.alive and v.index not in self.redirect]
         if not live:
             reasons = "; ".join(f"instance {i}: {s.failure}" for i, s in enumerate(self._instances))
             raise NoInstanceError(f"every instance of the cluster is down ({reasons})")

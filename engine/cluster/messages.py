@@ -49,5 +49,23 @@ class InspectCluster:
     reply: Reply[tuple[InstanceView, ...]]
 
 
+@attrs.frozen(kw_only=True)
+class CheckOverload:
+    """KunServe's global monitor, once per monitor round: the policy's `overload` triggers on
+    the cluster's load; the reply is what to do (engine/cluster/overload.py), or None."""
+
+    reply: Reply[object]
+
+
+@attrs.frozen(kw_only=True)
+class GroupsChanged:
+    """A group was formed (`formed`) or dissolved (`restored`, by head): new requests for its
+    members go to its head while it lasts."""
+
+    formed: object | None = None
+    """`engine.cluster.drop_plan.GroupPlan`."""
+    restored: int | None = None
+
+
 CoordinatorMessage = Union[ChooseInstance, RequestEnded, StatsReported, InstanceDown,
-                           SetDispatchRule, InspectCluster]
+                           SetDispatchRule, InspectCluster, CheckOverload, GroupsChanged]

@@ -27,6 +27,7 @@ import attrs
 from actors.coordinator import Coordinator
 from engine.cluster.dispatch import DISPATCH_RULES, DispatchTable, InstanceView, NoInstanceError
 from engine.cluster.messages import (
+    CheckOverload,
     ChooseInstance,
     CoordinatorMessage,
     InspectCluster,
@@ -45,10 +46,12 @@ from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
 from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
+from shunter.cluster.groups import SimGroups, overload_monitor
 from shunter.cluster.handles import InProcessInstance, RemoteInstance
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
 from shunter.cluster.wire import Hello, Link
 from shunter.engine import Engine
+from sim.network import LINKS
 from shunter.policy_source import engine_capabilities, initial_policy, replacement
 
 ClusterKind = Literal["local", "ray", "inprocess"]
@@ -88,6 +91,8 @@ class Cluster:
         """Cluster request id -> (instance, demand tokens)."""
         self._coordinator = None
         self._closed = False
+        self.groups = None
+        """KunServe's groups on in-process sim instances (shunter/cluster/groups.py)."""
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -124,13 +129,20 @@ class Cluster:
                     await stack.enter_async_context(Engine.start(config, policy=policy))
                     for _ in range(cluster._count)]
                 async with anyio.create_task_group() as tg:
+                    overload = overload_monitor(policy, config, engines)
                     await tg.start(Coordinator(table=cluster.table,
                                                rule=DISPATCH_RULES[policy.settings.dispatch],
-                                               inbox=recv).run)
+                                               inbox=recv, overload=overload).run)
                     if launcher is None:
                         await cluster._start_in_process(engines, tg)
                     else:
                         await cluster._start_remote(launcher, tg)
+                    if overload is not None:
+                        cluster.groups = SimGroups(
+                            cluster.instances, model=engines[0].backend.runner._model,
+                            link=LINKS[config.pipeline_link], block_size=config.block_size,
+                            memory=policy.settings.memory, coordinator=send)
+                        await tg.start(cluster.groups.run)
                     tg.start_soon(cluster._monitor)
                     try:
                         yield cluster
@@ -185,6 +197,11 @@ class Cluster:
                         await inst.mark_down(f"instance {inst.index}: {exc}")
                     continue
                 await self._coordinator.send(StatsReported(instance=inst.index, stats=stats))
+            if self.groups is not None and not self._closed:  # KunServe's global monitor
+                reply = Reply[object]()
+                await self._coordinator.send(CheckOverload(reply=reply))
+                await self.groups.act(await reply.wait(),
+                                      [self.table.stats(i) for i in range(self._count)])
             await anyio.sleep(self._monitor_interval_s)
 
     # ------------------------------------------------------------------ the Engine's client API

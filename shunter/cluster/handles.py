@@ -248,6 +248,8 @@ class InProcessInstance(_Relay):
         self.engine = engine
         self.pid = None
         self._ids: dict[int, int] = {}
+        self._cancel_to: dict[int, tuple[Engine, int]] = {}
+        """KunServe: requests adopted by a group's head are cancelled there (groups.py)."""
         self._tg: anyio.abc.TaskGroup | None = None
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -278,9 +280,13 @@ class InProcessInstance(_Relay):
         if key in self._live:  # the engine stopped under the request (an actor failed)
             await self._forward(key, stopped_chunk(self.engine.stopped_reason()))
         self._ids.pop(key, None)
+        self._cancel_to.pop(key, None)
 
     def cancel_nowait(self, key: int) -> None:
-        if key in self._ids:
+        if key in self._cancel_to:
+            engine, rid = self._cancel_to[key]
+            engine._cancel_nowait(rid)
+        elif key in self._ids:
             self.engine._cancel_nowait(self._ids[key])
 
     async def snapshot(self) -> EngineSnapshot:

@@ -1,0 +1,262 @@
+"""KunServe's drop and restore plans carried out on a cluster's in-process instances (the
+simulator's N engines on one virtual clock): the coordinator decides (actors/coordinator.py,
+engine/cluster/overload.py), this does it, talking to each engine's actors by their inboxes.
+
+Forming a group (§4.1-4.2): each member that served alone hands its requests over (their state
+and their client streams, engine/cluster/adoption.py); the head adopts them, grows its pool by
+the members' pools and the weights they dropped (engine/cluster/drop_plan.py `group_pool`),
+and from its next step runs as a pipeline over the group (sim/group.py). The KV of every request
+in flight for the layers another member now keeps is exchanged over each source's link
+(sim/exchange.py); each request waits for its own bytes. New requests for a member go to the
+head. Restoring (§4.4): the members pull their dropped layers back and the head the KV of the
+layers it had dropped, while the group goes on serving; then the head's pool shrinks back (only
+once its requests fit) and every member serves alone again, the non-head ones with empty pools.
+The torch instances do the same through K2's wire commands (see the engine API note).
+"""
+
+from __future__ import annotations
+
+import anyio
+import attrs
+import structlog
+
+from engine.cluster.adoption import PoolTooSmall
+from engine.cluster.drop_plan import GroupPlan, group_pool
+from engine.cluster.messages import GroupsChanged
+from engine.cluster.overload import Drop, OverloadMonitor, Restore
+from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
+from engine.policy import MemorySettings
+from engine.reply import Reply
+from sim.exchange import SimExchange
+from sim.group import GroupNetwork
+from sim.network import NetworkLink
+from sim.profile import ModelShape
+
+log = structlog.get_logger(actor="coordinator")
+
+
+@attrs.define
+class ClusterCounters:
+    """The bench's `cluster` block."""
+
+    drops: int = 0
+    restores: int = 0
+    groups_formed: int = 0
+    kv_exchanged_bytes: int = 0
+    adopted_requests: int = 0
+    restore_retries: int = 0
+    timeline: list[dict] = attrs.field(factory=list)
+    """Per monitor round: time, each instance's used blocks and pool, its group."""
+    events: list[dict] = attrs.field(factory=list)
+
+
+class SimGroups:
+    def __init__(self, instances: list, *, model: ModelShape, link: NetworkLink,
+                 block_size: int, memory: MemorySettings, coordinator) -> None:
+        self.instances = instances
+        """InProcessInstance handles (shunter/cluster/handles.py), by index."""
+        self.model = model
+        self.link = link
+        self.coordinated = memory.kv_exchange == "coordinated"
+        self.coordinator = coordinator
+        self.base_pools = [i.engine.backend.runner.num_blocks for i in instances]
+        self.block_bytes = model.block_bytes(block_size)
+        self.weight_blocks = model.weight_bytes // self.block_bytes
+        self.groups: dict[int, GroupPlan] = {}
+        self.counters = ClusterCounters()
+        self.busy = False
+        self._tg: anyio.abc.TaskGroup | None = None
+        for inst in instances:
+            inst.engine.backend.runner.network = GroupNetwork(
+                link=link, model=model, microbatch=memory.microbatch)
+
+    def networks(self) -> list[GroupNetwork]:
+        return [i.engine.backend.runner.network for i in self.instances]
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    # ------------------------------------------------------------------ the monitor's round
+
+    async def act(self, action, stats) -> None:
+        self._sample(stats)
+        if self.busy or action is None:
+            return
+        if isinstance(action, Drop):
+            self.counters.drops += 1
+            for g in action.new_groups:
+                await self._form(g)
+        elif isinstance(action, Restore):
+            self.busy = True
+            self._tg.start_soon(self._restore_all, action.heads)
+
+    def _sample(self, stats) -> None:
+        member = {m: h for h, g in self.groups.items() for m in g.members[1:]}
+        self.counters.timeline.append({
+            "t": anyio.current_time(),
+            "used": [None if s is None or i in member else s.total_blocks - s.free_blocks
+                     for i, s in enumerate(stats)],
+            "pool": [0 if i in member else (s.total_blocks if s else 0)
+                     for i, s in enumerate(stats)],
+            "group": [member.get(i, i) for i in range(len(stats))],
+            "queued_tokens": sum(s.queued_tokens for s in stats if s is not None)})
+
+    # ------------------------------------------------------------------ forming a group
+
+    async def _form(self, g: GroupPlan) -> None:
+        head = self.instances[g.head].engine
+        members = {m: h for h, old in self.groups.items() for m in old.members[1:]}
+        sources: dict[int, int] = {}
+        adopted = []
+        for m in g.members[1:]:
+            if m in members:
+                continue  # already a member: its requests are the head's
+            eng = self.instances[m].engine
+            was_head = m in self.groups
+            reqs = await _ask(eng._scheduler_send, lambda r, was_head=was_head, m=m: Regroup(
+                export=True, reply=r, pool_blocks=self.base_pools[m] if was_head else None,
+                group=GroupPlan(group_id=-1, members=(m,), layers=(range(self.model.num_layers),))
+                if was_head else None))
+            if not reqs:
+                continue
+            streams = await _ask(eng._frontend_send, lambda r, reqs=reqs: HandOverStreams(
+                request_ids=tuple(q.id for q in reqs), reply=r))
+            new_ids = await _ask(head._frontend_send,
+                                 lambda r, streams=streams: TakeOverStreams(streams=streams, reply=r))
+            self._move_cancels(m, g.head, new_ids)
+            for q in reqs:
+                q.id = new_ids[q.id]
+                sources[q.id] = m
+            adopted += reqs
+        own = (await head.inspect()).scheduler.live_requests
+        pool = group_pool([self.base_pools[m] for m in g.members], self.weight_blocks)
+        waiting = await _ask(head._scheduler_send, lambda r: Regroup(
+            adopt=tuple(adopted), exchange=own, pool_blocks=pool, group=g, reply=r))
+        self.groups = {h: old for h, old in self.groups.items()
+                       if not set(old.members) & set(g.members)}
+        self.groups[g.head] = g
+        await self.coordinator.send(GroupsChanged(formed=g))
+        self._exchange(g, waiting, sources)
+        c = self.counters
+        c.groups_formed += 1
+        c.adopted_requests += len(adopted)
+        c.events.append({"t": anyio.current_time(), "event": "group", "members": list(g.members),
+                         "pool_blocks": pool, "adopted": len(adopted), "exchanging": len(waiting)})
+        log.info("group formed", members=g.members, pool_blocks=pool, adopted=len(adopted),
+                 exchanging=len(waiting))
+
+    def _move_cancels(self, src: int, head: int, new_ids: dict[int, int]) -> None:
+        """Cancels of the moved requests go to the head's engine from now on (their outputs
+        still reach the clients through the source handle's relay, which holds their streams)."""
+        a, b = self.instances[src], self.instances[head]
+        for key, rid in list(a._ids.items()):
+            if rid in new_ids:
+                a._cancel_to[key] = (b.engine, new_ids[rid])
+
+    def _exchange(self, g: GroupPlan, waiting, sources: dict[int, int]) -> None:
+        """Every waiting request's KV for the layers other members keep, over its source's
+        link; activations wait as the policy's `kv_exchange` says."""
+        layers = self.model.num_layers
+        kept = {m: len(r) / layers for m, r in zip(g.members, g.layers)}
+        token_bytes = self.model.kv_bytes_per_token
+        queues: dict[int, list[tuple[int, int]]] = {}
+        for q in waiting:
+            src = sources.get(q.id, g.head)
+            queues.setdefault(src, []).append(
+                (q.id, int(q.computed_tokens * token_bytes * (1 - kept[src]))))
+        head = self.instances[g.head].engine
+        net = head.backend.runner.network
+        net.exchanges = []
+
+        async def arrived(rid: int) -> None:
+            await head._scheduler_send.send(SwapDone(request_ids=(rid,)))
+
+        for queue in queues.values():
+            x = SimExchange(self.link, coordinated=self.coordinated)
+            net.exchanges.append(x)
+            self.counters.kv_exchanged_bytes += sum(b for _, b in queue)
+            self._tg.start_soon(x.run, queue, arrived)
+
+    # ------------------------------------------------------------------ restoring
+
+    async def _restore_all(self, heads: tuple[int, ...]) -> None:
+        try:
+            for h in heads:
+                if h in self.groups:
+                    await self._restore(self.groups[h])
+        finally:
+            self.busy = False
+
+    async def _restore(self, g: GroupPlan) -> None:
+        """Layers and KV come back while the group serves; then it dissolves."""
+        layers = self.model.num_layers
+        head = self.instances[g.head].engine
+        used = (await head.inspect()).scheduler.total_blocks - (
+            await head.inspect()).scheduler.free_blocks
+        per_layer = self.model.weight_bytes / layers
+        copies = []  # (bytes) per member link: its dropped weights, and the head's KV it held
+        for m, r in zip(g.members, g.layers):
+            weights = int(per_layer * (layers - len(r))) if m != g.head else 0
+            kv = int(used * self.block_bytes * len(r) / layers) if m != g.head else 0
+            copies.append(weights + kv)
+        copies[0] = int(per_layer * (layers - len(g.layers[0])))  # the head's own weights
+        net = head.backend.runner.network
+        net.exchanges = [SimExchange(self.link, coordinated=self.coordinated) for _ in copies]
+
+        async def nothing(_: int) -> None:
+            return None
+
+        async with anyio.create_task_group() as tg:
+            for x, nbytes in zip(net.exchanges, copies):
+                tg.start_soon(x.run, [(-1, nbytes)], nothing)
+        solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(layers),))
+        try:
+            await _ask(head._scheduler_send, lambda r: Regroup(
+                pool_blocks=self.base_pools[g.head], group=solo, reply=r))
+        except PoolTooSmall as exc:
+            self.counters.restore_retries += 1
+            log.info("restore postponed", head=g.head, why=str(exc))
+            return
+        del self.groups[g.head]
+        await self.coordinator.send(GroupsChanged(restored=g.head))
+        self.counters.restores += 1
+        self.counters.events.append({"t": anyio.current_time(), "event": "restore",
+                                     "members": list(g.members), "copied_bytes": sum(copies)})
+        log.info("group restored", members=g.members, copied_bytes=sum(copies))
+
+    def bubble_ratio(self) -> float:
+        busy = sum(n.totals.busy_s for n in self.networks())
+        stage = sum(n.totals.stage_s for n in self.networks())
+        return 1.0 - busy / stage if stage else 0.0
+
+
+async def _ask(send, make):
+    reply = Reply()
+    await send.send(make(reply))
+    return await reply.wait()
+
+
+def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
+    """KunServe's global monitor for a cluster of in-process engines whose runners can head
+    groups, when the policy has `overload` triggers; else None. The coordinator evaluates its
+    own compiled copy of the policy (the triggers keep state)."""
+    from policy_lang.api import compile_policy  # the front door compiles; no import at start
+
+    if not engines or not getattr(policy, "filename", None):
+        return None
+    runner = engines[0].backend.runner
+    if not hasattr(runner, "network"):
+        return None
+    own = compile_policy(policy.source, filename=policy.filename, base_dir=policy.base_dir)
+    if own.parts.get("overload") is None:
+        return None
+    model = getattr(runner, "_model", None)
+    if model is None:
+        return None
+    return OverloadMonitor(
+        base_pools=[e.backend.runner.num_blocks for e in engines], block_size=config.block_size,
+        num_layers=model.num_layers, weight_blocks=model.weight_bytes // model.block_bytes(
+            config.block_size), signal=own.overload_signal)

@@ -1,0 +1,181 @@
+"""A simulated instance serving as the head of a KunServe pipeline group (§4.1-4.3).
+
+While grouped, the head's runner runs each step as a pipeline over the group's members (member
+i runs its layers, a share of every microbatch's cost). KunServe keeps as many microbatches in
+flight as there are stages, across iterations (§4.3, Figure 8), so a step is one round of K
+microbatches through K stages and its time is the steady-state period of that round:
+    period = max( max_m [cost_m + (K-1) x activation_m + link wait],  max_s sum_m cost[s][m] )
+a microbatch's own trip through every stage (it cannot start its next iteration before its
+token is sampled) or the busiest stage's work, whichever is longer. Unbalanced microbatches
+make the first term win and leave stages idle: the bubble ratio (1 - work / (K x period))
+that lookahead formation (engine/cluster/lookahead.py) shrinks. Assumed, as in
+sim/pipeline.py: a stage's cost is the whole model's cost times its layer share.
+
+The microbatches are cut by tokens (`microbatch tokens`, engine/cluster/plan.py) or by the
+Eq. 1-3 model fitted per stage by least squares at group entry (`microbatch lookahead`); the
+fit's error on held-out batches is recorded. Activations wait behind exchanged KV as
+sim/exchange.py says.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import attrs
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.lookahead import ChunkCost, fit_chunk_cost, lookahead_split
+from engine.cluster.plan import split_microbatches
+from engine.cost_model import BatchShape, CostModel
+from engine.messages import ExecuteStep, SampledToken, StepFinished
+from sim.exchange import SimExchange, group_wait
+from sim.network import NetworkLink
+from sim.profile import ModelShape
+
+MIN_CHUNK_TOKENS = 32
+"""Lookahead never cuts a prefill into a piece smaller than this (§4.3, Figure 11 line 4-5:
+generation halts below a threshold; 32 tokens keeps a piece's GEMM reasonably shaped)."""
+
+
+@attrs.define
+class FitReport:
+    stages: int
+    samples: int
+    mean_error: float
+    """Mean |predicted - true| / true over held-out microbatches, per stage, averaged."""
+    max_error: float
+    tokens_model_error: float
+    """The same for a token-count model (ms = a + b x tokens, also least squares)."""
+
+
+@attrs.define
+class GroupTotals:
+    """What a head's pipeline did while grouped, summed over steps (the bench's bubble ratio)."""
+
+    steps: int = 0
+    makespan_s: float = 0.0
+    busy_s: float = 0.0
+    """Stage-seconds of compute."""
+    stage_s: float = 0.0
+    """Stage-seconds available (stages x period)."""
+    transfer_s: float = 0.0
+    microbatches: int = 0
+
+    @property
+    def bubble_ratio(self) -> float:
+        return 1.0 - self.busy_s / self.stage_s if self.stage_s else 0.0
+
+
+@attrs.define
+class GroupNetwork:
+    """What a head's runner needs to run as a group (set on the runner by the cluster)."""
+
+    link: NetworkLink
+    model: ModelShape
+    microbatch: str = "tokens"
+    exchanges: list[SimExchange] = attrs.field(factory=list)
+    totals: GroupTotals = attrs.field(factory=GroupTotals)
+    fits: list[FitReport] = attrs.field(factory=list)
+
+
+def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
+              ) -> tuple[ChunkCost, float, float, float]:
+    """Eq. 1-3 for one stage, by least squares over random microbatches timed by the profile
+    (the simulator's ground truth), and its error on as many held-out ones; also the error of a
+    token-count model fitted the same way."""
+    rng = random.Random(seed)
+
+    def batch() -> list[tuple[int, int]]:
+        out = []
+        for _ in range(rng.randint(1, 48)):
+            if rng.random() < 0.75:
+                out.append((rng.randint(16, 4096), 1))
+            else:
+                out.append((rng.choice([0, rng.randint(0, 4096)]), rng.randint(2, 2048)))
+        return out
+
+    def truth(b: list[tuple[int, int]]) -> float:
+        return cost.predict_ms(BatchShape.of(b)) * share
+
+    train = [(b, truth(b)) for b in (batch() for _ in range(samples))]
+    test = [(b, truth(b)) for b in (batch() for _ in range(samples))]
+    fit = fit_chunk_cost(train)
+    errs = [abs(fit.batch_ms(b) - t) / t for b, t in test]
+    # the token-count baseline: ms = a + b * tokens
+    n = len(train)
+    xs = [sum(k for _, k in b) for b, _ in train]
+    ys = [t for _, t in train]
+    sx, sy = sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
+    icpt = (sy - slope * sx) / n
+    tok_errs = [abs(icpt + slope * sum(k for _, k in b) - t) / t for b, t in test]
+    return fit, sum(errs) / len(errs), max(errs), sum(tok_errs) / len(tok_errs)
+
+
+class SimGroup:
+    def __init__(self, plan: GroupPlan, cost: CostModel, net: GroupNetwork,
+                 token_id: int) -> None:
+        self.plan = plan
+        self.cost = cost
+        self.net = net
+        self.token_id = token_id
+        layers = net.model.num_layers
+        self.shares = [len(r) / layers for r in plan.layers]
+        self._token_bytes = net.model.hidden_size * net.model.dtype_bytes
+        self.fit: ChunkCost | None = None
+        if net.microbatch == "lookahead":
+            fits = [fit_stage(cost, share, seed=s) for s, share in enumerate(self.shares)]
+            self.fit = fits[0][0]  # stage costs are proportional here: one shape splits all
+            net.fits.append(FitReport(
+                stages=len(fits), samples=96, mean_error=sum(f[1] for f in fits) / len(fits),
+                max_error=max(f[2] for f in fits),
+                tokens_model_error=sum(f[3] for f in fits) / len(fits)))
+
+    def _microbatches(self, step: ExecuteStep) -> list[list[tuple[int, int]]]:
+        k = len(self.shares)
+        if self.fit is not None:
+            chunks = [(i, w.start, w.num_tokens) for i, w in enumerate(step.seqs)]
+            return [[(s, n) for _, s, n in mb]
+                    for mb in lookahead_split(chunks, k, self.fit, min_tokens=MIN_CHUNK_TOKENS)]
+        ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
+        micro = split_microbatches(ordered, k, [w.num_tokens for w in ordered])
+        return [[(w.start, w.num_tokens) for w in mb] for mb in micro]
+
+    async def step(self, step: ExecuteStep) -> StepFinished:
+        now = anyio.current_time()
+        micro = self._microbatches(step) if step.seqs else []
+        k = len(self.shares)
+        costs = [self.cost.predict_ms(BatchShape.of(mb)) / 1e3 for mb in micro]
+        acts = [self.net.link.send_s(sum(n for _, n in mb) * self._token_bytes) for mb in micro]
+        period = 0.0
+        if micro:
+            wait = group_wait(self.net.exchanges, now)
+            trips = [c + (k - 1) * a + wait for c, a in zip(costs, acts)]
+            loads = [share * sum(costs) for share in self.shares]
+            period = max(max(trips), max(loads))
+            for x in self.net.exchanges:
+                x.note_activations(now, sum(acts))
+            t = self.net.totals
+            t.steps += 1
+            t.makespan_s += period
+            t.busy_s += sum(loads)
+            t.stage_s += k * period
+            t.transfer_s += sum(acts)
+            t.microbatches += len(micro)
+            await anyio.sleep(period)
+        sampled = tuple(SampledToken(request_id=w.request_id, token_id=self.token_id)
+                        for w in step.seqs if w.sample)
+        return StepFinished(step_id=step.step_id, sampled=sampled, compute_s=period)
+
+
+def enter_group(plan: GroupPlan, cost: CostModel, net: GroupNetwork | None,
+                token_id: int) -> SimGroup | None:
+    """The runner's mode from this step: a group (None: alone again)."""
+    if plan.size == 1:
+        return None
+    if net is None:
+        raise RuntimeError("this simulated instance was asked to head a pipeline group but its "
+                           "cluster gave it no network (sim/group.py GroupNetwork)")
+    return SimGroup(plan, cost, net, token_id)
