@@ -79,6 +79,8 @@ class Coordinator:
                 for head, g in list(self.overload.groups.items()):
                     self.table.redirect.update({m: head for m in g.members[1:]})
                 self.table.redirect.pop(group.head, None)
+            case GroupsChanged(restored=None):
+                self.overload.rearm()
             case GroupsChanged(restored=head):
                 members = [m for m, h in self.table.redirect.items() if h == head]
                 for m in members:

@@ -73,13 +73,17 @@ Signal = Callable[[ClusterLoad], str | None]
 
 class OverloadMonitor:
     def __init__(self, *, base_pools: Sequence[int], block_size: int, num_layers: int,
-                 weight_blocks: int, signal: Signal) -> None:
+                 weight_blocks: int, signal: Signal,
+                 rearm: Callable[[], None] = lambda: None) -> None:
         self.base_pools = list(base_pools)
         self.block_size = block_size
         self.num_layers = num_layers
         self.weight_blocks = weight_blocks
         """KV blocks one copy of the weights becomes when dropped (§4.1)."""
         self._signal = signal
+        self.rearm = rearm
+        """Keeps the restore trigger armed when a restore could not be done yet (the policy's
+        triggers stop evaluating `restore` once it fired)."""
         self.groups: dict[int, GroupPlan] = {}
         """Running groups of more than one instance, by head."""
         self.rounds = 0
@@ -123,7 +127,9 @@ class OverloadMonitor:
             heads = tuple(h for h, g in self.groups.items()
                           if stats[h] is not None
                           and stats[h].total_blocks - stats[h].free_blocks <= self.base_pools[h])
-            return Restore(heads=heads) if heads else None
+            if heads:
+                return Restore(heads=heads)
+            self.rearm()
         return None
 
     def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Drop | None:

@@ -83,7 +83,11 @@ class SimGroups:
 
     async def act(self, action, stats) -> None:
         self._sample(stats)
-        if self.busy or action is None:
+        if action is None:
+            return
+        if self.busy:  # a restore under way: a restore asked for now waits for the next round
+            if isinstance(action, Restore):
+                await self.coordinator.send(GroupsChanged())
             return
         if isinstance(action, Drop):
             self.counters.drops += 1
@@ -219,6 +223,7 @@ class SimGroups:
         except PoolTooSmall as exc:
             self.counters.restore_retries += 1
             log.info("restore postponed", head=g.head, why=str(exc))
+            await self.coordinator.send(GroupsChanged())  # keep the restore trigger armed
             return
         del self.groups[g.head]
         await self.coordinator.send(GroupsChanged(restored=g.head))
@@ -256,7 +261,9 @@ def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
     model = getattr(runner, "_model", None)
     if model is None:
         return None
+    triggers = own.parts["overload"]
     return OverloadMonitor(
         base_pools=[e.backend.runner.num_blocks for e in engines], block_size=config.block_size,
         num_layers=model.num_layers, weight_blocks=model.weight_bytes // model.block_bytes(
-            config.block_size), signal=own.overload_signal)
+            config.block_size), signal=own.overload_signal,
+        rearm=lambda: setattr(triggers, "dropped", True))
