@@ -14,18 +14,18 @@ from anyio.streams.memory import MemoryObjectReceiveStream
 
 from engine.cluster.dispatch import DispatchRule, DispatchTable, NoInstanceError
 from engine.cluster.drop_plan import GroupPlan
-from engine.cluster.overload import OverloadMonitor
 from engine.cluster.messages import (
     CheckOverload,
     ChooseInstance,
     CoordinatorMessage,
-    InspectCluster,
     GroupsChanged,
+    InspectCluster,
     InstanceDown,
     RequestEnded,
     SetDispatchRule,
     StatsReported,
 )
+from engine.cluster.overload import OverloadMonitor
 
 log = structlog.get_logger(actor="coordinator")
 

@@ -90,8 +90,10 @@ def _split(chunks: list[Chunk], parts: int, cost: ChunkCost, min_tokens: int) ->
             continue
         # the balance falls inside this chunk: cut it where left and right costs (the right
         # piece paying prefix attention for the left one) stand as lp : rp
-        k = _cut(s, n, lambda k: (acc + cost.chunk_ms(s, k)) * rp
-                 <= (after + cost.chunk_ms(s + k, n - k)) * lp, min_tokens)
+        def fits(k: int, s: int = s, n: int = n, acc: float = acc, after: float = after) -> bool:
+            return (acc + cost.chunk_ms(s, k)) * rp <= (after + cost.chunk_ms(s + k, n - k)) * lp
+
+        k = _cut(s, n, fits, min_tokens)
         if k > 0:
             left, right = chunks[:i] + [(key, s, k)], [(key, s + k, n - k)] + chunks[i + 1:]
         elif i == 0:

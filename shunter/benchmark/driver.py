@@ -33,6 +33,8 @@ class DriveResult:
     started: float = 0.0
     finished: float = 0.0
     """Engine clock at the first arrival and at the last answer."""
+    cluster: dict | None = None
+    """KunServe's counters of a cluster run (shunter/cluster/groups.py `report`)."""
 
 
 class _Links:

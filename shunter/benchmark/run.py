@@ -59,6 +59,9 @@ async def _serve_all(config: EngineConfig, choice: PolicyChoice, workload: Workl
         result = await driver.run()
         if bar:
             bar.close()
+        groups = getattr(engine, "groups", None)  # KunServe on a simulated cluster
+        if groups is not None:
+            result.cluster = groups.report(result.started)
         take_log = getattr(engine, "take_iteration_log", None)  # a cluster keeps none
         log = await take_log() if take_log is not None else None
     return result, log
@@ -135,6 +138,8 @@ def runs_json(outcomes: Sequence[RunOutcome]) -> list[dict[str, Any]]:
             run["errors"] = o.drive.errors
             if o.log is not None:
                 run["timeseries"] = timeseries(o.log, o.drive.started)
+            if o.drive.cluster is not None:
+                run["cluster"] = o.drive.cluster
         runs.append(run)
     return runs
 

@@ -238,6 +238,27 @@ class SimGroups:
         return 1.0 - busy / stage if stage else 0.0
 
 
+    def report(self, t0: float) -> dict:
+        """The bench JSON's `cluster` block: counters, bubble ratio, the Eq. 1-3 fit's error, and
+        per-instance KV usage over time (each monitor round; at most 600 points)."""
+        c = self.counters
+        step = max(1, len(c.timeline) // 600)
+        fits = [f for n in self.networks() for f in n.fits]
+        return {
+            "drops": c.drops, "restores": c.restores, "groups_formed": c.groups_formed,
+            "kv_exchanged_bytes": c.kv_exchanged_bytes, "adopted_requests": c.adopted_requests,
+            "restore_retries": c.restore_retries, "bubble_ratio": self.bubble_ratio(),
+            "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
+            "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
+            "token_model_error": (sum(f.tokens_model_error for f in fits) / len(fits))
+            if fits else None,
+            "events": [dict(e, t=e["t"] - t0) for e in c.events],
+            "kv_usage": [{"t": s["t"] - t0, "used": s["used"], "pool": s["pool"],
+                          "group": s["group"], "queued_tokens": s["queued_tokens"]}
+                         for s in c.timeline[::step]],
+        }
+
+
 async def _ask(send, make):
     reply = Reply()
     await send.send(make(reply))
@@ -267,3 +288,4 @@ def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
         num_layers=model.num_layers, weight_blocks=model.weight_bytes // model.block_bytes(
             config.block_size), signal=own.overload_signal,
         rearm=lambda: setattr(triggers, "dropped", True))
+

@@ -46,7 +46,7 @@ async def _burst(policy: str, n: int = 40):
 
 def test_a_burst_forms_a_group_in_flight_and_restores_it():
     ends, snap, after, groups = _virtual(_burst, "kunserve")
-    assert sorted(set((r, k) for r, k, _ in ends)) == [("length", 200)] and len(ends) == 40
+    assert sorted({(r, k) for r, k, _ in ends}) == [("length", 200)] and len(ends) == 40
     c = groups.counters
     assert c.drops == 1 and c.groups_formed == 1 and c.restores == 1
     # requests running on the member continued on the head: adopted with their KV

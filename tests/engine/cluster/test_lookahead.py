@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -45,7 +46,7 @@ def test_every_token_lands_once_in_order(work, parts, min_tokens):
     for key, s, n in keyed:  # each chunk's pieces are contiguous, in order, and cover it
         mine = [(ps, pn) for k, ps, pn in pieces if k == key]
         assert mine[0][0] == s and sum(pn for _, pn in mine) == n
-        assert all(a[0] + a[1] == b[0] for a, b in zip(mine, mine[1:]))
+        assert all(a[0] + a[1] == b[0] for a, b in itertools.pairwise(mine))
         if len(mine) > 1:
             assert all(pn >= min_tokens for _, pn in mine)
     assert [k for k, _, _ in pieces] == sorted(k for k, _, _ in pieces)
