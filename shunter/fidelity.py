@@ -54,6 +54,7 @@ class StepRecord:
     ended: float
     stall_s: float
     """Of ended - began, time spent waiting for swap copies (modelled apart by the sim)."""
+    request_ids: frozenset[int] = frozenset()
 
     @property
     def compute_ms(self) -> float:
@@ -90,7 +91,8 @@ def _record_steps(runner: Any, into: list[StepRecord]) -> None:
         if step.seqs:
             shape = BatchShape.of((w.start, w.num_tokens) for w in step.seqs)
             into.append(StepRecord(shape=shape, seqs=len(step.seqs), sampled=len(done.sampled),
-                                   began=began, ended=ended, stall_s=done.stall_s))
+                                   began=began, ended=ended, stall_s=done.stall_s,
+                                   request_ids=frozenset(w.request_id for w in step.seqs)))
         return done
 
     runner.execute = recorded
@@ -141,20 +143,19 @@ def fit_rows(runs: Sequence[RecordedRun]) -> list[tuple[BatchShape, float]]:
 
 def engine_gaps(run: RecordedRun) -> list[tuple[StepRecord, float, float]]:
     """(step, ms of engine work between its end and the next step's start, of which ms after
-    the next step was planned) for every step the next one followed at once (the engine had
-    work waiting; a gap spent mostly before the next plan is the engine idling for arrivals)."""
+    the next step was planned) for every step whose next one computes a request of it: that
+    request was ready the moment the step ended, so the engine did not idle between the two
+    (a gap before a step of new requests only may be time waiting for them to arrive)."""
     out = []
     planned = np.array(run.planned)
     for cur, nxt in zip(run.steps, run.steps[1:]):
+        if not cur.request_ids & nxt.request_ids:
+            continue
         # the plan of the next step: the latest planning time before it started
         i = int(np.searchsorted(planned, nxt.began)) - 1
         if i < 0 or planned[i] < cur.began:
             continue
-        idle = planned[i] - cur.ended  # > 0: planned some time after the step ended
-        gap_ms = (nxt.began - cur.ended) * 1000.0
-        if idle * 1000.0 > gap_ms * 0.5 + 1.0:  # mostly waiting for an arrival
-            continue
-        out.append((cur, gap_ms, (nxt.began - planned[i]) * 1000.0))
+        out.append((cur, (nxt.began - cur.ended) * 1000.0, (nxt.began - planned[i]) * 1000.0))
     return out
 
 
