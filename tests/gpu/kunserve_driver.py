@@ -90,6 +90,20 @@ class Scheduler:
         held = {b for r in self.reqs.values() for b in r.table}
         self.free = [b for b in reversed(pool) if b not in held]
 
+    def shrink(self, pool: range) -> tuple[tuple[int, int], ...]:
+        """The pool becomes `pool` again: every held block above it moves to a free one inside
+        (the engine's BlockPool.resize does the same); returns the (src, dst) moves."""
+        held = {b for r in self.reqs.values() for b in r.table}
+        free = [b for b in reversed(pool) if b not in held]
+        moves = []
+        for r in self.reqs.values():
+            for i, b in enumerate(r.table):
+                if b >= pool.stop:
+                    r.table[i] = free.pop()
+                    moves.append((b, r.table[i]))
+        self.free = free
+        return tuple(moves)
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 

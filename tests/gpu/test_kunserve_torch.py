@@ -13,9 +13,14 @@ from __future__ import annotations
 
 import random
 
+import attrs
 import pytest
+import torch
 
+from engine.cluster.drop_plan import GroupPlan
+from gpu.config import ModelConfig
 from gpu.group_stage import Adopted
+from gpu.stage_view import group_pool_blocks
 from tests.gpu.kunserve_driver import Req, Scheduler, start_hosts
 from tests.reference import assert_matches, greedy_reference
 
@@ -75,6 +80,26 @@ def _group_steps(head, sched: Scheduler, until) -> int:
     return n
 
 
+def _form(model_dir, head, sched: Scheduler, ranks, adopted, solo: range) -> range:
+    """The head's engine grows its pool to the group's and its next step carries the plan
+    (ExecuteStep.group, .pool_blocks: K1's engine fields); returns the group's block ids."""
+    config = ModelConfig.from_dir(model_dir)
+    pool = range(solo.start, solo.start + group_pool_blocks(config, BLOCK, torch.float32,
+                                                            solo.stop, LAYERS))
+    head.call("expect_adopted", tuple(adopted))
+    sched.grow(pool)
+    for r in sched.live():  # the head's own requests wait for their KV on the member too
+        r.ready = False
+    step = attrs.evolve(sched.next_step(), group=GroupPlan(group_id=1, members=tuple(ranks),
+                                                            layers=LAYERS),
+                        pool_blocks=len(pool))
+    done, arrived = head.call("step", step)
+    sched.finish(step, done.sampled)
+    for rid in arrived:
+        sched.reqs[rid].ready = True
+    return pool
+
+
 def _check(model_dir, reqs) -> None:
     for r in reqs:
         assert_matches(r.out, greedy_reference(model_dir, r.prompt, r.max_tokens), r.name)
@@ -106,35 +131,30 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
         adopted.append(Adopted(request_id=new.rid, owner=1, old_request_id=r.rid,
                                kv_tokens=r.computed))
         moved.append((r, new))
-    (start, stop), arrived = h0.call("form", (0, 1), LAYERS, tuple(adopted), 1)
-    group = range(start, stop)
-    assert group.start == solo0.start and len(group) > 3 * len(solo0), (group, solo0)
-    s0.grow(group)
-    for r in s0.live():  # the head's own requests wait for their KV on the member too
-        r.ready = False
     for _, new in moved:
         s0.add(new)
-    for rid in arrived:
-        s0.reqs[rid].ready = True
+    group = _form(model_dir, h0, s0, (0, 1), adopted, solo0)
+    assert group.start == solo0.start and len(group) > 3 * len(solo0), (group, solo0)
     for r in burst:
         assert s0.fits(r)
         s0.add(r)
     n = _group_steps(h0, s0, lambda: all(r.done for r in burst))
     assert n >= 6 and all(r.ready for r in s0.reqs.values())
 
-    # restore: every live request gets a solo table on the head; instance 1 serves alone again
+    # restore: the head's pool shrinks back (blocks above it move below, the rule of the
+    # engine's BlockPool.resize) and its next step carries a plan of one; instance 1 serves
+    # alone again
     live = s0.live()
     assert {r.name for r in live} >= {"A0", "B0"}, [r.name for r in live]
-    solo_free = list(reversed(solo0))
-    tables = {}
-    for r in live:
-        tables[r.rid] = [solo_free.pop() for _ in range(s0.blocks_for(r.computed))]
-    restored, exchange = h0.call("restore", tables, "peer", tuple(s0.release))
-    s0.release = []
+    moves = s0.shrink(solo0)
+    assert moves, "nothing had to move: the restore's copy into solo blocks was not exercised"
+    step = attrs.evolve(s0.next_step(), group=GroupPlan(group_id=1, members=(0,),
+                                                         layers=(range(4),)),
+                        pool_blocks=len(solo0), moves=moves)
+    done, _ = h0.call("step", step)
+    s0.finish(step, done.sampled)
     member = h1.answer()
-    for r in live:
-        r.table = tables[r.rid]
-    s0.free = solo_free
+    restored, exchange = h0.call("group_stats")
     assert member["copied_blocks"] == 0, "the kept KV of moved requests was copied"
     print(f"\nkunserve torch: solo pool {len(solo0)} blocks, group pool {len(group)}; "
           f"exchange head received {exchange['received_bytes']} B in "
@@ -169,14 +189,9 @@ def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member,
     member.conn.send(("member", ranks[0]))
     f_new = Req("F0", f.prompt, f.max_tokens, rid=400, out=list(f.out), computed=f.computed,
                 ready=False)
-    adopted = (Adopted(request_id=400, owner=1, old_request_id=300, kv_tokens=f.computed),)
-    (start, stop), arrived = head.call("form", ranks, LAYERS, adopted, 2)
-    s0.grow(range(start, stop))
-    for r in s0.live():
-        r.ready = False
     s0.add(f_new)
-    for rid in arrived:
-        s0.reqs[rid].ready = True
+    adopted = (Adopted(request_id=400, owner=1, old_request_id=300, kv_tokens=f.computed),)
+    _form(model_dir, head, s0, ranks, adopted, solo_head)
     _group_steps(head, s0, lambda: f_new.ready and len(f_new.out) > len(f.out) + 1)
     victim.proc.kill()
     victim.proc.join(timeout=10)
