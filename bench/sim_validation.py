@@ -39,6 +39,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import attrs
 
 from engine.config import EngineConfig
 from gpu.make_model import write_random_model
@@ -135,6 +136,24 @@ def judge(torch_runs: list[dict], sim: dict) -> dict[str, Any]:
     return out
 
 
+def in_sample(choice: Any, spec: str, cfg: EngineConfig, run: RecordedRun, measured: dict,
+              path: Path, gbps: float, dispatch: float) -> dict[str, Any]:
+    """The simulator's own structural error: a profile fitted on this very torch run (its steps
+    and gaps), the same workload replayed on the sim, each metric against that run. What is
+    left here is not the fit's generalization but what the sim does differently (queueing,
+    admission, variance of real steps); with and without the engine's cost."""
+    profile, fit = profile_from_runs(cfg, [run], name="replay", kv_cache_mib=cfg.kv_cache_mib,
+                                     gb_per_s=gbps, dispatch_us=dispatch, source="one run")
+    out: dict[str, Any] = {"fit_median_relative_error": fit.median_relative_error}
+    for variant, p in (("charged", profile), ("uncharged", attrs.evolve(profile, engine_cost=None))):
+        save_profile(p, path)
+        o = run_one(choice, load_workload(spec, seed=0), EngineConfig(backend="sim", profile=str(path)),
+                    progress=False)
+        sim = metrics_of(o.metrics)
+        out[variant] = {k: (sim[k] - measured[k]) / measured[k] for k in METRICS}
+    return out
+
+
 def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     arch, rate_scale = MODELS[name]
     model = write_random_model(tmp / name, **arch)
@@ -187,6 +206,8 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         sim = {k: statistics.median(s[k] for s in sims) for k in sims[0]}
         o = run_one(choice, load_workload(spec, seed=0), old_cfg, progress=False)
         old_sim = metrics_of(o.metrics) if not o.error else None
+        replay = in_sample(choice, spec, torch_cfg, recorded[label][0], torch_runs[label][0],
+                           tmp / f"{name}-{len(results)}-replay.json", gbps, dispatch)
         rows_out = fit_rows(recorded[label])
         err = relative_errors(profile.cost, rows_out)
         verdict = judge(torch_runs[label], sim)
@@ -196,6 +217,7 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                             k: (old_sim[k] - v["torch_median"]) / v["torch_median"]
                             for k, v in verdict.items()} if old_sim else o.error},
                         "breakdown": breakdown(recorded[label], {"recorded": profile, "grid": old}),
+                        "in_sample_replay": replay,
                         "held_out_steps": {"rows": len(rows_out),
                                            "median_relative_error": float(statistics.median(err)),
                                            "predicted_over_measured_total": total_ratio(profile.cost, rows_out)}})
@@ -226,7 +248,9 @@ def markdown(report: dict[str, Any]) -> str:
              f"spread: their largest distance from that median]; **bold** where it lies outside "
              f"both 20% and that spread. `grid profile`: the same four errors for the method this "
              f"replaces (a grid of shapes timed alone, in-engine calibrated, no engine cost), "
-             f"fitted in the same window."), ""]
+             f"fitted in the same window. `in-sample replay`: the four errors of a sim whose "
+             f"profile was fitted on the first torch run itself, against that run, with and "
+             f"without the engine's cost: the simulator's own error, apart from the fit's."), ""]
     for name, m in report["models"].items():
         f, g = m["fit"], m["fit"]["grid_fit"]
         lines += [(f"## {name}: {m['model']['layers']} layers, hidden {m['model']['hidden']} "
@@ -242,8 +266,9 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{m['profile']['engine_cost']['per_sampled_ms']:.4f} per sampled token, "
                   f"{m['profile']['engine_cost']['before_share']:.0%} of it before the step."), "",
                   ("| workload | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s | grid profile | "
-                  "torch load avg | swap iterations, stall s torch / sim |"),
-                  "|---|---|---|---|---|---|---|---|"]
+                   "in-sample replay, charged; uncharged | torch load avg | swap iterations, "
+                   "stall s torch / sim |"),
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in m["results"]:
             cells = []
             for k in METRICS:
@@ -257,7 +282,10 @@ def markdown(report: dict[str, Any]) -> str:
             swaps = statistics.median(t["swap_iteration_share"] for t in r["torch"])
             stall_t = statistics.median(t["swap_stall_s"] for t in r["torch"])
             stall_s = statistics.median(t["swap_stall_s"] for t in r["sim"])
-            lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {old_cell} | "
+            rep = r["in_sample_replay"]
+            rep_cell = "; ".join(" / ".join(f"{rep[v][k]:+.0%}" for k in METRICS)
+                                 for v in ("charged", "uncharged"))
+            lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {old_cell} | {rep_cell} | "
                          f"{min(loads):.2f}-{max(loads):.2f} | {swaps:.0%}, {stall_t:.2f} / {stall_s:.2f} |")
         lines += ["", ("Where the clocks part, on the validation runs' steps (predicted / measured "
                   "total step time per kind of step, recorded-steps profile vs grid profile; the "
@@ -288,7 +316,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per side and workload")
     ap.add_argument("--cases", type=lambda v: {int(i) for i in v.split(",")}, default=None,
                     help="only these workloads, by index into CASES (0-based, comma-separated)")
+    ap.add_argument("--render", type=Path, default=None, metavar="JSON",
+                    help="only write the .md table of an earlier run's JSON")
     args = ap.parse_args()
+    if args.render is not None:
+        args.render.with_suffix(".md").write_text(markdown(json.loads(args.render.read_text())))
+        return
     tmp = Path(tempfile.mkdtemp(prefix="shunter-validation-"))
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     report: dict[str, Any] = {"started": started, "threads": args.threads,
