@@ -83,8 +83,10 @@ class BidirectionalMemory:
             if (r := requests.get(rid)) is not None:
                 # len(table(rid)) without copying it: a table covers its tokens unless swapped
                 r.blocks = 0 if t.swapped(rid) else -(-t.tokens(rid) // bs)
-                slots = r.checkpointed_slots = t.checkpointed_slots(rid)
-                r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
+                slots = t.checkpointed_slots(rid)
+                if slots != r.checkpointed_slots:  # a set of host slots only grows or empties
+                    r.checkpointed_slots = slots
+                    r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
         return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
 
     def _forget(self, rid: int) -> None:

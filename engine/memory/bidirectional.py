@@ -27,6 +27,7 @@ checkpoint space), which the caller must run in the order given and before the s
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterator
 
 import attrs
@@ -143,21 +144,16 @@ class BidirectionalBlocks:
             raise BidirectionalError(f"request {rid} is already in the table")
         self._seqs[rid] = _Seq(reverse=reverse)
 
-    def _pick_rt_block(self) -> int | None:
-        """A free block, else the BE-only block with the most empty slots (block preemption),
+    def _pick_rt_blocks(self, n: int) -> list[int]:
+        """n blocks: free ones, then BE-only blocks with the most empty slots (block preemption),
         taking first the blocks of BE requests already displaced: a BE request loses its turn
         at its first overwritten slot, so spreading RT over many BE requests' blocks would
-        stop them all (measured: bench/results/bros_bicache.md)."""
-        if self._free:
-            return self._free.pop()
-
-        best, top, blocks, seqs = None, None, self._blocks, self._seqs
-        for b in self._be_only:  # no RT owner here: the empty slots are the BE side's gaps
-            x = blocks[b]
-            key = (bool(seqs[x.be].host), len(x.lost) - x.be_fill, -b)
-            if top is None or key > top:
-                best, top = b, key
-        return best
+        stop them all (measured: bench/results/bros_bicache.md). One pass for all n: no key
+        changes while blocks are picked (checkpoints come after)."""
+        picked = [self._free.pop() for _ in range(min(n, len(self._free)))]
+        blocks, seqs = self._blocks, self._seqs
+        return picked + heapq.nlargest(n - len(picked), self._be_only, key=lambda b: (
+            bool(seqs[blocks[b].be].host), len(blocks[b].lost) - blocks[b].be_fill, -b))
 
     def _pick_be_block(self) -> int | None:
         """A free block: of the blocks without a BE owner, those have the most empty slots.
@@ -199,9 +195,9 @@ class BidirectionalBlocks:
         copies = NO_COPIES
         if s.reverse and self._be_collides(rid, s, tokens):
             copies = self._move_last_block(rid, s)
-        while len(s.table) < self._blocks_for(tokens):
-            b = self._pick_be_block() if s.reverse else self._pick_rt_block()
-            assert b is not None
+        new = self._blocks_for(tokens) - len(s.table)
+        for b in ([self._free.pop() for _ in range(new)] if s.reverse  # FindBlock: free ones
+                  else self._pick_rt_blocks(new) if new > 0 else ()):
             self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
         out, bs, pos = [], self.block_size, s.tokens
@@ -213,26 +209,25 @@ class BidirectionalBlocks:
                 x.be_fill = end - j * bs
             else:
                 x.rt_fill = end - j * bs
-                if x.be >= 0:
-                    for i in range(pos - j * bs, end - j * bs):
-                        out.extend(self._checkpoint(block, x, i))
+                if x.be >= 0 and end - j * bs > bs - x.be_fill:  # it reaches BE's live slots
+                    out += self._checkpoint(block, x, range(pos - j * bs, end - j * bs))
             pos = end
         s.tokens = max(s.tokens, tokens)
         return copies + SlotCopies(out=tuple(out)) if out else copies
 
-    def _checkpoint(self, block: int, x: _Block, offset: int) -> list[tuple[int, int]]:
-        """RT is about to write `offset` of `block`: if that slot holds live BE KV, copy it
-        to a host slot first and mark it overwritten (BROS §5.2, lazy checkpointing)."""
-        if x.be < 0 or offset < self.block_size - x.be_fill or offset in x.lost:
-            return []
-        be = self._seqs[x.be]
-        logical = self.block_size - 1 - offset
+    def _checkpoint(self, block: int, x: _Block, offsets: range) -> list[tuple[int, int]]:
+        """RT is about to write `offsets` of `block`: each that holds live BE KV is copied to a
+        host slot first and marked overwritten (BROS §5.2, lazy checkpointing)."""
+        be, bs, out = self._seqs[x.be], self.block_size, []
         index = next(j for j, e in enumerate(be.table) if decode(e)[0] == block)
-        host = self._free_host.pop()
-        be.host[index * self.block_size + logical] = host
-        x.lost.add(offset)
-        self.checkpointed_slots_total += 1
-        return [(block * self.block_size + offset, host)]
+        for offset in offsets:
+            if offset >= bs - x.be_fill and offset not in x.lost:
+                host = self._free_host.pop()
+                be.host[index * bs + bs - 1 - offset] = host
+                x.lost.add(offset)
+                out.append((block * bs + offset, host))
+        self.checkpointed_slots_total += len(out)
+        return out
 
     def _move_last_block(self, rid: int, s: _Seq) -> SlotCopies:
         """Move the BE request's last block's live slots to another block (an RT guest holds
