@@ -54,15 +54,15 @@ from sim.profile import save_profile
 
 BENCH = Path(__file__).resolve().parent
 MODELS = {
-    # name: (random Llama, factor on every workload's rate: its steps take about 2.3x longer)
+    # name: (random Llama, factor on every workload's rate: its steps take 2.0-2.6x longer)
     "tiny": ({"arch": "llama", "layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "vocab": 4096, "seed": 0}, 1.0),
-    "larger": ({"arch": "llama", "layers": 6, "hidden": 384, "heads": 6, "kv_heads": 2, "vocab": 8192, "seed": 0}, 0.5),
+    "larger": ({"arch": "llama", "layers": 6, "hidden": 384, "heads": 6, "kv_heads": 2, "vocab": 8192, "seed": 0}, 0.4),
 }
 CASES = (
     # label, workload ({N}: a rate, scaled per model), policy
-    ("sharegpt 3/s", "sharegpt:requests=36,rate={3},scale_lengths=0.05", "fcfs"),
+    ("sharegpt 3/s", "sharegpt:requests=30,rate={3},scale_lengths=0.05", "fcfs"),
     ("sharegpt 12/s", "sharegpt:requests=80,rate={12},scale_lengths=0.05", "fcfs"),
-    ("multiturn", "multiturn:conversations=12,rate={1},think=1,scale_lengths=0.05", "fcfs"),
+    ("multiturn", "multiturn:conversations=10,rate={1},think=1,scale_lengths=0.05", "fcfs"),
     ("fastswitch, swaps", "sharegpt:requests=100,rate={25},scale_lengths=0.05,max_input=150",
      f"{BENCH / 'fastswitch_churn.policy'}@num_blocks=24,cpu_swap_blocks=1024"),
     ("rt/be", "rtbe:rate={3},duration=10,scale_lengths=0.1,batch_size=8", "bros"),
