@@ -190,6 +190,9 @@ class Regroup:
     (a plan of one member: serve alone again). The reply carries the exported requests."""
 
     export: bool = False
+    export_queued: bool = False
+    """Hand over only the requests that wait with no KV (never run, or preempted by
+    recompute): KunServe reschedules queued requests onto a group with room (§4.1)."""
     adopt: tuple[object, ...] = ()
     """`engine.request.Request`s, already under this engine's ids."""
     exchange: tuple[int, ...] = ()

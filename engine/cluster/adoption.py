@@ -68,8 +68,10 @@ class AdoptionMixin:
                                             f"{msg.pool_blocks}"))
                 return
         out: list[Request] = []
-        if msg.export:
+        if msg.export or msg.export_queued:
             for req in list(self._live.values()):
+                if not msg.export and (req.state != "waiting" or req.computed_tokens):
+                    continue
                 del self._live[req.id]
                 if req.known_to_executor or req.blocks:
                     self._release.append(req.id)

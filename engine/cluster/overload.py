@@ -2,8 +2,9 @@
 conditions read it, and what the coordinator does when they fire.
 
 `ClusterLoad` has the engine statistics an overload condition may name, summed over the live
-instances: `kv_usage` is the KV in use against the capacity the cluster had before any drop
-(§4.4: restore thresholds are measured against the pre-drop capacity, not the grown pools);
+instances: `kv_usage` is the memory demand (KV in use plus the KV queued requests need) against
+the capacity the cluster had before any drop (§4.4: restore thresholds are measured against
+the pre-drop capacity, not the grown pools);
 `free_blocks`/`free_tokens` are what is free now (grown pools included); `queued_tokens` is the
 head-of-line demand (the KV the requests not running need). `OverloadMonitor` evaluates the
 policy's triggers on it once per monitor round and answers with an action: a drop plan by greedy
@@ -41,7 +42,11 @@ class ClusterLoad:
 
     @property
     def kv_usage(self) -> float:
-        return self.used_blocks / self.total_blocks if self.total_blocks else 0.0
+        """Memory demand (§2.2, as Llumnix counts it): the KV held plus the KV the queued
+        requests need, over the pre-drop capacity; above 1 when demand exceeds it."""
+        if not self.total_blocks:
+            return 0.0
+        return (self.used_blocks + self.queued_tokens / self.block_size) / self.total_blocks
 
     @property
     def free_tokens(self) -> int:

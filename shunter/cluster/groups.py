@@ -44,6 +44,8 @@ class ClusterCounters:
     groups_formed: int = 0
     kv_exchanged_bytes: int = 0
     adopted_requests: int = 0
+    rescheduled_requests: int = 0
+    """Queued requests (no KV) moved from an instance alone to a group's head."""
     restore_retries: int = 0
     timeline: list[dict] = attrs.field(factory=list)
     """Per monitor round: time, each instance's used blocks and pool, its group."""
@@ -83,16 +85,18 @@ class SimGroups:
 
     async def act(self, action, stats) -> None:
         self._sample(stats)
-        if action is None:
-            return
         if self.busy:  # a restore under way: a restore asked for now waits for the next round
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())
+            return
+        if action is None and self.groups and not self.busy:
+            await self._reschedule_queued(stats)
             return
         if isinstance(action, Drop):
             self.counters.drops += 1
             for g in action.new_groups:
                 await self._form(g)
+            await self._reschedule_queued(stats)
         elif isinstance(action, Restore):
             self.busy = True
             self._tg.start_soon(self._restore_all, action.heads)
@@ -151,6 +155,43 @@ class SimGroups:
                          "pool_blocks": pool, "adopted": len(adopted), "exchanging": len(waiting)})
         log.info("group formed", members=g.members, pool_blocks=pool, adopted=len(adopted),
                  exchanging=len(waiting))
+
+    async def _reschedule_queued(self, stats) -> None:
+        """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
+        free memory go to the group head with the most free blocks, if it can hold them
+        (§4.1: queued requests are rescheduled onto the enlarged memory)."""
+        bs = self.instances[0].engine.config.block_size
+        members = {m for g in self.groups.values() for m in g.members}
+        heads = [h for h in self.groups if stats[h] is not None]
+        for i, st in enumerate(stats):
+            if i in members or st is None or not self.instances[i].alive or not st.waiting:
+                continue
+            if st.queued_tokens <= st.free_blocks * bs:
+                continue
+            best = max(heads, key=lambda h: stats[h].free_blocks, default=None)
+            if best is None or stats[best].free_blocks * bs < st.queued_tokens:
+                continue
+            moved = await self._move(i, best, queued_only=True)
+            self.counters.rescheduled_requests += len(moved)
+
+    async def _move(self, src: int, head: int, *, queued_only: bool) -> list:
+        """Requests of `src` (all, or only its queued ones) and their client streams, to the
+        head's engine under new ids; returns them (not yet adopted)."""
+        eng, to = self.instances[src].engine, self.instances[head].engine
+        reqs = await _ask(eng._scheduler_send, lambda r: Regroup(
+            export=not queued_only, export_queued=queued_only, reply=r))
+        if not reqs:
+            return []
+        streams = await _ask(eng._frontend_send, lambda r: HandOverStreams(
+            request_ids=tuple(q.id for q in reqs), reply=r))
+        new_ids = await _ask(to._frontend_send,
+                             lambda r: TakeOverStreams(streams=streams, reply=r))
+        self._move_cancels(src, head, new_ids)
+        for q in reqs:
+            q.id = new_ids[q.id]
+        if queued_only:
+            await _ask(to._scheduler_send, lambda r: Regroup(adopt=tuple(reqs), reply=r))
+        return list(reqs)
 
     def _move_cancels(self, src: int, head: int, new_ids: dict[int, int]) -> None:
         """Cancels of the moved requests go to the head's engine from now on (their outputs
@@ -247,6 +288,7 @@ class SimGroups:
         return {
             "drops": c.drops, "restores": c.restores, "groups_formed": c.groups_formed,
             "kv_exchanged_bytes": c.kv_exchanged_bytes, "adopted_requests": c.adopted_requests,
+        "rescheduled_requests": c.rescheduled_requests,
             "restore_retries": c.restore_retries, "bubble_ratio": self.bubble_ratio(),
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
