@@ -95,7 +95,7 @@ def _torch_backend(config: EngineConfig) -> Backend:
     # torch loads here, not when shunter is imported (see the module docstring)
     from gpu.arena import blocks_for_bytes
     from gpu.config import ModelConfig
-    from gpu.runner import TorchRunner, resolve_device, resolve_dtype
+    from gpu.runner import resolve_device, resolve_dtype
 
     model = ModelConfig.from_dir(config.model)
     tokenizer = Tokenizer.from_dir(config.model)
@@ -111,7 +111,11 @@ def _torch_backend(config: EngineConfig) -> Backend:
 
         runner: Any = PipelineRunner(config, model, num_blocks)
     else:
-        runner = TorchRunner(config, model, num_blocks)
+        # KunServe: follows ExecuteStep.group/pool_blocks/moves (gpu/kunserve_runner.py); a
+        # plain TorchRunner when no step carries them
+        from gpu.kunserve_runner import KunServeTorchRunner
+
+        runner = KunServeTorchRunner(config, model, num_blocks)
     return Backend(
         runner=runner,
         codec=TokenizerCodec(tokenizer),
