@@ -287,6 +287,11 @@ def markdown(report: dict[str, Any]) -> str:
                                  for v in ("charged", "uncharged"))
             lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {old_cell} | {rep_cell} | "
                          f"{min(loads):.2f}-{max(loads):.2f} | {swaps:.0%}, {stall_t:.2f} / {stall_s:.2f} |")
+        sim_spread = max((max(x[k] for x in r["sim"]) - min(x[k] for x in r["sim"]))
+                         / max(abs(statistics.median(x[k] for x in r["sim"])), 1e-12)
+                         for r in m["results"] for k in METRICS)
+        lines += ["", (f"The sim's {report['repeats']} runs of each workload differ by at most "
+                      f"{sim_spread:.2%} in any of these metrics (it replays exactly).")]
         lines += ["", ("Where the clocks part, on the validation runs' steps (predicted / measured "
                   "total step time per kind of step, recorded-steps profile vs grid profile; the "
                   "engine's own time between back-to-back steps against their step time):"), "",
