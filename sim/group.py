@@ -11,8 +11,8 @@ make the first term win and leave stages idle: the bubble ratio (1 - work / (K x
 that lookahead formation (engine/cluster/lookahead.py) shrinks. Assumed, as in
 sim/pipeline.py: a stage's cost is the whole model's cost times its layer share.
 
-The microbatches are cut by tokens (`microbatch tokens`, engine/cluster/plan.py) or by the
-Eq. 1-3 model fitted per stage by least squares at group entry (`microbatch lookahead`); the
+The microbatches are cut by token count, prefills chunked to fill them (`microbatch tokens`), or
+by the Eq. 1-3 model fitted per stage by least squares at group entry (`microbatch lookahead`); the
 fit's error on held-out batches is recorded. Activations wait behind exchanged KV as
 sim/exchange.py says.
 """
@@ -26,12 +26,14 @@ import attrs
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.lookahead import ChunkCost, fit_chunk_cost, lookahead_split
-from engine.cluster.plan import split_microbatches
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from sim.exchange import SimExchange, group_wait
 from sim.network import NetworkLink
 from sim.profile import ModelShape
+
+TOKEN_COUNT = ChunkCost(alpha=0.0, beta=0.0, gamma=1.0, delta=0.0)
+"""The token-count model: a chunk costs its tokens (what `microbatch tokens` balances)."""
 
 MIN_CHUNK_TOKENS = 32
 """Lookahead never cuts a prefill into a piece smaller than this (§4.3, Figure 11 line 4-5:
@@ -134,14 +136,13 @@ class SimGroup:
                 tokens_model_error=sum(f[3] for f in fits) / len(fits)))
 
     def _microbatches(self, step: ExecuteStep) -> list[list[tuple[int, int]]]:
+        """K microbatches: by the fitted Eq. 1-3 costs (lookahead), or by token count with
+        prefills chunked to fill them (Sarathi/vLLM's token budget, §4.3 Figure 9)."""
         k = len(self.shares)
-        if self.fit is not None:
-            chunks = [(i, w.start, w.num_tokens) for i, w in enumerate(step.seqs)]
-            return [[(s, n) for _, s, n in mb]
-                    for mb in lookahead_split(chunks, k, self.fit, min_tokens=MIN_CHUNK_TOKENS)]
-        ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
-        micro = split_microbatches(ordered, k, [w.num_tokens for w in ordered])
-        return [[(w.start, w.num_tokens) for w in mb] for mb in micro]
+        chunks = [(i, w.start, w.num_tokens) for i, w in enumerate(step.seqs)]
+        cost = self.fit if self.fit is not None else TOKEN_COUNT
+        return [[(s, n) for _, s, n in mb]
+                for mb in lookahead_split(chunks, k, cost, min_tokens=MIN_CHUNK_TOKENS)]
 
     async def step(self, step: ExecuteStep) -> StepFinished:
         now = anyio.current_time()

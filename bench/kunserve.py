@@ -1,0 +1,260 @@
+"""KunServe (issue 16) on the simulator: N instances of Llama-3-8B on one virtual clock, a
+window of the azure-code trace, the KunServe ladder against the KV-centric baselines.
+
+    python bench/kunserve.py [--rate 1x] [--start 780] [--duration 180] [--instances 4]
+
+Runs (the same arrivals for each):
+- `vllm_dp`: every instance alone, FCFS, preemption by recompute (vLLM's default; the
+  dispatcher is least_load, as KunServe's own, so only memory handling differs);
+- `infercept_swap`: the same with preemption by swap to host memory (InferCept-style);
+- `pipeline2`: a static 2-stage pipeline: N/2 groups of two instances formed from the start (the
+  same cross-iteration pipeline model as KunServe's groups, sim/group.py, microbatches by
+  tokens), each with the pool of two instances plus one freed weight copy (vLLM PP);
+- the ladder `kunserve_drop` -> `kunserve_exchange` -> `kunserve_lookahead` -> `kunserve`.
+
+Reports P50/P99 TTFT, P50/P99 TPOT, SLO violations (a request violates when its TTFT exceeds 5x
+the best baseline's P50 TTFT, the paper's scale factor for chat, §5.2), throughput, and for
+KunServe runs the cluster block (drops, restores, groups, exchanged bytes, bubble ratio, the
+Eq. 1-3 model's error). The mean memory demand of the window (KV of the requests in the system,
+queued or running, over the cluster's KV capacity) is computed from the vllm_dp run. Writes
+bench/results/kunserve_sim.{json,md} and a timeline plot of the burst when matplotlib is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import attrs
+import trio
+import trio.testing
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from engine.cluster.drop_plan import GroupPlan, group_pool
+from engine.cluster.plan import stage_layers
+from engine.config import EngineConfig
+from policies import policy_path
+from shunter.benchmark.driver import Driver
+from shunter.cluster.cluster import Cluster
+from shunter.workloads import load_workload
+from sim.group import GroupNetwork, SimGroup
+from sim.network import LINKS
+from sim.profile import load_profile
+
+BASELINE_POLICIES = {
+    "vllm_dp": "policy vllm_dp extends \"fcfs.policy\" {\n  dispatch least_load\n}\n",
+    "infercept_swap": "policy infercept_swap extends \"fcfs.policy\" {\n  dispatch least_load\n"
+                      "  preempt swap\n}\n",
+    "pipeline2": "policy pipeline2 extends \"fcfs.policy\" {\n  dispatch least_load\n}\n",
+}
+LADDER = ["kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"]
+
+
+async def serve(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
+    config = attrs.evolve(base, policy=policy_file)
+    static = label == "pipeline2"
+    if static:  # N/2 instances, each the head of a fixed two-member group
+        profile = load_profile(base.profile)
+        wb = profile.model.weight_bytes // profile.model.block_bytes(base.block_size)
+        one = base.num_blocks or profile.num_blocks(base.block_size)
+        config = attrs.evolve(config, num_blocks=group_pool([one, one], wb))
+        instances //= 2
+    async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
+        if static:
+            model = load_profile(base.profile).model
+            plan = GroupPlan(group_id=0, members=(0, 1), layers=stage_layers(model.num_layers, 2))
+            for inst in cluster.instances:
+                runner = inst.engine.backend.runner
+                runner.network = GroupNetwork(link=LINKS[base.pipeline_link], model=model)
+                runner.group = SimGroup(plan, runner.cost, runner.network, runner.token_id)
+        driver = Driver(cluster, workload, vocab=cluster.backend.vocab_size,
+                        declared_classes={"default"})
+        result = await driver.run()
+        report = cluster.groups.report(result.started) if cluster.groups is not None else None
+        if static:
+            nets = [i.engine.backend.runner.network for i in cluster.instances]
+            busy = sum(n.totals.busy_s for n in nets)
+            stage = sum(n.totals.stage_s for n in nets)
+            report = {"bubble_ratio": 1 - busy / stage if stage else 0.0}
+    return result, report
+
+
+def run(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
+    began = time.perf_counter()
+    rng = getattr(getattr(getattr(trio, "_core", None), "_run", None), "_r", None)
+    if rng is not None:
+        rng.seed(0)  # replay exactly (shunter/benchmark/run.py does the same)
+    result, cluster = anyio.run(serve, label, policy_file, workload, base, instances,
+                                backend="trio",
+                                backend_options={"clock": trio.testing.MockClock(
+                                    autojump_threshold=0)})
+    return result, cluster, time.perf_counter() - began
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else float("nan")
+
+
+def summarize(result, slo_s: float | None) -> dict:
+    tl = result.timelines
+    ttft = [t.ttft_s for t in tl if t.ttft_s is not None]
+    tpot = [t.tpot_s for t in tl if t.tpot_s is not None]
+    out_tokens = sum(t.output_tokens for t in tl)
+    dur = result.finished - result.started
+    s = {"requests": len(tl), "failed": len(result.failed),
+         "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99), "ttft_max_s": max(ttft),
+         "tpot_p50_ms": pct(tpot, 50) * 1e3, "tpot_p99_ms": pct(tpot, 99) * 1e3,
+         "throughput_tok_s": out_tokens / dur if dur > 0 else 0.0,
+         "finish_reasons": sorted({t.finish_reason for t in tl})}
+    if slo_s is not None:
+        s["slo_ttft_s"] = slo_s
+        s["slo_violations"] = sum(1 for t in ttft if t > slo_s) / max(1, len(ttft))
+    return s
+
+
+def memory_demand(result, capacity_tokens: int) -> float:
+    """Mean KV demand over the window: every request's context (prompt + output) for as long
+    as it is in the system (queued or running), over the cluster's capacity."""
+    dur = result.finished - result.started
+    demand = sum((t.prompt_tokens + t.output_tokens) * t.e2e_s for t in result.timelines)
+    return demand / dur / capacity_tokens if dur > 0 else 0.0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", default="1x")
+    ap.add_argument("--start", type=float, default=780.0)
+    ap.add_argument("--duration", type=float, default=180.0)
+    ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--profile", default="llama3-8b-a10")
+    ap.add_argument("--only", default="", help="comma-separated run labels (default: all)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_sim"))
+    args = ap.parse_args()
+    spec = f"azure-code:start={args.start},duration={args.duration},rate={args.rate}"
+    workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
+    base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
+                        max_num_seqs=256, max_batched_tokens=2048)
+    profile = load_profile(args.profile)
+    capacity = args.instances * profile.num_blocks(base.block_size) * base.block_size
+    policy_dir = Path(args.out).parent / "kunserve_policies"
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for label, text in BASELINE_POLICIES.items():
+        path = policy_dir / f"{label}.policy"
+        path.write_text(text.replace('"fcfs.policy"', f'"{policy_path("fcfs")}"'))
+        runs.append((label, path))
+    runs += [(name, policy_path(name)) for name in LADDER]
+    if args.only:
+        keep = set(args.only.split(","))
+        runs = [r for r in runs if r[0] in keep]
+    results = {}
+    for label, path in runs:
+        result, cluster, wall = run(label, path, workload, base, args.instances)
+        results[label] = (result, cluster, wall)
+        print(f"{label}: {len(result.timelines)} requests, wall {wall:.1f} s", flush=True)
+    base_p50 = min(pct([t.ttft_s for t in results[b][0].timelines], 50)
+                   for b in BASELINE_POLICIES if b in results) if any(
+        b in results for b in BASELINE_POLICIES) else None
+    slo = 5 * base_p50 if base_p50 is not None else None
+    report = {"workload": spec, "profile": args.profile, "instances": args.instances,
+              "link": base.pipeline_link, "engine": {"max_num_seqs": base.max_num_seqs,
+                                                     "max_batched_tokens": base.max_batched_tokens,
+                                                     "cpu_swap_blocks": base.cpu_swap_blocks},
+              "capacity_tokens": capacity, "runs": {}}
+    if "vllm_dp" in results:
+        report["mean_memory_demand"] = memory_demand(results["vllm_dp"][0], capacity)
+    for label, (result, cluster, wall) in results.items():
+        entry = summarize(result, slo)
+        entry["wall_s"] = wall
+        if cluster is not None:
+            entry["cluster"] = cluster
+        report["runs"][label] = entry
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(table(report))
+    print(table(report))
+    plot(report, out.with_suffix(".png"))
+
+
+def table(report: dict) -> str:
+    runs = report["runs"]
+    kv = [r for r in ("vllm_dp", "infercept_swap", "pipeline2") if r in runs]
+    best = min(kv, key=lambda r: runs[r]["ttft_p99_s"]) if kv else None
+    lines = [(f"# KunServe on the simulator: {report['workload']}, {report['instances']} x "
+             f"{report['profile']}, link {report['link']}"),
+             "",
+             (f"Mean memory demand of the window (vllm_dp): "
+             f"{report.get('mean_memory_demand', float('nan')):.1%} of "
+             f"{report['capacity_tokens']:,} KV tokens. SLO: TTFT <= "
+             f"{runs[next(iter(runs))].get('slo_ttft_s', float('nan')):.2f} s (5x the best "
+             f"baseline's P50). Best KV-centric baseline by P99 TTFT: {best}."),
+             "",
+             ("| run | P50 TTFT s | P99 TTFT s | P99 vs best | P50 TPOT ms | P99 TPOT ms | SLO viol. "
+             "| tok/s | drops | restores | groups | KV exchanged GB | bubble |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for label, r in runs.items():
+        c = r.get("cluster") or {}
+        ratio = runs[best]["ttft_p99_s"] / r["ttft_p99_s"] if best else float("nan")
+        lines.append(
+            f"| {label} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {ratio:.2f}x | "
+            f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
+            f"{r.get('slo_violations', float('nan')):.1%} | {r['throughput_tok_s']:.0f} | "
+            f"{c.get('drops', '')} | {c.get('restores', '')} | {c.get('groups_formed', '')} | "
+            f"{c['kv_exchanged_bytes'] / 1e9:.2f} | " if 'kv_exchanged_bytes' in c else
+            f"| {label} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | {ratio:.2f}x | "
+            f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
+            f"{r.get('slo_violations', float('nan')):.1%} | {r['throughput_tok_s']:.0f} | "
+            f" |  |  |  | ")
+        lines[-1] += f"{c['bubble_ratio']:.3f} |" if "bubble_ratio" in c else " |"
+    fit = [(k, r["cluster"]["cost_model_error"], r["cluster"]["token_model_error"])
+           for k, r in runs.items() if (r.get("cluster") or {}).get("cost_model_error")]
+    if fit:
+        lines += ["", "Eq. 1-3 cost model, least squares per stage, mean relative error on "
+                  "held-out microbatches (vs a token-count model fitted the same way): "
+                  + "; ".join(f"{k}: {e:.2%} (tokens: {t:.2%})" for k, e, t in fit) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no timeline plot (pip install 'shunter[plot]')")
+        return
+    run = report["runs"].get("kunserve")
+    if not run or not run.get("cluster"):
+        return
+    c = run["cluster"]
+    ts = [s["t"] for s in c["kv_usage"]]
+    fig, ax = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    n = len(c["kv_usage"][0]["used"])
+    for i in range(n):
+        ax[0].plot(ts, [(s["used"][i] or 0) / max(1, s["pool"][i]) if s["pool"][i] else 0
+                        for s in c["kv_usage"]], label=f"instance {i}")
+        ax[1].plot(ts, [s["pool"][i] for s in c["kv_usage"]], label=f"instance {i}")
+    ax[0].set_ylabel("KV usage (of own pool)")
+    ax[1].set_ylabel("KV pool (blocks)")
+    ax[2].plot(ts, [s["queued_tokens"] for s in c["kv_usage"]], color="k")
+    ax[2].set_ylabel("queued tokens")
+    for e in c["events"]:
+        for a in ax:
+            a.axvline(e["t"], color="r" if e["event"] == "group" else "g", ls="--", lw=0.8)
+    ax[0].legend(fontsize=7)
+    ax[2].set_xlabel("seconds (red: group formed, green: restored)")
+    fig.suptitle(f"KunServe, {report['workload']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
