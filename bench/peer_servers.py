@@ -7,6 +7,7 @@ driven server's waiting/running gauges and the load average."""
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import shlex
@@ -170,16 +171,20 @@ class Poller(threading.Thread):
         self.server, self.samples, self.halt = server, [], threading.Event()
         self.every_s = every_s
 
+    def sample(self) -> dict:
+        row = {"t": time.perf_counter(), "load1": os.getloadavg()[0],
+               "others_running": others_running(self.mine)}
+        try:
+            with urllib.request.urlopen(self.server.url + "/metrics", timeout=5.0) as r:
+                text = r.read().decode()
+            row["waiting"] = gauge(text, WAITING[self.server.side])
+            row["running"] = gauge(text, RUNNING[self.server.side])
+        except (OSError, ValueError, http.client.HTTPException) as exc:
+            row["error"] = f"{type(exc).__name__}: {exc}"
+        return row
+
     def run(self) -> None:
         while not self.halt.is_set():
-            t = time.perf_counter()
-            row = {"t": t, "load1": os.getloadavg()[0], "others_running": others_running(self.mine)}
-            try:
-                with urllib.request.urlopen(self.server.url + "/metrics", timeout=2.0) as r:
-                    text = r.read().decode()
-                row["waiting"] = gauge(text, WAITING[self.server.side])
-                row["running"] = gauge(text, RUNNING[self.server.side])
-            except OSError:
-                pass
+            row = self.sample()
             self.samples.append(row)
-            self.halt.wait(max(0.0, self.every_s - (time.perf_counter() - t)))
+            self.halt.wait(max(0.0, self.every_s - (time.perf_counter() - row["t"])))

@@ -100,6 +100,8 @@ def drive(server: Server, idle: Server | None, spec: str, args: argparse.Namespa
         "errors": run.get("errors"),
         "queued_first_third": first, "queued_last_third": last, "keeps_up": keeps_up(first, last),
         "max_waiting": max((s.get("waiting", 0) for s in poller.samples), default=0),
+        "metrics_samples": sum("waiting" in s for s in poller.samples),
+        "metrics_errors": sorted({s["error"] for s in poller.samples if "error" in s})[:3],
         "arrival_window_s": window, "wall_s": wall,
         "load1_before": load_before[0], "load1_mean": statistics.fmean(loads),
         "load1_max": max(loads), "others_running_mean": statistics.fmean(
