@@ -119,7 +119,9 @@ def torch_run(choice: Any, spec: str, cfg: EngineConfig, seed: int) -> tuple[Rec
             "step_ms_mean": statistics.fmean(steps) if steps else 0.0,
             "swap_iteration_share": run.swap_iteration_share(),
             "swap_blocks_out": run.swap.get("blocks_out", 0),
-            "swap_blocks_in": run.swap.get("blocks_in", 0)}
+            "swap_blocks_in": run.swap.get("blocks_in", 0), "copy_s": run.copy_s,
+            "copy_calls": run.swap.get("copy_ops", 0),
+            "copy_bytes": run.swap.get("bytes_in", 0) + run.swap.get("bytes_out", 0)}
     return run, info
 
 
@@ -218,6 +220,9 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                             for k, v in verdict.items()} if old_sim else o.error},
                         "breakdown": breakdown(recorded[label], {"recorded": profile, "grid": old}),
                         "in_sample_replay": replay,
+                        "copies": {"torch_s": [t["copy_s"] for t in torch_runs[label]],
+                                   "model_s": [profile.link.copy_s(t["copy_calls"], t["copy_bytes"])
+                                               for t in torch_runs[label]]},
                         "held_out_steps": {"rows": len(rows_out),
                                            "median_relative_error": float(statistics.median(err)),
                                            "predicted_over_measured_total": total_ratio(profile.cost, rows_out)}})
@@ -267,7 +272,7 @@ def markdown(report: dict[str, Any]) -> str:
                   f"{m['profile']['engine_cost']['before_share']:.0%} of it before the step."), "",
                   ("| workload | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s | grid profile | "
                    "in-sample replay, charged; uncharged | torch load avg | swap iterations, "
-                   "stall s torch / sim |"),
+                   "stall s torch / sim, copy s torch / model |"),
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in m["results"]:
             cells = []
@@ -286,7 +291,9 @@ def markdown(report: dict[str, Any]) -> str:
             rep_cell = "; ".join(" / ".join(f"{rep[v][k]:+.0%}" for k in METRICS)
                                  for v in ("charged", "uncharged"))
             lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {old_cell} | {rep_cell} | "
-                         f"{min(loads):.2f}-{max(loads):.2f} | {swaps:.0%}, {stall_t:.2f} / {stall_s:.2f} |")
+                         f"{min(loads):.2f}-{max(loads):.2f} | {swaps:.0%}, {stall_t:.2f} / {stall_s:.2f}, "
+                         f"{statistics.median(r['copies']['torch_s']):.3f} / "
+                         f"{statistics.median(r['copies']['model_s']):.3f} |")
         sim_spread = max((max(x[k] for x in r["sim"]) - min(x[k] for x in r["sim"]))
                          / max(abs(statistics.median(x[k] for x in r["sim"])), 1e-12)
                          for r in m["results"] for k in METRICS)

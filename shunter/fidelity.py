@@ -71,6 +71,9 @@ class RecordedRun:
     swap: dict[str, Any]
     swap_submits: tuple[float, ...] = ()
     """When each swap transfer was handed to the copier (perf_counter)."""
+    copy_s: float = 0.0
+    """Seconds the copier's workers spent copying (the copies themselves, not their queueing),
+    to set beside the copy model's `calls x dispatch + bytes / bandwidth` for the same traffic."""
 
     def swap_iteration_share(self) -> float:
         """Share of iterations during which (from its plan to the next) a swap was issued."""
@@ -104,12 +107,13 @@ def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -
     backend = build_backend(config)
     steps: list[StepRecord] = []
     submits: list[float] = []
+    copy_time: list[float] = []
     _record_steps(backend.runner, steps)
 
     async def serve() -> tuple[DriveResult, IterationLog | None]:
         async with Engine.start(config, backend=backend) as engine:
             if engine.swapper is not None:
-                _record_submits(engine.swapper, submits)
+                _record_submits(engine.swapper, submits, copy_time)
             driver = Driver(engine, workload, vocab=backend.vocab_size,
                             declared_classes={c.name for c in engine.policy.settings.classes})
             result = await driver.run()
@@ -123,11 +127,23 @@ def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -
     return RecordedRun(metrics=metrics, steps=tuple(steps),
                        planned=tuple(log.time) if log is not None else (), wall_s=wall,
                        swap=attrs.asdict(log.swap) if log is not None else {},
-                       swap_submits=tuple(submits))
+                       swap_submits=tuple(submits), copy_s=sum(copy_time))
 
 
-def _record_submits(swapper: Any, into: list[float]) -> None:
+def _record_submits(swapper: Any, into: list[float], copy_time: list[float]) -> None:
+    """Wrap the copier's `submit` (when each transfer is issued) and, where it has one, the
+    copy its workers run (`gpu.swap.TorchSwapper._copy`: how long the copies take)."""
     submit = swapper.submit
+    copy = getattr(swapper, "_copy", None)
+    if copy is not None:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return copy(*args, **kwargs)
+            finally:
+                copy_time.append(time.perf_counter() - began)  # list.append: thread-safe
+
+        swapper._copy = timed
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         into.append(time.perf_counter())
