@@ -71,6 +71,25 @@ def tree_cpu_s(pid: int) -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def session_schedstat(sid: int) -> dict[str, float]:
+    """CPU seconds, seconds spent runnable but waiting for a core, and timeslices, summed over
+    every thread of every process in session `sid` (/proc/PID/task/TID/schedstat)."""
+    cpu = wait = slices = 0
+    for pid in session_pids(sid):
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                text = Path(f"/proc/{pid}/task/{tid}/schedstat").read_text()
+                a, b, c = (int(x) for x in text.split())
+            except (OSError, ValueError):
+                continue
+            cpu, wait, slices = cpu + a, wait + b, slices + c
+    return {"cpu_s": cpu / 1e9, "runqueue_wait_s": wait / 1e9, "timeslices": slices}
+
+
 def session_pids(sid: int) -> list[int]:
     """Live (not zombie) processes of session `sid`."""
     return [p for p, f in proc_stats().items() if int(f[3]) == sid and f[0] != "Z"]

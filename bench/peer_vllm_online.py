@@ -17,8 +17,10 @@ answering), each given one warm-up request; then, per rate and per repeat, each 
 turn (the order alternates) while the other sits idle (its CPU time during the run is recorded
 to show it took none). `--restart` instead starts and stops each server around every run, so
 only one is ever up. Every run records P50/P99 TTFT, P50 TPOT and output tokens/s as the client
-saw them, the driven server's waiting queue (polled from its /metrics every 0.5 s) and the
-load average. A side "keeps up" at a rate when its waiting queue over the last third of the
+saw them, the driven server's waiting queue (polled from its /metrics every 0.5 s), the load
+average, and the server's CPU time, time spent runnable but waiting for a core, and timeslices
+per output token (all its threads' /proc schedstat), and the cores it kept busy (CPU seconds
+over the run's duration). A side "keeps up" at a rate when its waiting queue over the last third of the
 arrival window averages at most 1.5x (+2) what it did over the first third (the rule of
 `shunter bench --sweep`); where a side does not, the table says so instead of giving a ratio.
 Servers are stopped with SIGINT, then SIGKILL after a grace period, and the script checks that
@@ -39,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from peer_servers import Poller, Server, http_json, tree_cpu_s
+from peer_servers import Poller, Server, http_json, session_schedstat, tree_cpu_s
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -77,11 +79,13 @@ def drive(server: Server, idle: Server | None, spec: str, args: argparse.Namespa
     poller = Poller(server, idle)
     idle_cpu = tree_cpu_s(idle.proc.pid) if idle else 0.0
     load_before = os.getloadavg()
+    sched_before = session_schedstat(server.sid)
     poller.start()
     began = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.run_timeout,
                           check=False)
     wall = time.perf_counter() - began
+    sched = {k: v - sched_before[k] for k, v in session_schedstat(server.sid).items()}
     poller.halt.set()
     poller.join()
     if done.returncode != 0 or not out.exists():
@@ -93,6 +97,7 @@ def drive(server: Server, idle: Server | None, spec: str, args: argparse.Namespa
     window = report["workload"]["duration_s"]
     first, last = queue_thirds(poller.samples, window)
     loads = [s["load1"] for s in poller.samples] or [os.getloadavg()[0]]
+    tokens = m["output_tokens_per_s"] * m["duration_s"]
     return {
         "ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"],
         "tpot_p50_ms": m["tpot_ms"]["p50"], "output_tokens_per_s": m["output_tokens_per_s"],
@@ -106,6 +111,11 @@ def drive(server: Server, idle: Server | None, spec: str, args: argparse.Namespa
         "load1_before": load_before[0], "load1_mean": statistics.fmean(loads),
         "load1_max": max(loads), "others_running_mean": statistics.fmean(
             [s["others_running"] for s in poller.samples] or [math.nan]),
+        "server_sched": sched, "output_tokens": tokens,
+        "server_cpu_ms_per_token": 1000 * sched["cpu_s"] / tokens if tokens else None,
+        "server_wait_ms_per_token": 1000 * sched["runqueue_wait_s"] / tokens if tokens else None,
+        "server_switches_per_token": sched["timeslices"] / tokens if tokens else None,
+        "server_cores_busy": sched["cpu_s"] / m["duration_s"] if m["duration_s"] else None,
         "idle_server_cpu_s": (tree_cpu_s(idle.proc.pid) - idle_cpu) if idle else None,
     }
 
@@ -121,7 +131,10 @@ def summarise(rate: str, runs: dict[str, list[dict]]) -> dict:
         rs = runs[side]
         row[side] = {k: median_of(rs, k) for k in ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms",
                                                   "output_tokens_per_s", "load1_mean",
-                                                  "others_running_mean")}
+                                                  "others_running_mean", "server_cpu_ms_per_token",
+                                                  "server_wait_ms_per_token",
+                                                  "server_switches_per_token",
+                                                  "server_cores_busy")}
         verdicts = [r["keeps_up"] for r in rs]
         row[side]["keeps_up"] = None if None in verdicts else all(verdicts)
         row[side]["runs"] = rs
@@ -139,14 +152,17 @@ def summarise(rate: str, runs: dict[str, list[dict]]) -> dict:
 
 def table(rows: list[dict]) -> str:
     out = [("| rate (req/s) | side | TTFT P50 / P99 (ms) | TPOT P50 (ms) | out tok/s | keeps up "
-            "| load | Shunter vs vLLM |"), "|---|---|---|---|---|---|---|---|"]
+            "| load | server CPU / core wait per token (ms) | server cores busy "
+            "| Shunter vs vLLM |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for side in SIDES:
             x = r[side]
             if side == "vllm":
                 verdict = ""
             elif r["falls_behind"]:
-                verdict = ", ".join(r["falls_behind"]) + " falls behind: no ratio"
+                who = r["falls_behind"]
+                verdict = (f"{' and '.join(who)} fall{'s' if len(who) == 1 else ''} behind: "
+                           f"no ratio")
             else:
                 q = r["ratios"]
                 verdict = (f"P99 TTFT {q['ttft_p99_speedup']:.2f}x, TPOT "
@@ -154,7 +170,9 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['rate']:g} | {side} | {x['ttft_p50_ms']:,.0f} / "
                        f"{x['ttft_p99_ms']:,.0f} | {x['tpot_p50_ms']:.1f} | "
                        f"{x['output_tokens_per_s']:,.0f} | {KEEPS[x['keeps_up']]} | "
-                       f"{x['load1_mean']:.1f} | {verdict} |")
+                       f"{x['load1_mean']:.1f} | {x['server_cpu_ms_per_token']:.2f} / "
+                       f"{x['server_wait_ms_per_token']:.2f} | {x['server_cores_busy']:.2f} | "
+                       f"{verdict} |")
     return "\n".join(out)
 
 
@@ -226,7 +244,11 @@ def compare(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], dict]:
                     print(f"rate {rate} {side}: TTFT P99 {r['ttft_p99_ms']:,.0f} ms, TPOT P50 "
                           f"{r['tpot_p50_ms']:.1f} ms, {r['output_tokens_per_s']:,.0f} tok/s, "
                           f"queue {r['queued_first_third']:.1f} -> {r['queued_last_third']:.1f}, "
-                          f"load {r['load1_mean']:.1f} (others running {r['others_running_mean']:.1f})",
+                          f"load {r['load1_mean']:.1f} (others running {r['others_running_mean']:.1f}); server "
+                          f"per token: CPU {r['server_cpu_ms_per_token']:.2f} ms, waiting for a "
+                          f"core {r['server_wait_ms_per_token']:.2f} ms, "
+                          f"{r['server_switches_per_token']:.2f} timeslices; "
+                          f"{r['server_cores_busy']:.2f} cores busy",
                           file=sys.stderr, flush=True)
                 k += 1
             rows.append(summarise(rate, runs))

@@ -73,6 +73,7 @@ def test_shunter_server_is_started_driven_and_stopped_cleanly(online, tiny_llama
     assert run["completed"] == 4 and run["failed"] == 0
     assert run["ttft_p99_ms"] > 0 and run["output_tokens_per_s"] > 0
     assert set(run) >= {"queued_first_third", "queued_last_third", "load1_mean"}
+    assert run["server_sched"]["cpu_s"] > 0 and run["server_sched"]["timeslices"] > 0
     stopped = log["stops"][0]
     assert stopped["exit_code"] == 0 and stopped["left_over_pids"] == []
     assert servers.session_pids(server.sid) == []
