@@ -213,7 +213,9 @@ class Scheduler(AdoptionMixin):
         if plan.forced:
             log.warning("forced a preemption: every running request was waiting for blocks",
                         request_id=plan.preempted[-1].id)
-        rank = {r.id: i for i, r in enumerate(order)}
+        # a pass over the whole queue: only preemptions and host copies read it
+        rank = ({r.id: i for i, r in enumerate(order)}
+                if plan.preempted or self._copies is not None else {})
         for v in plan.preempted:
             self._preempt(self._live[v.id], rank.get(v.id, len(order)))
         if self._copies is not None:

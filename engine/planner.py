@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping, Sequence
+from functools import cached_property
 
 import attrs
 
@@ -76,22 +77,38 @@ class _Planner:
         self.tokens = budget.max_batched_tokens
         self.seq_limit = min(budget.max_num_seqs, decision.max_batch or budget.max_num_seqs)
         self.displace = decision.displace
-        self.rank = {r.id: i for i, r in enumerate(decision.order)}
+        self._decision, self._requests = decision, requests
         # a packed batch (BROS §4.2): only its requests get work; the rest of the order ranks
         # the running requests that may be preempted for it
         self.order = decision.order if decision.batch is None else decision.order[:decision.batch]
-        unranked = [r for r in requests if r.state == "running" and r.id not in self.rank]
-        ranked = [r for r in decision.order if r.state == "running"]
         self.running = [r for r in self.order if r.state == "running"]
-        self.victims = deque(unranked + ranked[::-1])  # least deserving first
-        self.per_class: dict[str, int] = {}
-        for r in requests:
-            if r.state == "running":
-                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
         self.plan = IterationPlan()
         self.preempted_ids: set[int] = set()
         self.blocked_without_preemption = False
         """A running request could not get its blocks and the policy forbids preemption."""
+
+    # Built on first use: with a long queue (thousands waiting in a replayed burst) each is a
+    # pass over it, and most iterations preempt no one and admit under no class limit.
+    @cached_property
+    def rank(self) -> dict[int, int]:
+        return {r.id: i for i, r in enumerate(self._decision.order)}
+
+    @cached_property
+    def victims(self) -> deque[RequestView]:
+        """The running requests, least deserving first."""
+        rank = self.rank
+        unranked = [r for r in self._requests if r.state == "running" and r.id not in rank]
+        ranked = [r for r in self._decision.order if r.state == "running"]
+        return deque(unranked + ranked[::-1])
+
+    @cached_property
+    def per_class(self) -> dict[str, int]:
+        """Running requests per class, as the plan goes."""
+        counts: dict[str, int] = {}
+        for r in self._requests:
+            if r.state == "running":
+                counts[r.request_class] = counts.get(r.request_class, 0) + 1
+        return counts
 
     def full(self) -> bool:
         return len(self.plan.work) >= self.seq_limit or self.tokens <= 0
@@ -119,7 +136,8 @@ class _Planner:
         self.tokens += self.plan.work.pop(v.id, 0)
         self.preempted_ids.add(v.id)
         self.plan.preempted.append(v)
-        self.per_class[v.request_class] -= 1
+        if self.budget.max_running:
+            self.per_class[v.request_class] -= 1
 
     def victim_below(self, r: RequestView) -> RequestView | None:
         """The least deserving running request that deserves less than r, if any."""
@@ -176,7 +194,8 @@ class _Planner:
                 continue
             if self.full():
                 return
-            if self.per_class.get(r.request_class, 0) >= limits.get(r.request_class, 1 << 62):
+            if limits and self.per_class.get(r.request_class, 0) >= limits.get(r.request_class,
+                                                                                1 << 62):
                 continue
             swap_only = r.state == "swapped" and self.budget.async_swap_in
             n = min(r.remaining_tokens - r.cached_tokens, self.tokens)
@@ -197,7 +216,8 @@ class _Planner:
             if r.state == "swapped":
                 self.plan.swapped_in.append(r)
             self.plan.admitted.append(r)
-            self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+            if limits:  # the only reader of per_class
+                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
 
     def break_deadlock(self) -> None:
         """Nothing could run, yet running requests hold memory (they all wait for blocks and
