@@ -43,6 +43,8 @@ from gpu.group_stage import (
     GroupStep,
     MemberReply,
     SeqState,
+    generator_state,
+    restored_generator,
     start_transfers,
 )
 from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
@@ -79,7 +81,8 @@ class GroupRunner:
             raise ValueError(f"the head must be member 0: ranks {self.ranks}, this is "
                              f"{plane.rank}")
         seqs = tuple(SeqState(request_id=rid, tokens=tuple(s.tokens), table=tuple(s.table),
-                              sampling=s.sampling) for rid, s in self.solo._seqs.items())
+                              sampling=s.sampling, generator_state=generator_state(s.generator))
+                     for rid, s in self.solo._seqs.items())
         start = GroupStart(ranks=self.ranks, layers=self.layers, group=self.pool, seqs=seqs,
                            adopted=self.adopted, chunk_blocks=self.chunk_blocks,
                            microbatches=self.microbatches)
@@ -194,6 +197,10 @@ class GroupRunner:
             reply: MemberReply = recv_obj(rank, REPLY_TAG, "its layers were restored")
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
+            for rid, state in (reply.generator_states or {}).items():
+                seq = self.solo._seqs.get(rid)
+                if seq is not None:  # the last member sampled: its generator goes on here
+                    seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
                               "kv_bytes": float(stage.stats.received_bytes)}
         self.stage = None
@@ -316,7 +323,10 @@ def serve_member(solo, head_rank: int) -> dict:
                        stage.stats)
         _restore_weights(stage, start.ranks, start.layers, msg.source)
         plane.queue.flush()
-        send_obj(MemberReply(step_id=-1), head_rank, REPLY_TAG, "its layers were restored")
+        states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
+                   if q.generator is not None} if stage.model.last_stage else None)
+        send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,
+                 "its layers were restored")
         stats = stage.stats
         return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,

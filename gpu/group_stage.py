@@ -39,6 +39,21 @@ class SeqState:
     tokens: tuple[int, ...]
     table: tuple[int, ...]
     sampling: SamplingParams
+    generator_state: bytes | None = None
+    """Its sampling generator's state (seeded sampling goes on where it was, on the member
+    that samples)."""
+
+
+def generator_state(gen: torch.Generator | None) -> bytes | None:
+    return None if gen is None else gen.get_state().numpy().tobytes()
+
+
+def restored_generator(sampling: SamplingParams, request_id: int, device,
+                       state: bytes | None) -> torch.Generator | None:
+    gen = make_generator(sampling, fallback_seed=request_id, device=device)
+    if gen is not None and state is not None:
+        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    return gen
 
 
 @attrs.frozen(kw_only=True)
@@ -94,6 +109,8 @@ class MemberReply:
     error: str | None = None
     lost: int | None = None
     """The rank of a member this one lost contact with while running the step."""
+    generator_states: Mapping[int, bytes] | None = None
+    """At restore, from the last member (which sampled): each seeded request's generator."""
 
 
 @attrs.frozen(kw_only=True)
@@ -158,10 +175,14 @@ class GroupStage:
                 blocks = -(-a.kv_tokens // self.block_size)
                 self.map.reserve(a.request_id, [view.local_of_old(b)
                                                 for b in old[a.request_id][:blocks]])
+        self._owned_gens = {a.request_id: owned[a.old_request_id].generator
+                            for a in start.adopted if a.owner == me}
+        """Generators of the adopted requests this member owned (used if it samples)."""
         for s in start.seqs:
+            gen = generators.get(s.request_id) if me == 0 else restored_generator(
+                s.sampling, s.request_id, arena.device, s.generator_state)
             self.seqs[s.request_id] = _Seq(tokens=list(s.tokens), table=list(s.table),
-                                           sampling=s.sampling,
-                                           generator=generators.get(s.request_id))
+                                           sampling=s.sampling, generator=gen)
             for i, g in enumerate(s.table):
                 if me == 0:
                     self.map.pin(g, view.local_of_old(g))
@@ -206,8 +227,8 @@ class GroupStage:
         for rid in step.release:
             self.seqs.pop(rid, None)
         for s in step.setups:
-            gen = make_generator(s.sampling, fallback_seed=s.request_id,
-                                 device=self.model.arena.device)
+            gen = self._owned_gens.pop(s.request_id, None) or make_generator(
+                s.sampling, fallback_seed=s.request_id, device=self.model.arena.device)
             self.seqs[s.request_id] = _Seq(tokens=list(s.prompt_ids), table=[],
                                            sampling=s.sampling, generator=gen)
         for u in step.blocks:

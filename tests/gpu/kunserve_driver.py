@@ -15,6 +15,7 @@ from engine.messages import BlockUpdate, ExecuteStep, RequestSetup, SeqWork
 from engine.params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0)
+EOS_ID = 1
 
 
 @attrs.define(eq=False)
@@ -29,6 +30,7 @@ class Req:
     fresh: bool = True
     """The runner has not been told about it yet (a setup goes with its next step)."""
     ready: bool = True
+    sampling: SamplingParams = GREEDY
     reset: bool = False
     """Its KV was lost: recompute it (the runner still has its tokens)."""
 
@@ -38,7 +40,8 @@ class Req:
 
     @property
     def done(self) -> bool:
-        return len(self.out) >= self.max_tokens
+        """max_tokens reached, or <|eos|> (id 1 in gpu/make_model.py's models) sampled."""
+        return len(self.out) >= self.max_tokens or (bool(self.out) and self.out[-1] == EOS_ID)
 
 
 class Host:
@@ -120,7 +123,7 @@ class Scheduler:
                 continue
             if r.fresh:
                 setups.append(RequestSetup(request_id=r.rid, prompt_ids=tuple(r.tokens),
-                                           sampling=GREEDY, eos_token_ids=()))
+                                           sampling=r.sampling, eos_token_ids=()))
                 r.fresh = False
             n = len(r.tokens) - r.computed
             need = self.blocks_for(r.computed + n) - len(r.table)

@@ -18,14 +18,16 @@ import pytest
 import torch
 
 from engine.cluster.drop_plan import GroupPlan
+from engine.params import SamplingParams
 from gpu.config import ModelConfig
 from gpu.group_stage import Adopted
 from gpu.stage_view import group_pool_blocks
 from tests.gpu.kunserve_driver import Req, Scheduler, start_hosts
 from tests.reference import assert_matches, greedy_reference
 
+SEEDED = SamplingParams(max_tokens=64, temperature=1.0, seed=1234)
 BLOCK = 4
-SOLO_BLOCKS = 16
+SOLO_BLOCKS = 24
 LAYERS = (range(2), range(2, 4))
 
 
@@ -110,8 +112,11 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     rng = random.Random(0)
     s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
     a = [Req(f"A{i}", _prompt(rng, 9 + i), 16 - 8 * i, rid=1 + i) for i in range(2)]
+    # seeded sampling across drop and restore: its generator moves to the member that samples
+    # and back, so it draws what one instance alone draws
+    seeded = Req("S0", _prompt(rng, 6), 16, rid=9, sampling=SEEDED)
     b = [Req(f"B{i}", _prompt(rng, 7 + i), 16 - 10 * i, rid=1 + i) for i in range(2)]
-    for r in a:
+    for r in [*a, seeded]:
         s0.add(r)
     for r in b:
         s1.add(r)
@@ -165,14 +170,17 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     assert exchange["received_bytes"] > 0 and member["sent_bytes"] > 0
     s1b = Scheduler(solo1, BLOCK)
     d = Req("D0", _prompt(rng, 10), 5, rid=50)
+    alone = Req("S0 alone", seeded.prompt, seeded.max_tokens, rid=51, sampling=SEEDED)
     s1b.add(d)
+    s1b.add(alone)
     _run([(h0, s0), (h1, s1b)], 1)
-    while any(not r.done for r in s0.reqs.values()) or not d.done:
-        _run([(h0, s0)] + ([(h1, s1b)] if not d.done else []), 1)
+    while any(not r.done for r in s0.reqs.values()) or not (d.done and alone.done):
+        _run([(h0, s0)] + ([(h1, s1b)] if not (d.done and alone.done) else []), 1)
     _run([(h0, s0), (h1, s1b)], 1)  # hands the runners the last releases
     for r, new in moved:
         r.out = new.out
     _check(model_dir, a + b + burst + [d])
+    assert seeded.out == alone.out, (seeded.out, alone.out)
 
 
 def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member, victim, seed):
