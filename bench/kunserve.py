@@ -129,6 +129,7 @@ def memory_demand(result, capacity_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default="azure-code", choices=["azure-code", "azure-conv"])
     ap.add_argument("--rate", default="1x")
     ap.add_argument("--start", type=float, default=780.0)
     ap.add_argument("--duration", type=float, default=180.0)
@@ -137,7 +138,7 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated run labels (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_sim"))
     args = ap.parse_args()
-    spec = f"azure-code:start={args.start},duration={args.duration},rate={args.rate}"
+    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
     workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
     base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
                         max_num_seqs=256, max_batched_tokens=2048)
