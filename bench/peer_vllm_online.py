@@ -34,11 +34,13 @@ import json
 import math
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from peer_servers import Poller, Server, http_json, session_schedstat, tree_cpu_s
@@ -215,7 +217,8 @@ def stop(server: Server, log: dict) -> None:
         print(f"WARNING: {server.side} left processes {result['left_over_pids']}", file=sys.stderr)
 
 
-def compare(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], dict]:
+def compare(args: argparse.Namespace, workdir: Path,
+            save: Callable[[list[dict], dict, bool], None]) -> tuple[list[dict], dict]:
     name = args.model.name
     log: dict = {}
     servers: dict[str, Server] = {}
@@ -252,6 +255,7 @@ def compare(args: argparse.Namespace, workdir: Path) -> tuple[list[dict], dict]:
                           file=sys.stderr, flush=True)
                 k += 1
             rows.append(summarise(rate, runs))
+            save(rows, log, False)  # what is done so far survives an interrupted run
     finally:
         for side in list(servers):
             stop(servers.pop(side), log)
@@ -295,19 +299,25 @@ def main() -> None:
     args.workdir.mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="run_", dir=args.workdir))
     began = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    rows, log = compare(args, workdir)
     import torch
 
-    result = {"date": began, "ended": time.strftime("%H:%M UTC", time.gmtime()),
-              "torch": torch.__version__, "cpus": os.cpu_count(), "model": str(args.model),
-              "settings": {k: str(v) for k, v in vars(args).items()}, "servers": log,
-              "rows": rows, "table": table(rows)}
+    def save(rows: list[dict], log: dict, complete: bool) -> None:
+        if args.out:
+            result = {"date": began, "ended": time.strftime("%H:%M UTC", time.gmtime()),
+                      "complete": complete, "torch": torch.__version__,
+                      "cpus": os.cpu_count(), "model": str(args.model),
+                      "settings": {k: str(v) for k, v in vars(args).items()}, "servers": log,
+                      "rows": rows, "table": table(rows)}
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the servers are still stopped
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    rows, log = compare(args, workdir, save)
+    save(rows, log, True)
     print(table(rows))
     for s in log.get("startups", []):
         print(f"start-up {s['side']}: {s['ready_s']:.1f} s (load {s['load1']:.1f})")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
 
 
 if __name__ == "__main__":
