@@ -90,3 +90,25 @@ def test_activations_wait_behind_fifo_kv_but_one_chunk_at_most_when_coordinated(
     else:  # behind the whole queue; the KV is not delayed
         assert wait == pytest.approx(0.0175)
         assert arrived == {1: pytest.approx(0.010), 2: pytest.approx(0.020)}
+
+
+def test_the_bench_json_records_a_cluster_block_for_kunserve_runs():
+    import argparse
+
+    from shunter.benchmark.policies import parse_policy
+    from shunter.benchmark.run import run_one, runs_json
+    from shunter.workloads import load_workload
+
+    workload = load_workload("sharegpt:requests=60,rate=60,max_input=1500,max_output=300",
+                             seed=0)
+    base = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300)
+    args = argparse.Namespace(instances=2, cluster="local")
+    runs = runs_json([run_one(parse_policy(p), workload, base, progress=False, cluster=args)
+                      for p in ("kunserve", "fcfs")])
+    kun, fcfs = runs
+    assert "cluster" not in fcfs and "error" not in kun
+    c = kun["cluster"]
+    assert c["drops"] >= 1 and c["groups_formed"] >= 1 and c["kv_exchanged_bytes"] > 0
+    assert 0 <= c["bubble_ratio"] < 1 and c["cost_model_error"] < 0.05
+    sample = c["kv_usage"][-1]
+    assert len(sample["used"]) == len(sample["pool"]) == 2 and sample["t"] >= 0
