@@ -13,16 +13,17 @@ token-id prompts through /v1/completions (greedy, ignore_eos, streamed), so no t
 the lengths.
 
 Both servers are started one at a time on free loopback ports (start-up: launch to /v1/models
-answering), each given one warm-up request; then, per rate and per repeat, each side is driven in
-turn (the order alternates) while the other sits idle (its CPU time during the run is recorded
-to show it took none). `--restart` instead starts and stops each server around every run, so
-only one is ever up. Every run records P50/P99 TTFT, P50 TPOT and output tokens/s as the client
-saw them, the driven server's waiting queue (polled from its /metrics every 0.5 s), the load
-average, and the server's CPU time, time spent runnable but waiting for a core, and timeslices
-per output token (all its threads' /proc schedstat), and the cores it kept busy (CPU seconds
-over the run's duration). A side "keeps up" at a rate when its waiting queue over the last third of the
-arrival window averages at most 1.5x (+2) what it did over the first third (the rule of
-`shunter bench --sweep`); where a side does not, the table says so instead of giving a ratio.
+answering), each given one warm-up request, and their greedy answers to a few prompts compared;
+then, per rate and per repeat, each side is driven in turn (the order alternates) while the
+other sits idle (its CPU time during the run is recorded). `--restart` instead starts and stops
+each server around every run, so only one is ever up. Every run records P50/P99 TTFT, P50 TPOT
+and output tokens/s as the client saw them, the driven server's waiting queue (polled from its
+/metrics every 0.5 s), the load average, the server's CPU time, time spent runnable but waiting
+for a core and timeslices per output token (all its threads' /proc schedstat), and the cores it
+kept busy (CPU seconds over the run's duration). A side "keeps up" at a rate when its waiting
+queue over the last third of the arrival window averages at most 1.5x (+2) what it did over the
+first third (the rule of `shunter bench --sweep`); where a side does not, the table says so
+instead of giving a ratio.
 Servers are stopped with SIGINT, then SIGKILL after a grace period, and the script checks that
 no process of theirs is left.
 """
