@@ -26,6 +26,7 @@ import attrs
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.lookahead import ChunkCost, fit_chunk_cost, lookahead_split
+from engine.cluster.plan import PipelineTotals
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from sim.exchange import SimExchange, group_wait
@@ -52,24 +53,6 @@ class FitReport:
 
 
 @attrs.define
-class GroupTotals:
-    """What a head's pipeline did while grouped, summed over steps (the bench's bubble ratio)."""
-
-    steps: int = 0
-    makespan_s: float = 0.0
-    busy_s: float = 0.0
-    """Stage-seconds of compute."""
-    stage_s: float = 0.0
-    """Stage-seconds available (stages x period)."""
-    transfer_s: float = 0.0
-    microbatches: int = 0
-
-    @property
-    def bubble_ratio(self) -> float:
-        return 1.0 - self.busy_s / self.stage_s if self.stage_s else 0.0
-
-
-@attrs.define
 class GroupNetwork:
     """What a head's runner needs to run as a group (set on the runner by the cluster)."""
 
@@ -77,7 +60,8 @@ class GroupNetwork:
     model: ModelShape
     microbatch: str = "tokens"
     exchanges: list[SimExchange] = attrs.field(factory=list)
-    totals: GroupTotals = attrs.field(factory=GroupTotals)
+    totals: PipelineTotals = attrs.field(factory=PipelineTotals)
+    """What the head's pipeline did while grouped, summed over steps (the bench's bubble ratio)."""
     fits: list[FitReport] = attrs.field(factory=list)
 
 

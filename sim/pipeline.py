@@ -13,40 +13,18 @@ embedding, final norm and LM head are spread with the layers, not charged to the
 from __future__ import annotations
 
 import anyio
-import attrs
 
-from engine.cluster.plan import PipelineTiming, pipeline_timing, split_microbatches, stage_layers
+from engine.cluster.plan import (
+    PipelineTotals,
+    pipeline_timing,
+    split_microbatches,
+    stage_layers,
+)
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from sim.network import NetworkLink
 from sim.profile import ModelShape, Profile
 from sim.runner import SIM_TOKEN_ID
-
-
-@attrs.define
-class PipelineTotals:
-    """What the simulated pipeline did, summed over steps."""
-
-    steps: int = 0
-    makespan_s: float = 0.0
-    busy_s: float = 0.0
-    """Stage-seconds of compute."""
-    stage_s: float = 0.0
-    """Stage-seconds available (stages x makespan)."""
-    transfer_s: float = 0.0
-    microbatches: int = 0
-
-    @property
-    def bubble_ratio(self) -> float:
-        return 1.0 - self.busy_s / self.stage_s if self.stage_s else 0.0
-
-    def add(self, t: PipelineTiming, micro: int) -> None:
-        self.steps += 1
-        self.makespan_s += t.makespan
-        self.busy_s += sum(t.busy)
-        self.stage_s += len(t.busy) * t.makespan
-        self.transfer_s += t.transfer_s
-        self.microbatches += micro
 
 
 class SimPipelineRunner:

@@ -92,3 +92,29 @@ def pipeline_timing(stage_costs: Sequence[Sequence[float]],
     return PipelineTiming(finish=tuple(tuple(r) for r in finish),
                           busy=tuple(sum(c) for c in stage_costs),
                           transfer_s=sum(transfer) * max(0, stages - 1))
+
+
+@attrs.define
+class PipelineTotals:
+    """What the simulated pipeline did, summed over steps."""
+
+    steps: int = 0
+    makespan_s: float = 0.0
+    busy_s: float = 0.0
+    """Stage-seconds of compute."""
+    stage_s: float = 0.0
+    """Stage-seconds available (stages x makespan)."""
+    transfer_s: float = 0.0
+    microbatches: int = 0
+
+    @property
+    def bubble_ratio(self) -> float:
+        return 1.0 - self.busy_s / self.stage_s if self.stage_s else 0.0
+
+    def add(self, t: PipelineTiming, micro: int) -> None:
+        self.steps += 1
+        self.makespan_s += t.makespan
+        self.busy_s += sum(t.busy)
+        self.stage_s += len(t.busy) * t.makespan
+        self.transfer_s += t.transfer_s
+        self.microbatches += micro
