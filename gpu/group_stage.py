@@ -27,7 +27,8 @@ from gpu.data_plane import DataPlane, GroupMemberLost, recv_tensor
 from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, send_transfers
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import _tag as activation_tag
-from gpu.sampler import make_generator, sample
+from gpu.pipeline_stage import sample_work
+from gpu.sampler import make_generator
 from gpu.stage_view import drop_layers
 
 
@@ -292,12 +293,7 @@ class GroupStage:
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)
         sampled: list[SampledToken] = []
         if self.model.last_stage:
-            takers = [w for w in work if w.sample]
-            seqs = [self.seqs[w.request_id] for w in takers]
-            tokens = sample(out, [s.sampling for s in seqs], [s.generator for s in seqs])
-            for w, seq, tok in zip(takers, seqs, tokens):
-                seq.tokens.append(tok)
-                sampled.append(SampledToken(request_id=w.request_id, token_id=tok))
+            sampled = sample_work(out, work, self.seqs)
         else:
             self.plane.queue.put_activation(out, dst=ranks[self.me + 1], tag=tag)
         return time.perf_counter() - began, waited, sampled

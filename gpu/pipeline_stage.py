@@ -15,8 +15,9 @@ from __future__ import annotations
 import os
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import torch
@@ -175,17 +176,25 @@ class StageWorker:
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)
         sampled: list[SampledToken] = []
         if self.model.last_stage:
-            takers = [w for w in work if w.sample]
-            seqs = [self._seqs[w.request_id] for w in takers]
-            tokens = sample(out, [s.sampling for s in seqs], [s.generator for s in seqs])
-            for w, seq, tok in zip(takers, seqs, tokens):
-                seq.tokens.append(tok)
-                sampled.append(SampledToken(request_id=w.request_id, token_id=tok))
+            sampled = sample_work(out, work, self._seqs)
         else:
             self._queue.put_activation(out, dst=self.spec.stage + 1, tag=_tag(step_id, m))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return time.perf_counter() - began, waited, sampled
+
+
+def sample_work(logits: torch.Tensor, work: Sequence[SeqWork], seqs: Mapping[int, Any]
+                ) -> list[SampledToken]:
+    """The last stage's sampling: a token for each sequence of `work` that asks for one (rows
+    of `logits` in that order), appended to its `tokens` (`seqs`: id -> sequence with
+    `tokens`, `sampling` and `generator`)."""
+    takers = [w for w in work if w.sample]
+    chosen = [seqs[w.request_id] for w in takers]
+    tokens = sample(logits, [s.sampling for s in chosen], [s.generator for s in chosen])
+    for seq, tok in zip(chosen, tokens):
+        seq.tokens.append(tok)
+    return [SampledToken(request_id=w.request_id, token_id=tok) for w, tok in zip(takers, tokens)]
 
 
 def _tag(step_id: int, microbatch: int) -> int:
