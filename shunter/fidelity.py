@@ -204,10 +204,25 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
                       kv_cache_mib: float, gb_per_s: float, dispatch_us: float,
                       source: str) -> tuple[Profile, Fit]:
     """A sim profile of `config.model` on this machine fitted on recorded runs: the cost model
-    on their steps, the engine's own cost on the gaps between them, the given copy link."""
+    on their steps, the engine's own cost on the gaps between them, the given copy link (its
+    per-call cost raised to what the runs' own copies took, when they swapped: see
+    `copy_dispatch_us`)."""
     rows = fit_rows(runs)
     fit = fit_recorded_steps(rows, source=f"{len(rows)} recorded steps of {source}")
     cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}")
     profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
-                          gb_per_s=gb_per_s, dispatch_us=dispatch_us)
+                          gb_per_s=gb_per_s, dispatch_us=copy_dispatch_us(runs, gb_per_s, dispatch_us))
     return attrs.evolve(profile, engine_cost=cost), fit
+
+
+def copy_dispatch_us(runs: Sequence[RecordedRun], gb_per_s: float, dispatch_us: float) -> float:
+    """The per-call copy cost that makes `calls x dispatch + bytes / bandwidth` equal the time
+    the recorded runs' copier spent copying (the swapper's calls cost more than the bare copy
+    loop `measure_copy` times: slicing, bounded dispatch, sharing the cores with the steps);
+    the measured `dispatch_us` when that is more, or when the runs did not swap."""
+    calls = sum(r.swap.get("copy_ops", 0) for r in runs)
+    nbytes = sum(r.swap.get("bytes_in", 0) + r.swap.get("bytes_out", 0) for r in runs)
+    seconds = sum(r.copy_s for r in runs)
+    if not calls or seconds <= 0:
+        return dispatch_us
+    return max(dispatch_us, (seconds - nbytes / (gb_per_s * 1e9)) / calls * 1e6)

@@ -18,6 +18,7 @@ from shunter.cli import main
 from shunter.fidelity import (
     RecordedRun,
     StepRecord,
+    copy_dispatch_us,
     engine_gaps,
     fit_engine_cost,
     fit_rows,
@@ -157,3 +158,15 @@ def test_profile_fit_on_a_workload_charges_its_engine_cost_in_the_sim(tiny_llama
         assert o.metrics.completed == 6
         spans[name] = o.metrics.duration_s
     assert spans["rec"] > spans["plain"]  # the engine's own time is on the virtual clock
+
+
+def test_the_copy_link_takes_the_per_call_cost_the_recorded_copies_took():
+    def run(calls: int, nbytes: int, seconds: float) -> RecordedRun:
+        return RecordedRun(metrics=None, steps=(), planned=(), wall_s=1.0, copy_s=seconds,
+                           swap={"copy_ops": calls, "bytes_in": nbytes // 2, "bytes_out": nbytes // 2})
+
+    # 1,000 calls moving 1 GB at 10 GB/s in 0.15 s: 0.1 s of bytes, 50 us a call
+    assert copy_dispatch_us([run(600, 600_000_000, 0.09), run(400, 400_000_000, 0.06)],
+                            10.0, 5.0) == pytest.approx(50.0)
+    assert copy_dispatch_us([run(1000, 10**9, 0.101)], 10.0, 5.0) == 5.0  # measured is more
+    assert copy_dispatch_us([run(0, 0, 0.0)], 10.0, 5.0) == 5.0  # no swaps: as measured
