@@ -213,14 +213,15 @@ class Scheduler(AdoptionMixin):
         if plan.forced:
             log.warning("forced a preemption: every running request was waiting for blocks",
                         request_id=plan.preempted[-1].id)
-        # a pass over the whole queue: only preemptions and host copies read it
-        rank = ({r.id: i for i, r in enumerate(order)}
-                if plan.preempted or self._copies is not None else {})
+        # a pass over the whole queue: only preemptions, swap-ins and host backups read it
+        copies = self._copies
+        rank = ({r.id: i for i, r in enumerate(order)} if plan.preempted or plan.swapped_in
+                or (copies is not None and copies.has_backups) else {})
         for v in plan.preempted:
             self._preempt(self._live[v.id], rank.get(v.id, len(order)))
-        if self._copies is not None:
-            self._copies.rank_backups(rank, len(order))
-        orders = self._copies is not None and self._copies.has_orders()
+        if copies is not None and copies.has_backups:
+            copies.rank_backups(rank, len(order))
+        orders = copies is not None and copies.has_orders()
         if not (plan.work or plan.swapped_in or plan.preempted or self._release or orders):
             return None
         step = self._start_step(plan, view, rank)

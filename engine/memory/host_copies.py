@@ -148,6 +148,11 @@ class HostCopies:
             self.store.drop(request_id)
         return cpu_blocks
 
+    @property
+    def has_backups(self) -> bool:
+        """Some running request's host copy is kept as a backup (`rank_backups` ranks them)."""
+        return bool(self._backups)
+
     def rank_backups(self, rank: Mapping[int, int], unranked: int) -> None:
         """Backups are taken least deserving first: rank them as the policy ranked their owners
         this iteration (`unranked` for owners it left out)."""
