@@ -1,5 +1,5 @@
-"""The torch step runner that follows the engine's KunServe fields on `ExecuteStep` (K1's
-engine side, /work/notes/kunserve_engine_api.md): `group` (a `GroupPlan`: from this step run
+"""The torch step runner that follows the engine's KunServe fields on `ExecuteStep` (the
+engine side: engine/cluster/adoption.py): `group` (a `GroupPlan`: from this step run
 as a pipeline over its members; a plan of one member: alone again), `pool_blocks` (the pool's
 new size) and `moves` (blocks a shrinking pool relocated). The executor keeps calling one
 runner; this one delegates to a `GroupRunner` (gpu/group_runner.py) while its instance heads a

@@ -4,9 +4,9 @@ exactly transformers' greedy tokens; a member lost while grouped leaves the head
 from its host copy, its requests recomputed.
 
 The runners are driven directly by a stand-in scheduler (tests/gpu/kunserve_driver.py), not
-through Engine/Cluster: the engine-level group (issue 16's K1 side) is wired separately.
-Planted bug checked by hand (see /work/notes/issue16_kunserve_torch.md): a receiver that drops
-one exchanged KV chunk makes the first test fail.
+through Engine/Cluster (README, "KunServe ... On the torch backend", says what is missing).
+Planted bug checked by hand: a receiver that drops one exchanged KV chunk makes the first test
+fail (`step 3: engine 221, reference 206`).
 """
 
 from __future__ import annotations
