@@ -40,7 +40,6 @@ from gpu.group_stage import (
     GroupRestore,
     GroupStage,
     GroupStart,
-    GroupStep,
     MemberReply,
     SeqState,
     generator_state,
@@ -49,6 +48,7 @@ from gpu.group_stage import (
 )
 from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
 from gpu.pipeline import StepRecord
+from gpu.pipeline_stage import StageStep
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
 
@@ -122,7 +122,7 @@ class GroupRunner:
 
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
-        msg = GroupStep(step=step, fed_back=self._fed_back)
+        msg = StageStep(step=step, fed_back=self._fed_back)
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
         try:
@@ -301,7 +301,7 @@ def serve_member(solo, head_rank: int) -> dict:
             return _abandon(stage, f"head lost: {exc}")
         if isinstance(msg, GroupAbandon):
             return _abandon(stage, f"member instance {msg.lost} lost")
-        if isinstance(msg, GroupStep):
+        if isinstance(msg, StageStep):
             try:
                 reply = stage.run(msg)
             except GroupMemberLost as exc:

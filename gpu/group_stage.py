@@ -26,8 +26,8 @@ from gpu.block_map import BlockMap
 from gpu.data_plane import DataPlane, GroupMemberLost, recv_tensor
 from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, send_transfers
 from gpu.metadata import build_step_inputs
+from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
-from gpu.pipeline_stage import sample_work
 from gpu.sampler import make_generator
 from gpu.stage_view import drop_layers
 
@@ -82,12 +82,6 @@ class GroupStart:
     adopted: tuple[Adopted, ...]
     chunk_blocks: int
     microbatches: int
-
-
-@attrs.frozen(kw_only=True)
-class GroupStep:
-    step: ExecuteStep
-    fed_back: tuple[SampledToken, ...]
 
 
 @attrs.frozen(kw_only=True)
@@ -196,7 +190,7 @@ class GroupStage:
 
     # ------------------------------------------------------------------ steps
 
-    def run(self, msg: GroupStep) -> MemberReply:
+    def run(self, msg: StageStep) -> MemberReply:
         step = msg.step
         if not self.model.last_stage:
             for t in msg.fed_back:
