@@ -119,14 +119,27 @@ class SkipOneCheckpointSwapper(PoisonedHostSwapper):
     def __init__(self, device_kv: torch.Tensor, num_host_blocks: int, **options) -> None:
         super().__init__(device_kv, num_host_blocks, **options)
         self.skipped: set[int] | None = None
+        self.lost: frozenset[int] = frozenset()
+        """The host slots of the skipped copy."""
         self.read_back = False
 
     def _copy(self, direction: SwapDirection, pairs: Pairs, granularity: SwapGranularity) -> None:
         if granularity == "slots" and direction == "out":
-            if self.skipped is None:
+            if self.skipped is None:  # the host slots keep what they held: garbage, here
                 self.skipped = {h for _, h in pairs}
+                self.lost = frozenset(self.skipped)
+                self._scramble(self.skipped)
                 return
             self.skipped -= {h for _, h in pairs}
         if granularity == "slots" and direction == "in" and self.skipped:
             self.read_back |= any(h in self.skipped for h, _ in pairs)
         super()._copy(direction, pairs, granularity)
+
+    def _scramble(self, host_slots: set[int]) -> None:
+        """Large values of either sign: whatever sign a query has, some of its heads score such
+        a key far above the rest (a uniform `POISON` can be ignored by a query of the other sign)."""
+        bs = self.host_kv.shape[3]
+        noise = torch.Generator().manual_seed(0)
+        for h in sorted(host_slots):
+            slot = self.host_kv[h // bs, :, :, h % bs]
+            slot.copy_(torch.randn(slot.shape, generator=noise) * POISON)
