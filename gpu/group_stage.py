@@ -129,9 +129,9 @@ def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
     layers, from the member holding it."""
     out = []
     n = len(start.ranks)
-    for s in start.seqs:  # the head's own requests: all of their table
+    for s in start.seqs:  # the head's own requests: all of their table (if any)
         out += [KvTransfer(request_id=s.request_id, src=0, dst=k, layers=start.layers[k],
-                           blocks=len(s.table)) for k in range(1, n)]
+                           blocks=len(s.table)) for k in range(1, n) if s.table]
     for a in start.adopted:
         blocks = -(-a.kv_tokens // block_size)
         out += [KvTransfer(request_id=a.request_id, src=a.owner, dst=k, layers=start.layers[k],

@@ -7,6 +7,11 @@ group. Member instances do not step while grouped: they serve the head (`serve_m
 
 What the step fields cannot carry is handed over before the step that forms the group:
 `expect_adopted(...)`, the requests that moved here from other members, with the owner's ids.
+An instance process (shunter/cluster/instance_groups.py) instead opens the group itself with
+`form(plan, adopted)` before its scheduler learns of it (the exchange must start even when
+every request waits for its KV and no step comes); the step that carries the plan then finds
+it open. `adopt_tokens` gives the full context of requests that moved here with tokens the
+engine's setups do not carry (a setup holds the prompt only; the runner keeps the rest).
 """
 
 from __future__ import annotations
@@ -29,6 +34,44 @@ class KunServeTorchRunner(TorchRunner):
         self._adopted: tuple[Adopted, ...] = ()
         self.last_group: GroupRunner | None = None
         """The group runner of the last group led (its counters outlive it)."""
+        self._tokens: dict[int, tuple[int, ...]] = {}
+        """Adopted requests' whole context (prompt and output so far), by id here."""
+        self.holding = False
+        """A member about to serve a group: steps do not release sequences (the engine
+        releases the requests it exported, whose KV the group still needs) until
+        `serve_group` takes them."""
+
+    def serve_group(self, head: int) -> dict:
+        """A member's part in the group led by instance `head`, on the device thread, until the
+        head restores (gpu/group_runner.py `serve_member`); its sequences go to the group."""
+        from gpu.group_runner import serve_member
+
+        self.holding = False
+        return serve_member(self, head)
+
+    def adopt_tokens(self, tokens: dict[int, tuple[int, ...]]) -> None:
+        self._tokens.update(tokens)
+
+    def form(self, plan, adopted: Sequence[Adopted]) -> range:
+        """Open the group `plan` (members in pipeline order, this instance first) now, with the
+        requests `adopted` from members; returns the group's block ids. Runs on the device
+        thread (`_thread.run`)."""
+        if self.group is not None:
+            raise RuntimeError(f"already leading group {self.group.ranks}")
+        self.group = GroupRunner(self, plan.members, plan.layers, adopted,
+                                 chunk_blocks=self.chunk_blocks)
+        return self.group.open()
+
+    def dissolve_idle(self) -> bool:
+        """Restore now when no request is live on this engine (none will step to carry the
+        restore): every sequence left on the group is one whose release no step carried yet.
+        False when no group is open."""
+        group, self.group = self.group, None
+        if group is None:
+            return False
+        group.restore({}, release=tuple(group.stage.seqs))
+        self.last_group = group
+        return True
 
     def expect_adopted(self, adopted: Sequence[Adopted]) -> None:
         """The requests the next group-forming step's plan adopts (ids on this engine, owner
@@ -37,7 +80,18 @@ class KunServeTorchRunner(TorchRunner):
 
     def execute(self, step: ExecuteStep) -> StepFinished:
         plan = step.group
-        if plan is not None and len(plan.members) > 1:
+        if self.holding and step.release:
+            step = attrs.evolve(step, release=())
+        if self._tokens and step.setups:
+            step = attrs.evolve(step, setups=tuple(
+                attrs.evolve(s, prompt_ids=self._tokens.pop(s.request_id))
+                if s.request_id in self._tokens else s for s in step.setups))
+        if (plan is not None and len(plan.members) > 1 and self.group is not None
+                and self.group.ranks == tuple(plan.members)):  # opened by form()
+            if step.pool_blocks is not None and step.pool_blocks > len(self.group.pool):
+                raise RuntimeError(f"the engine's group pool of {step.pool_blocks} blocks is "
+                                   f"larger than the group's {len(self.group.pool)}")
+        elif plan is not None and len(plan.members) > 1:
             if self.group is not None:
                 raise RuntimeError(f"already leading group {self.group.ranks}; got plan "
                                    f"{plan.members}")

@@ -25,6 +25,7 @@ from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
+from shunter.cluster.group_wire import GroupAnswer
 from shunter.cluster.instance import stopped_chunk
 from shunter.cluster.wire import (
     AskSnapshot,
@@ -147,6 +148,8 @@ class RemoteInstance(_Relay):
         self._ask_ids = itertools.count()
         self._cancels_send, self._cancels = anyio.create_memory_object_stream[int](math.inf)
         self._closing = False
+        self.moved_to: dict[int, RemoteInstance] = {}
+        """KunServe: requests that moved to a group's head, whose cancels go there."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Relay the instance's messages until its link closes."""
@@ -162,7 +165,8 @@ class RemoteInstance(_Relay):
                 match msg:
                     case Output(key=key, output=out):
                         await self._forward(key, out)
-                    case Snapshot(key=key) | Stats(key=key) | PolicyReplaced(key=key):
+                    case (Snapshot(key=key) | Stats(key=key) | PolicyReplaced(key=key)
+                          | GroupAnswer(key=key)):
                         reply = self._asks.pop(key, None)
                         if reply is not None:
                             reply.send(msg)
@@ -194,7 +198,9 @@ class RemoteInstance(_Relay):
             pass  # the reader sees the link close and hands the request back
 
     def cancel_nowait(self, key: int) -> None:
-        if key in self._live:
+        if key in self.moved_to:
+            self.moved_to[key].cancel_nowait(key)
+        elif key in self._live:
             self._cancels_send.send_nowait(key)
 
     async def _ask(self, make: Callable[[int], object]):

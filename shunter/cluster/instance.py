@@ -17,6 +17,8 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError, PolicyError
 from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
+from shunter.cluster.group_wire import GroupCommand
+from shunter.cluster.instance_groups import InstanceGroups
 from shunter.cluster.wire import (
     AskSnapshot,
     AskStats,
@@ -68,6 +70,31 @@ class InstanceServer:
         self._ids: dict[int, int] = {}
         """Cluster key -> this engine's request id, once admitted."""
         self._cancelled: set[int] = set()
+        self._moved: dict[int, anyio.Event] = {}
+        """Keys whose requests moved to a group's head: their relays end without a last chunk
+        (KunServe; shunter/cluster/instance_groups.py), the event set once they have."""
+        self._tg: anyio.abc.TaskGroup | None = None
+        self.groups = InstanceGroups(engine, self)
+
+    async def send(self, msg) -> None:
+        await self._link.send(msg)
+
+    def keys_of(self, ids) -> dict[int, int]:
+        want = set(ids)
+        return {rid: key for key, rid in self._ids.items() if rid in want}
+
+    def mark_moved(self, keys) -> None:
+        for key in keys:
+            self._moved[key] = anyio.Event()
+
+    async def drained(self, keys) -> None:
+        for key in keys:
+            await self._moved[key].wait()
+            del self._moved[key]
+
+    def relay(self, key: int, request_id: int, recv) -> None:
+        self._ids[key] = request_id
+        self._tg.start_soon(self._relay, key, recv)
 
     async def run(self) -> bool:
         """Serve the link until it closes; True when the front door detached (serve the
@@ -77,6 +104,7 @@ class InstanceServer:
                                     vocab_size=self._engine.backend.vocab_size,
                                     policy_source=self._engine.policy.source))
         async with anyio.create_task_group() as tg:
+            self._tg = tg
             while True:
                 try:
                     msg = await self._link.receive()
@@ -96,6 +124,8 @@ class InstanceServer:
                         tg.start_soon(self._stats, key)
                     case ReplacePolicyText(key=key, text=text):
                         tg.start_soon(self._replace, key, text)
+                    case _ if isinstance(msg, GroupCommand):  # KunServe groups
+                        tg.start_soon(self.groups.handle, msg, tg)
                     case Shutdown():
                         break
                     case Detach():
@@ -115,23 +145,29 @@ class InstanceServer:
         except EngineDeadError as exc:
             await self._link.send(Output(key=msg.key, output=Rejected(error=exc)))
             return
+        await self._relay(msg.key, recv)
+
+    async def _relay(self, key: int, recv) -> None:
         ended = False
         async with recv:
             async for out in recv:
                 if isinstance(out, Admitted):
-                    self._ids[msg.key] = out.request_id
-                    if msg.key in self._cancelled:
+                    self._ids[key] = out.request_id
+                    if key in self._cancelled:
                         self._engine._cancel_nowait(out.request_id)
-                await self._link.send(Output(key=msg.key, output=_portable(out)))
+                await self._link.send(Output(key=key, output=_portable(out)))
                 if isinstance(out, Rejected) or (isinstance(out, GenerationChunk)
                                                  and out.finish_reason is not None):
                     ended = True
                     break
-        if not ended:  # the engine stopped under the request (an actor failed)
-            await self._link.send(Output(key=msg.key, output=stopped_chunk(
+        moved = self._moved.get(key)
+        if moved is not None:  # it goes on at a group's head, relayed from there
+            moved.set()
+        elif not ended:  # the engine stopped under the request (an actor failed)
+            await self._link.send(Output(key=key, output=stopped_chunk(
                 self._engine.stopped_reason())))
-        self._ids.pop(msg.key, None)
-        self._cancelled.discard(msg.key)
+        self._ids.pop(key, None)
+        self._cancelled.discard(key)
 
     async def _snapshot(self, key: int) -> None:
         try:

@@ -1,0 +1,80 @@
+"""KunServe's group commands on the control link (shunter/cluster/wire.py), front door ->
+torch instance process, and their one answer. The front door's plan executor
+(shunter/cluster/remote_groups.py) sends them; the instance carries them out on its engine and
+runner (shunter/cluster/instance_groups.py). Tensors never travel here: the KV exchange, the
+activations and the restored weights go over the data plane (gpu/data_plane.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class JoinDataPlane:
+    """Join the cluster's torch.distributed world as `rank` of `world` (once per process; a
+    process that joined already answers with its rank)."""
+
+    key: int
+    init: str
+    rank: int
+    world: int
+    timeout_s: float = 60.0
+
+
+@attrs.frozen(kw_only=True)
+class Moved:
+    """One request a member handed over: the scheduler's record (under the member's id), the
+    cluster's key for it, and its client stream's state (text so far, stop strings; the stream
+    itself is made again at the head)."""
+
+    cluster_key: int
+    request: Any
+    """`engine.request.Request`."""
+    stream: dict
+
+
+@attrs.frozen(kw_only=True)
+class ExportGroup:
+    """A member joins the group that instance `head` leads: every live request is handed over
+    (the answer: a tuple of `Moved`), and its runner serves the group until the head restores."""
+
+    key: int
+    head: int
+
+
+@attrs.frozen(kw_only=True)
+class HeadGroup:
+    """Lead `plan` (`engine.cluster.drop_plan.GroupPlan`, this instance first): open the group
+    on the runner, take the `adopted` requests (member index in the plan, what it handed over),
+    grow the pool; each request runs on once its KV has arrived. The answer: a dict of
+    counts."""
+
+    key: int
+    plan: Any
+    adopted: tuple[tuple[int, Moved], ...]
+
+
+@attrs.frozen(kw_only=True)
+class LeaveGroup:
+    """Restore (§4.4): the pool back to the instance's own, every member serving alone."""
+
+    key: int
+
+
+@attrs.frozen(kw_only=True)
+class AskGroupStats:
+    key: int
+
+
+@attrs.frozen(kw_only=True)
+class GroupAnswer:
+    key: int
+    value: Any = None
+    error: str | None = None
+    too_small: bool = False
+    """A restore asked for while the head's requests hold more blocks than its own pool."""
+
+
+GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, LeaveGroup, AskGroupStats)

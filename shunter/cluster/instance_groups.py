@@ -1,0 +1,232 @@
+"""KunServe's group commands carried out in a torch instance process (the commands:
+shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_groups.py).
+
+- `JoinDataPlane`: the process joins the cluster's torch.distributed world (rank = instance
+  index); once per process.
+- `ExportGroup` (a member): the scheduler hands every live request over (`Regroup(export)`);
+  their client streams leave the frontend, each request's relay to the front door drains what
+  was already produced and ends without a last chunk (the head goes on with it); then the
+  runner serves the head's group on its device thread (`gpu.group_runner.serve_member`) until
+  the head restores. The runner still holds the exported requests' sequences then (their
+  release goes with the engine's next step, which queues behind the group on the device
+  thread): their KV is what the group reserves and exchanges, kept in place.
+- `HeadGroup` (the head): the client streams are made again here and relayed under the
+  cluster's keys; the runner opens the group now (`KunServeTorchRunner.form`, which starts the
+  KV exchange; it cannot wait for a step: every request may be waiting for its KV) with each
+  adopted request's owner and old id; then the scheduler adopts them, grows the pool to the
+  group's and marks its own requests as waiting for their KV. A task turns the runner's
+  per-request arrivals into the scheduler's `SwapDone` (an empty pipelined step asks the
+  members when no step runs).
+- `LeaveGroup` (the head): the pool shrinks back (`PoolTooSmall` when the requests do not fit
+  yet: the front door retries) and the next step restores; with no live request, the runner
+  restores at once.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+import structlog
+
+from actors.frontend import _ClientStream
+from engine.cluster.adoption import PoolTooSmall
+from engine.cluster.drop_plan import GroupPlan
+from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
+from engine.reply import Reply
+from gpu.group_stage import Adopted
+from shunter.cluster.group_wire import (
+    AskGroupStats,
+    ExportGroup,
+    GroupAnswer,
+    HeadGroup,
+    JoinDataPlane,
+    LeaveGroup,
+    Moved,
+)
+
+log = structlog.get_logger(actor="instance-groups")
+
+POLL_S = 0.005
+"""How often the head looks for requests whose KV has arrived while an exchange runs."""
+
+
+class InstanceGroups:
+    def __init__(self, engine, server) -> None:
+        """`server`: the instance's link server (shunter/cluster/instance.py): `send(msg)` to
+        the front door, `keys_of(ids)` (this engine's request ids -> the cluster's keys),
+        `mark_moved(keys)` and `await drained(keys)` (those keys' relays end without a last
+        chunk once they relayed what their requests produced here), `relay(key, request_id,
+        recv)` (relay a stream of outputs under a key)."""
+        self.engine = engine
+        self.server = server
+        self.member_stats: dict | None = None
+        self.member_task: anyio.Event | None = None
+
+    @property
+    def runner(self):
+        return self.engine.backend.runner
+
+    async def handle(self, msg, task_group) -> None:
+        try:
+            match msg:
+                case JoinDataPlane():
+                    value = await anyio.to_thread.run_sync(_join, msg)
+                case ExportGroup():
+                    value = await self._export(msg, task_group)
+                case HeadGroup():
+                    value = await self._head(msg, task_group)
+                case LeaveGroup():
+                    value = await self._leave()
+                case AskGroupStats():
+                    value = self._stats()
+            answer = GroupAnswer(key=msg.key, value=value)
+        except PoolTooSmall as exc:
+            answer = GroupAnswer(key=msg.key, error=str(exc), too_small=True)
+        except Exception as exc:  # reported to the front door, which names the instance
+            log.exception("group command failed", command=type(msg).__name__)
+            answer = GroupAnswer(key=msg.key, error=f"{type(exc).__name__}: {exc}")
+        await self.server.send(answer)
+
+    # ------------------------------------------------------------------ member
+
+    async def _export(self, msg: ExportGroup, tg) -> tuple[Moved, ...]:
+        if not hasattr(self.runner, "form"):
+            raise RuntimeError("this instance's runner cannot serve KunServe pipeline groups "
+                               "(the torch backend's KunServeTorchRunner can)")
+        eng = self.engine
+        self.runner.holding = True  # the exported requests' sequences stay for the group
+        reqs = await _ask(eng._scheduler_send, lambda r: Regroup(export=True, reply=r))
+        streams = await _ask(eng._frontend_send, lambda r: HandOverStreams(
+            request_ids=tuple(q.id for q in reqs), reply=r)) if reqs else {}
+        keys = self.server.keys_of(tuple(q.id for q in reqs))
+        self.server.mark_moved(list(keys.values()))
+        out = []
+        for q in reqs:
+            cs = streams.get(q.id)
+            state = {} if cs is None else {
+                "stop": cs.stop, "text": cs.text, "emitted": cs.emitted, "stopping": cs.stopping,
+                "gone": cs.gone, "stream": cs.stream, "held_ids": list(cs.held_ids),
+                "held_text": list(cs.held_text)}
+            if cs is not None:
+                cs.send.close()  # its relay drains what was produced, then ends quietly
+            out.append(Moved(cluster_key=keys[q.id], request=q, stream=state))
+        await self.server.drained(list(keys.values()))
+        done = self.member_task = anyio.Event()
+
+        async def serve() -> None:
+            try:
+                self.member_stats = await self.runner._thread.run(
+                    self.runner.serve_group, msg.head)
+                log.info("group left", stats=self.member_stats)
+            except Exception:  # its layers are gone: the instance ends (the head sees it lost)
+                log.exception("serving the group failed", head=msg.head)
+                raise
+            finally:
+                done.set()
+
+        tg.start_soon(serve)
+        return tuple(out)
+
+    # ------------------------------------------------------------------ head
+
+    async def _head(self, msg: HeadGroup, tg) -> dict:
+        eng, runner, plan = self.engine, self.runner, msg.plan
+        if not hasattr(runner, "form"):
+            raise RuntimeError("this instance's runner cannot lead KunServe pipeline groups")
+        streams, recvs = {}, {}
+        for _, mv in msg.adopted:
+            q = mv.request
+            send, recv = anyio.create_memory_object_stream(math.inf)
+            codec = eng.backend.codec
+            detok = codec.detokenizer() if codec is not None and mv.stream else None
+            if detok is not None and q.output_ids:
+                detok.add(list(q.output_ids))  # where the member's detokenizer was
+            streams[q.id] = _ClientStream(send=send, detok=detok, **(mv.stream or {"stop": ()}))
+            recvs[q.id] = recv
+        new_ids = await _ask(eng._frontend_send, lambda r: TakeOverStreams(
+            streams=streams, reply=r)) if streams else {}
+        adopted, tokens, reqs = [], {}, []
+        for owner, mv in msg.adopted:
+            q = mv.request
+            old, q.id = q.id, new_ids[q.id]
+            self.server.relay(mv.cluster_key, q.id, recvs[old])
+            if q.output_ids:  # the engine's setup carries the prompt only
+                tokens[q.id] = tuple(q.prompt_ids) + tuple(q.output_ids)
+            if q.computed_tokens and q.state != "swapped":
+                adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
+                                       kv_tokens=q.computed_tokens))
+            reqs.append(q)
+        runner.adopt_tokens(tokens)
+        own = (await eng.inspect()).scheduler.live_requests
+        pool = await runner._thread.run(runner.form, plan, tuple(adopted))
+        waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
+            adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
+        tg.start_soon(self._arrivals, {q.id for q in waiting})
+        return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
+                "exchanging": len(waiting)}
+
+    async def _arrivals(self, waiting: set[int]) -> None:
+        """Each request's KV arrival on every member becomes a `SwapDone` for the scheduler."""
+        runner, idle = self.runner, 0
+        group = runner.group
+        while waiting and runner.group is group and group is not None:
+            got = [r for r in await runner._thread.run(_arrived, runner, group, idle >= 3)
+                   if r in waiting]
+            idle = 0 if got else idle + 1
+            if got:
+                waiting.difference_update(got)
+                await self.engine._scheduler_send.send(SwapDone(request_ids=tuple(got)))
+            await anyio.sleep(POLL_S)
+
+    async def _leave(self) -> dict:
+        eng, runner = self.engine, self.runner
+        if runner.group is None:
+            raise RuntimeError("this instance leads no group")
+        me = runner.group.ranks[0]
+        layers = runner._model_config.num_layers
+        solo = GroupPlan(group_id=-1, members=(me,), layers=(range(layers),))
+        await _ask(eng._scheduler_send, lambda r: Regroup(
+            pool_blocks=runner.num_blocks, group=solo, reply=r))
+        idle = not (await eng.inspect()).scheduler.live_requests
+        if idle:  # no step will come to carry the restore
+            await runner._thread.run(runner.dissolve_idle)
+        return {"restored_at_once": idle}
+
+    def _stats(self) -> dict:
+        runner = self.runner
+        g = getattr(runner, "last_group", None) or getattr(runner, "group", None)
+        head = None
+        if g is not None:
+            ex = g.exchange
+            head = {"sent_bytes": ex.sent_bytes, "received_bytes": ex.received_bytes,
+                    "chunks_received": ex.chunks_received, "restore": dict(g.restore_stats),
+                    "leading": runner.group is not None}
+        return {"head": head, "member": self.member_stats}
+
+
+def _arrived(runner, group, poll: bool) -> list[int]:
+    """On the device thread: the requests whose KV is complete on every member; with `poll`,
+    an empty pipelined step first asks the members (no step has run for a while)."""
+    if runner.group is not group:
+        return []
+    return group.poll(0) if poll else group.arrived()
+
+
+def _join(msg: JoinDataPlane) -> int:
+    from gpu.data_plane import data_plane, join_data_plane
+
+    try:
+        plane = data_plane()
+    except RuntimeError:
+        plane = join_data_plane(msg.init, msg.rank, msg.world, timeout_s=msg.timeout_s)
+    if (plane.rank, plane.world_size) != (msg.rank, msg.world):
+        raise RuntimeError(f"this process joined the data plane as rank {plane.rank} of "
+                           f"{plane.world_size}, not {msg.rank} of {msg.world}")
+    return plane.rank
+
+
+async def _ask(send, make):
+    reply = Reply()
+    await send.send(make(reply))
+    return await reply.wait()

@@ -1,0 +1,208 @@
+"""KunServe's drop and restore plans carried out on torch instance processes (the in-process
+simulator's counterpart: shunter/cluster/groups.py `SimGroups`). The coordinator decides
+(actors/coordinator.py, engine/cluster/overload.py); this sends each instance its part over
+its control link (shunter/cluster/group_wire.py) and moves the client relays; the instances
+do it (shunter/cluster/instance_groups.py), the tensors going over the data plane they join at
+start (gpu/data_plane.py: one torch.distributed world, rank = instance index).
+
+Forming a group: each non-head member hands its requests over (`ExportGroup`; their outputs
+come from the head's link from then on, under the same cluster keys, and their cancels go
+there), then the head leads (`HeadGroup`): it opens the group, adopts the requests, grows its
+pool, and the KV exchange runs while it serves. Restoring: the head's pool shrinks back and its
+next step restores (`LeaveGroup`); when its requests do not fit its own pool yet, the restore
+waits for a later monitor round.
+
+Not done here (done for the simulator's instances): rescheduling queued requests of instances
+serving alone onto a head with room; instances on other machines (the data plane's address is
+this machine's loopback: local instances only).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import anyio
+import attrs
+import structlog
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.messages import GroupsChanged
+from engine.cluster.overload import Drop, OverloadMonitor, Restore
+from engine.errors import EngineDeadError
+from shunter.cluster.group_wire import (
+    AskGroupStats,
+    ExportGroup,
+    GroupAnswer,
+    HeadGroup,
+    JoinDataPlane,
+    LeaveGroup,
+)
+
+log = structlog.get_logger(actor="coordinator")
+
+
+class GroupCommandError(RuntimeError):
+    """An instance could not carry out its part of a group change (names the instance)."""
+
+
+@attrs.define
+class RemoteCounters:
+    drops: int = 0
+    restores: int = 0
+    groups_formed: int = 0
+    adopted_requests: int = 0
+    restore_retries: int = 0
+    events: list[dict] = attrs.field(factory=list)
+
+
+class RemoteGroups:
+    def __init__(self, instances: list, *, coordinator, base_pools, num_layers: int) -> None:
+        self.instances = instances
+        """RemoteInstance handles (shunter/cluster/handles.py), by index."""
+        self.coordinator = coordinator
+        self.base_pools = list(base_pools)
+        self.num_layers = num_layers
+        self.groups: dict[int, GroupPlan] = {}
+        self.counters = RemoteCounters()
+        self.busy = False
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    async def join(self, timeout_s: float = 120.0) -> None:
+        """Every instance joins one data plane (this machine's loopback)."""
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        n = len(self.instances)
+        with anyio.fail_after(timeout_s):
+            async with anyio.create_task_group() as tg:
+                for i in range(n):
+                    tg.start_soon(self._command, i, lambda k, i=i: JoinDataPlane(
+                        key=k, init=init, rank=i, world=n))
+
+    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def _command(self, index: int, make) -> object:
+        answer: GroupAnswer = await self.instances[index]._ask(make)
+        if answer.too_small:
+            raise _TooSmall(answer.error)
+        if answer.error is not None:
+            raise GroupCommandError(f"instance {index}: {answer.error}")
+        return answer.value
+
+    async def stats(self, index: int) -> dict:
+        return await self._command(index, lambda k: AskGroupStats(key=k))
+
+    # ------------------------------------------------------------------ the monitor's round
+
+    async def act(self, action, stats) -> None:
+        if self.busy:
+            if isinstance(action, Restore):
+                await self.coordinator.send(GroupsChanged())
+            return
+        if isinstance(action, Drop):
+            self.counters.drops += 1
+            for g in action.new_groups:
+                await self.form(g)
+        elif isinstance(action, Restore):
+            self.busy = True
+            self._tg.start_soon(self._restore_all, action.heads)
+
+    async def form(self, g: GroupPlan) -> None:
+        head = self.instances[g.head]
+        adopted = []
+        for k, m in enumerate(g.members[1:], start=1):
+            if any(m in old.members for old in self.groups.values()):
+                raise GroupCommandError(f"instance {m} is in a group already; growing a running "
+                                        f"group is not done on torch instances")
+            member = self.instances[m]
+            moved = await self._command(m, lambda key, h=g.head: ExportGroup(key=key, head=h))
+            for mv in moved:  # its outputs come from the head's link from now on
+                live = member._live.pop(mv.cluster_key, None)
+                if live is not None:
+                    head._live[mv.cluster_key] = live
+                    member.moved_to[mv.cluster_key] = head
+                adopted.append((k, mv))
+        counts = await self._command(g.head, lambda key: HeadGroup(
+            key=key, plan=g, adopted=tuple(adopted)))
+        self.groups[g.head] = g
+        await self.coordinator.send(GroupsChanged(formed=g))
+        c = self.counters
+        c.groups_formed += 1
+        c.adopted_requests += len(adopted)
+        c.events.append({"t": anyio.current_time(), "event": "group",
+                         "members": list(g.members), **counts})
+        log.info("group formed", members=g.members, **counts)
+
+    async def _restore_all(self, heads) -> None:
+        try:
+            for h in heads:
+                if h in self.groups:
+                    await self.restore(h)
+        finally:
+            self.busy = False
+
+    async def restore(self, head: int) -> bool:
+        """False when the head's requests do not fit its own pool yet (asked again later)."""
+        g = self.groups[head]
+        try:
+            value = await self._command(head, lambda key: LeaveGroup(key=key))
+        except _TooSmall as exc:
+            self.counters.restore_retries += 1
+            log.info("restore postponed", head=head, why=str(exc))
+            await self.coordinator.send(GroupsChanged())  # keep the restore trigger armed
+            return False
+        except (GroupCommandError, EngineDeadError) as exc:
+            log.error("restore failed", head=head, error=str(exc))
+            await self.coordinator.send(GroupsChanged())
+            return False
+        del self.groups[head]
+        for m in g.members[1:]:
+            for key, to in list(self.instances[m].moved_to.items()):
+                if to is self.instances[head] and key not in to._live:
+                    del self.instances[m].moved_to[key]
+        await self.coordinator.send(GroupsChanged(restored=head))
+        self.counters.restores += 1
+        self.counters.events.append({"t": anyio.current_time(), "event": "restore",
+                                     "members": list(g.members), **value})
+        log.info("group restored", members=g.members)
+        return True
+
+    def report(self, t0: float) -> dict:
+        c = self.counters
+        return {"drops": c.drops, "restores": c.restores, "groups_formed": c.groups_formed,
+                "adopted_requests": c.adopted_requests, "restore_retries": c.restore_retries,
+                "events": [dict(e, t=e["t"] - t0) for e in c.events]}
+
+
+class _TooSmall(Exception):
+    pass
+
+
+def torch_overload_monitor(policy, config, runner, count: int) -> OverloadMonitor | None:
+    """KunServe's global monitor for a cluster of `count` torch instance processes built from
+    `config` (`runner`: the front door's unstarted TorchRunner, for the model's facts), when
+    the policy has `overload` triggers and the runner can lead groups; else None. The planner's
+    group pool is the torch group's (gpu/stage_view.py `group_pool_blocks`: a two-way group's
+    pool less the two members' own is what one copy of the weights becomes)."""
+    from gpu.arena import plan_layout
+    from gpu.stage_view import group_pool_blocks
+    from shunter.cluster.groups import policy_triggers
+
+    if runner is None or not hasattr(runner, "form") or count < 2:
+        return None
+    triggers = policy_triggers(policy)
+    if triggers is None:
+        return None
+    model = runner._model_config
+    layers = model.num_layers
+    bs, dtype = config.block_size, runner._dtype
+    base = runner.num_blocks
+    total = plan_layout(model, bs, dtype).weight_blocks + base
+    half = layers // 2
+    pair = group_pool_blocks(model, bs, dtype, total, (range(half), range(half, layers)))
+    return OverloadMonitor(base_pools=[base] * count, block_size=bs, num_layers=layers,
+                           weight_blocks=max(0, pair - 2 * base), triggers=triggers)
