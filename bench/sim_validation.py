@@ -3,22 +3,32 @@ engine's?
 
 For each model (a tiny random Llama and a larger one), on this machine:
 
-1. Record: serve every workload `--repeats` times on the torch backend (seed 0) and once more
-   with another seed (other arrivals and lengths: the calibration round, second of the rounds,
-   so that load from other processes falls on fit and validation alike), recording each step's
-   batch shape and time on the device thread and the engine's own time between steps
-   (`shunter/fidelity.py`).
-2. Fit, on the calibration round only: the cost model on its steps (`sim.fit.fit_recorded_steps`), the engine's cost per
-   iteration / sequence / sampled token on the gaps between back-to-back steps
-   (`shunter.fidelity.fit_engine_cost`), the copy link with torch copies; a profile carrying
-   all three (`engine_cost`).
-3. Validate: run each workload on the sim with that profile; report each metric's sim error against the torch median beside
+1. Record: serve every workload `--repeats` times on the torch backend (seed 0) and
+   `--calibration-rounds` more times with other seeds (other arrivals and lengths: the
+   calibration rounds, between the validation rounds), recording each step's batch shape and
+   time on the device thread, the engine's own time between steps and every swap copy's
+   start and end (`shunter/fidelity.py`).
+2. Fit, on the calibration rounds only: the cost model on their steps
+   (`sim.fit.fit_recorded_steps`), the engine's cost per iteration / sequence / sampled token
+   on the gaps between back-to-back steps (`shunter.fidelity.fit_engine_cost`), the copy link
+   with torch copies, and what copies add to the steps and gaps they run beside
+   (`shunter/contention.py`); a profile carrying all of them.
+3. Validate: run each workload on the sim with that profile; report each metric's sim error
+   against the torch median beside
    the torch runs' own spread, and the fitted model's error on the validation runs' steps (held
    out: the fit never saw them). The method this replaces (a grid of shapes timed alone,
    calibrated in a running engine, no engine cost) is fitted and run beside it.
 
     python bench/sim_validation.py [--models tiny,larger] [--repeats 3] [--threads 1]
+        [--calibration-rounds 2] [--save-runs FILE.pkl]
         [--out bench/results/sim_validation.json]   # also writes the .md table beside it
+
+Calibration rounds (seeds 1, 2, ...) alternate with the validation rounds (V C V C V), so that a
+slow spell of this shared machine falls on fit and validation alike; the profile is fitted on
+all of them, and beside it on the first alone (its held-out error and sim errors are reported
+too). On this CPU backend the fit also measures what swap copies running beside the steps and
+the engine's own work add to them (`shunter/contention.py`); the sim is run with and without
+that charge.
 
 The load average is recorded with every torch run: other processes on this machine move real
 time by tens of percent (bench/results/NOTES.md).
@@ -29,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import re
 import statistics
 import sys
@@ -41,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import attrs
 
+from bench.sim_validation_md import markdown
 from engine.config import EngineConfig
 from gpu.make_model import write_random_model
 from gpu.profiler import measure, measure_copy
@@ -69,6 +81,7 @@ CASES = (
 )
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tokens_per_s")
 TOLERANCE = 0.20
+CONTEXT_BINS = ((0, 64), (64, 128), (128, 256), (256, 512), (512, 1 << 30))
 """Issue 18: within 20% of the torch median, or within the torch runs' own spread if wider."""
 
 
@@ -103,6 +116,15 @@ def breakdown(runs: list[RecordedRun], profiles: dict[str, Any]) -> dict[str, An
                       / sum(ms for _, ms in rows),
                       **{f"{name}_predicted_over_measured": total_ratio(p.cost, part)
                          for name, p in profiles.items()}}
+    decode = [(s, ms) for s, ms in rows if kind(s) == "decode"]
+    per_seq = [s.decode_context / s.decode_seqs for s, _ in decode]
+    out["decode_by_context"] = []
+    for lo, hi in CONTEXT_BINS:  # a long-context term the linear model lacks would show here
+        part = [row for row, c in zip(decode, per_seq) if lo <= c < hi]
+        if part:
+            out["decode_by_context"].append({
+                "bin": f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", "steps": len(part),
+                "predicted_over_measured": total_ratio(profiles["recorded"].cost, part)})
     gaps = [(s, g) for r in runs for s, g, _ in engine_gaps(r)]
     out["engine_gap_ms_median"] = statistics.median(g for _, g in gaps) if gaps else 0.0
     out["engine_gap_over_step_time"] = (sum(g for _, g in gaps) / sum(s.compute_ms for s, _ in gaps)
@@ -143,11 +165,13 @@ def in_sample(choice: Any, spec: str, cfg: EngineConfig, run: RecordedRun, measu
     """The simulator's own structural error: a profile fitted on this very torch run (its steps
     and gaps), the same workload replayed on the sim, each metric against that run. What is
     left here is not the fit's generalization but what the sim does differently (queueing,
-    admission, variance of real steps); with and without the engine's cost."""
+    admission, variance of real steps); with and without the engine's cost (and the copies'
+    contention with it)."""
     profile, fit = profile_from_runs(cfg, [run], name="replay", kv_cache_mib=cfg.kv_cache_mib,
                                      gb_per_s=gbps, dispatch_us=dispatch, source="one run")
     out: dict[str, Any] = {"fit_median_relative_error": fit.median_relative_error}
-    for variant, p in (("charged", profile), ("uncharged", attrs.evolve(profile, engine_cost=None))):
+    uncharged = attrs.evolve(profile, engine_cost=None, copy_contention=None)
+    for variant, p in (("charged", profile), ("uncharged", uncharged)):
         save_profile(p, path)
         o = run_one(choice, load_workload(spec, seed=0), EngineConfig(backend="sim", profile=str(path)),
                     progress=False)
@@ -156,38 +180,73 @@ def in_sample(choice: Any, spec: str, cfg: EngineConfig, run: RecordedRun, measu
     return out
 
 
+def record_rounds(name: str, args: argparse.Namespace, cases: list, torch_cfg: EngineConfig
+                  ) -> tuple[dict[str, list[dict]], dict[str, list[RecordedRun]], list]:
+    """Rounds over the workloads: `--repeats` validation rounds (seed 0) with the calibration
+    rounds (seeds 1, 2, ...: other arrivals and lengths) between them (V C V C V), so that a
+    slow spell of other work on this machine falls on the fit and the validation alike."""
+    torch_runs: dict[str, list[dict]] = {label: [] for label, _, _ in cases}
+    recorded: dict[str, list[RecordedRun]] = {label: [] for label, _, _ in cases}
+    calib: list[tuple[RecordedRun, dict, int]] = []
+    rounds: list[tuple[str, int]] = [("validate", 0)] * args.repeats
+    for j in range(args.calibration_rounds):
+        rounds.insert(min(1 + 2 * j, len(rounds)), ("calibrate", 1 + j))
+    # warm-up (not recorded): the first run after a model is loaded pays its cold start
+    recorded_run(cases[0][2], load_workload("sharegpt:requests=8,rate=8,scale_lengths=0.05",
+                                            seed=9), torch_cfg)
+    for i, (what, seed) in enumerate(rounds):
+        for label, spec, choice in cases:
+            run, info = torch_run(choice, spec, torch_cfg, seed=seed)
+            if what == "calibrate":
+                calib.append((run, info, seed))
+            else:
+                torch_runs[label].append(info)
+                recorded[label].append(run)
+            print(f"[{name}] round {i + 1}/{len(rounds)} ({what}, seed {seed}) {label}: "
+                  + " ".join(f"{k}={info[k]:.2f}" for k in METRICS)
+                  + f" load={info['load_after'][0]:.2f}", flush=True)
+    return torch_runs, recorded, calib
+
+
+def sim_errors(choice: Any, spec: str, cfg: EngineConfig, verdict: dict) -> dict | str:
+    """One sim run's four errors against the torch medians of `verdict`."""
+    o = run_one(choice, load_workload(spec, seed=0), cfg, progress=False)
+    if o.error:
+        return o.error
+    m = metrics_of(o.metrics)
+    return {k: (m[k] - v["torch_median"]) / v["torch_median"] for k, v in verdict.items()}
+
+
+def held_out(cost: Any, rows: list) -> dict[str, float]:
+    return {"held_out_median_relative_error": float(statistics.median(relative_errors(cost, rows))),
+            "held_out_predicted_over_measured_total": total_ratio(cost, rows)}
+
+
 def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     arch, rate_scale = MODELS[name]
     model = write_random_model(tmp / name, **arch)
     torch_cfg = EngineConfig(model=model, device="cpu", threads=args.threads)
     cases = [(label, workload_spec(t, rate_scale), parse_policy(p))
              for i, (label, t, p) in enumerate(CASES) if args.cases is None or i in args.cases]
-    torch_runs: dict[str, list[dict]] = {label: [] for label, _, _ in cases}
-    recorded: dict[str, list[RecordedRun]] = {label: [] for label, _, _ in cases}
-    calib: list[tuple[RecordedRun, dict]] = []
-    # rounds over the workloads, the calibration round (seed 1: other arrivals and lengths)
-    # second, so a burst of other work on this machine hits the fit and the validation alike
-    rounds = ["validate"] * args.repeats
-    rounds.insert(min(1, len(rounds)), "calibrate")
-    for i, what in enumerate(rounds):
-        for label, spec, choice in cases:
-            run, info = torch_run(choice, spec, torch_cfg, seed=1 if what == "calibrate" else 0)
-            if what == "calibrate":
-                calib.append((run, info))
-            else:
-                torch_runs[label].append(info)
-                recorded[label].append(run)
-            print(f"[{name}] round {i + 1}/{len(rounds)} ({what}) {label}: "
-                  + " ".join(f"{k}={info[k]:.2f}" for k in METRICS)
-                  + f" load={info['load_after'][0]:.2f}", flush=True)
+    torch_runs, recorded, calib = record_rounds(name, args, cases, torch_cfg)
+    if args.save_runs is not None:
+        saved = pickle.loads(args.save_runs.read_bytes()) if args.save_runs.exists() else {}
+        saved[name] = {"calibration": calib, "validation": recorded, "torch": torch_runs}
+        args.save_runs.write_bytes(pickle.dumps(saved))
     began = time.perf_counter()
     gbps, dispatch = measure_copy("cpu")
-    profile, fit = profile_from_runs(torch_cfg, [r for r, _ in calib], name=f"{name}-cpu",
-                                     kv_cache_mib=torch_cfg.kv_cache_mib, gb_per_s=gbps,
-                                     dispatch_us=dispatch, source=f"{len(cases)} workloads")
-    path = tmp / f"{name}-cpu.json"
-    save_profile(profile, path)
-    sim_cfg = EngineConfig(backend="sim", profile=str(path))
+    profiles = {}
+    for variant, runs in (("all", [r for r, _, _ in calib]),
+                          ("one_round", [r for r, _, seed in calib if seed == 1])):
+        profiles[variant] = profile_from_runs(
+            torch_cfg, runs, name=f"{name}-cpu", kv_cache_mib=torch_cfg.kv_cache_mib, gb_per_s=gbps,
+            dispatch_us=dispatch, source=f"{len(runs)} runs of {len(cases)} workloads")
+    profile, fit = profiles["all"]
+    cfgs = {}
+    for variant, p in (("main", profile), ("one_round", profiles["one_round"][0]),
+                       ("no_contention", attrs.evolve(profile, copy_contention=None))):
+        save_profile(p, tmp / f"{name}-cpu-{variant}.json")
+        cfgs[variant] = EngineConfig(backend="sim", profile=str(tmp / f"{name}-cpu-{variant}.json"))
     fit_s = time.perf_counter() - began
     # the method this replaces, in the same window: a grid of shapes timed alone, calibrated
     # by a few closed-loop batches in a running engine, no engine cost
@@ -201,23 +260,24 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     for label, spec, choice in cases:
         sims = []
         for _ in range(args.repeats):
-            o = run_one(choice, load_workload(spec, seed=0), sim_cfg, progress=False)
+            o = run_one(choice, load_workload(spec, seed=0), cfgs["main"], progress=False)
             if o.error:
                 sys.exit(f"{label} on sim: {o.error}")
             sims.append(metrics_of(o.metrics))
         sim = {k: statistics.median(s[k] for s in sims) for k in sims[0]}
-        o = run_one(choice, load_workload(spec, seed=0), old_cfg, progress=False)
-        old_sim = metrics_of(o.metrics) if not o.error else None
+        verdict = judge(torch_runs[label], sim)
+        variants = {}
+        if args.calibration_rounds > 1:
+            variants["one_round_error"] = sim_errors(choice, spec, cfgs["one_round"], verdict)
+        if profile.copy_contention is not None and any(t["copy_calls"] for t in torch_runs[label]):
+            variants["no_contention_error"] = sim_errors(choice, spec, cfgs["no_contention"], verdict)
         replay = in_sample(choice, spec, torch_cfg, recorded[label][0], torch_runs[label][0],
                            tmp / f"{name}-{len(results)}-replay.json", gbps, dispatch)
         rows_out = fit_rows(recorded[label])
         err = relative_errors(profile.cost, rows_out)
-        verdict = judge(torch_runs[label], sim)
         results.append({"case": label, "workload": spec, "policy": choice.label,
-                        "torch": torch_runs[label], "sim": sims, "judged": verdict,
-                        "grid_profile": {"sim": old_sim, "error": {
-                            k: (old_sim[k] - v["torch_median"]) / v["torch_median"]
-                            for k, v in verdict.items()} if old_sim else o.error},
+                        "torch": torch_runs[label], "sim": sims, "judged": verdict, **variants,
+                        "grid_profile": {"error": sim_errors(choice, spec, old_cfg, verdict)},
                         "breakdown": breakdown(recorded[label], {"recorded": profile, "grid": old}),
                         "in_sample_replay": replay,
                         "copies": {"torch_s": [t["copy_s"] for t in torch_runs[label]],
@@ -230,94 +290,18 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
             f"{k} {v['error']:+.1%} (torch spread {v['torch_spread']:.1%})" for k, v in verdict.items()),
             flush=True)
     all_out = fit_rows([r for rs in recorded.values() for r in rs])
+    one_cost = profiles["one_round"][0].cost
     return {"model": arch, "rate_scale": rate_scale, "profile": profile.to_json(),
             "fit": {"rows": fit.rows, "train_median_relative_error": fit.median_relative_error,
-                    "held_out_rows": len(all_out),
-                    "held_out_median_relative_error": float(statistics.median(
-                        relative_errors(profile.cost, all_out))),
-                    "held_out_predicted_over_measured_total": total_ratio(profile.cost, all_out),
-                    "seconds": fit_s, "grid_fit": {
-                        "rows": grid.rows, "median_relative_error": grid.median_relative_error,
-                        "calibration": grid.calibration,
-                        "held_out_median_relative_error": float(statistics.median(
-                            relative_errors(old.cost, all_out))),
-                        "held_out_predicted_over_measured_total": total_ratio(old.cost, all_out)}},
-            "calibration_runs": [info for _, info in calib], "results": results}
-
-
-def markdown(report: dict[str, Any]) -> str:
-    lines = ["# Simulator vs torch backend (issue 18)", "",
-             (f"`python bench/sim_validation.py --threads {report['threads']} --repeats "
-             f"{report['repeats']}`, {report['started']} - {report['ended']} UTC. Each cell: the sim's "
-             f"error against the median of {report['repeats']} torch runs [the torch runs' own "
-             f"spread: their largest distance from that median]; **bold** where it lies outside "
-             f"both 20% and that spread. `grid profile`: the same four errors for the method this "
-             f"replaces (a grid of shapes timed alone, in-engine calibrated, no engine cost), "
-             f"fitted in the same window. `in-sample replay`: the four errors of a sim whose "
-             f"profile was fitted on the first torch run itself, against that run, with and "
-             f"without the engine's cost: the simulator's own error, apart from the fit's."), ""]
-    for name, m in report["models"].items():
-        f, g = m["fit"], m["fit"]["grid_fit"]
-        lines += [(f"## {name}: {m['model']['layers']} layers, hidden {m['model']['hidden']} "
-                  f"(rates x{m['rate_scale']})"), "",
-                  (f"Cost model fitted on {f['rows']} recorded steps (seed-1 runs): median error "
-                  f"{f['train_median_relative_error']:.1%}; on the {f['held_out_rows']} steps of the "
-                  f"validation runs (held out): median {f['held_out_median_relative_error']:.1%}, "
-                  f"total time predicted/measured {f['held_out_predicted_over_measured_total']:.3f} "
-                  f"(grid profile: {g['held_out_median_relative_error']:.1%}, "
-                  f"{g['held_out_predicted_over_measured_total']:.3f}). Engine cost charged: "
-                  f"{m['profile']['engine_cost']['per_iteration_ms']:.3f} ms per iteration + "
-                  f"{m['profile']['engine_cost']['per_seq_ms']:.4f} per sequence + "
-                  f"{m['profile']['engine_cost']['per_sampled_ms']:.4f} per sampled token, "
-                  f"{m['profile']['engine_cost']['before_share']:.0%} of it before the step."), "",
-                  ("| workload | TTFT p50 | TTFT p99 | TPOT p50 | output tok/s | grid profile | "
-                   "in-sample replay, charged; uncharged | torch load avg | swap iterations, "
-                   "stall s torch / sim, copy s torch / model |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
-        for r in m["results"]:
-            cells = []
-            for k in METRICS:
-                v = r["judged"][k]
-                cell = f"{v['error']:+.1%} [{v['torch_spread']:.1%}]"
-                cells.append(cell if v["within"] else f"**{cell}**")
-            old = r["grid_profile"]["error"]
-            old_cell = (" / ".join(f"{old[k]:+.0%}" for k in METRICS) if isinstance(old, dict)
-                        else str(old))
-            loads = [t["load_after"][0] for t in r["torch"]]
-            swaps = statistics.median(t["swap_iteration_share"] for t in r["torch"])
-            stall_t = statistics.median(t["swap_stall_s"] for t in r["torch"])
-            stall_s = statistics.median(t["swap_stall_s"] for t in r["sim"])
-            rep = r["in_sample_replay"]
-            rep_cell = "; ".join(" / ".join(f"{rep[v][k]:+.0%}" for k in METRICS)
-                                 for v in ("charged", "uncharged"))
-            lines.append(f"| {r['case']} | " + " | ".join(cells) + f" | {old_cell} | {rep_cell} | "
-                         f"{min(loads):.2f}-{max(loads):.2f} | {swaps:.0%}, {stall_t:.2f} / {stall_s:.2f}, "
-                         f"{statistics.median(r['copies']['torch_s']):.3f} / "
-                         f"{statistics.median(r['copies']['model_s']):.3f} |")
-        sim_spread = max((max(x[k] for x in r["sim"]) - min(x[k] for x in r["sim"]))
-                         / max(abs(statistics.median(x[k] for x in r["sim"])), 1e-12)
-                         for r in m["results"] for k in METRICS)
-        lines += ["", (f"The sim's {report['repeats']} runs of each workload differ by at most "
-                      f"{sim_spread:.2%} in any of these metrics (it replays exactly).")]
-        lines += ["", ("Where the clocks part, on the validation runs' steps (predicted / measured "
-                  "total step time per kind of step, recorded-steps profile vs grid profile; the "
-                  "engine's own time between back-to-back steps against their step time):"), "",
-                  "| workload | prefill-only | mixed | decode-only | engine gap (median ms, share) |",
-                  "|---|---|---|---|---|"]
-        for r in m["results"]:
-            b = r["breakdown"]
-            cells = []
-            for k in ("prefill", "mixed", "decode"):
-                if k in b:
-                    cells.append(f"{b[k]['share_of_step_time']:.0%} of time: "
-                                 f"{b[k]['recorded_predicted_over_measured']:.2f} vs "
-                                 f"{b[k]['grid_predicted_over_measured']:.2f}")
-                else:
-                    cells.append("-")
-            lines.append(f"| {r['case']} | " + " | ".join(cells) +
-                         f" | {b['engine_gap_ms_median']:.2f}, {b['engine_gap_over_step_time']:.1%} |")
-        lines.append("")
-    return "\n".join(lines) + "\n"
+                    "calibration_runs": len(calib), "held_out_rows": len(all_out),
+                    **held_out(profile.cost, all_out), "seconds": fit_s,
+                    **({"one_round": {"rows": profiles["one_round"][1].rows,
+                                      **held_out(one_cost, all_out)}}
+                       if args.calibration_rounds > 1 else {}),
+                    "grid_fit": {"rows": grid.rows, "median_relative_error": grid.median_relative_error,
+                                 "calibration": grid.calibration, **held_out(old.cost, all_out)}},
+            "calibration_runs": [{**info, "seed": seed} for _, info, seed in calib],
+            "results": results}
 
 
 def main() -> None:
@@ -326,6 +310,10 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,larger")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="runs per side and workload")
+    ap.add_argument("--calibration-rounds", type=int, default=2,
+                    help="rounds (seeds 1, 2, ...) the profile is fitted on")
+    ap.add_argument("--save-runs", type=Path, default=None, metavar="PKL",
+                    help="also pickle every recorded torch run here (for later analysis)")
     ap.add_argument("--cases", type=lambda v: {int(i) for i in v.split(",")}, default=None,
                     help="only these workloads, by index into CASES (0-based, comma-separated)")
     ap.add_argument("--render", type=Path, default=None, metavar="JSON",
@@ -337,7 +325,8 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="shunter-validation-"))
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     report: dict[str, Any] = {"started": started, "threads": args.threads,
-                              "repeats": args.repeats, "tolerance": TOLERANCE, "models": {}}
+                              "repeats": args.repeats, "calibration_rounds": args.calibration_rounds,
+                              "tolerance": TOLERANCE, "models": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         report["models"][name] = validate_model(name, args, tmp)

@@ -63,7 +63,8 @@ def _sim_backend(config: EngineConfig) -> Backend:
     num_blocks = config.num_blocks or profile.num_blocks(config.block_size)
     max_context = profile.model.max_context
     runner: Any = SimRunner(profile.cost, num_blocks, link=profile.link, model=profile.model,
-                            block_size=config.block_size, engine_cost=profile.engine_cost)
+                            block_size=config.block_size, engine_cost=profile.engine_cost,
+                            contention=profile.copy_contention)
     if config.pipeline_stages > 1:
         from sim.network import LINKS
         from sim.pipeline import SimPipelineRunner, pipeline_blocks

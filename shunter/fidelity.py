@@ -27,14 +27,16 @@ import attrs
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.cost_model import BatchShape
+from engine.cost_model import BatchShape, CostModel
 from engine.iteration_log import IterationLog
 from engine.messages import ExecuteStep, StepFinished
 from engine.metrics import RunMetrics, run_metrics
+from gpu.runner import resolve_device
 from shunter.backends import build_backend
 from shunter.benchmark.driver import Driver, DriveResult
 from shunter.benchmark.policies import PolicyChoice
 from shunter.calibrate import profile_for
+from shunter.contention import CopySpans, fit_contention
 from shunter.engine import Engine
 from shunter.workloads import Workload
 from sim.fit import Fit, fit_recorded_steps
@@ -74,6 +76,9 @@ class RecordedRun:
     copy_s: float = 0.0
     """Seconds the copier's workers spent copying (the copies themselves, not their queueing),
     to set beside the copy model's `calls x dispatch + bytes / bandwidth` for the same traffic."""
+    copy_spans: tuple[tuple[float, float], ...] = ()
+    """(began, ended) of each of those copies (perf_counter), to tell which steps ran beside
+    copies (`shunter.contention`)."""
 
     def swap_iteration_share(self) -> float:
         """Share of iterations during which (from its plan to the next) a swap was issued."""
@@ -107,7 +112,7 @@ def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -
     backend = build_backend(config)
     steps: list[StepRecord] = []
     submits: list[float] = []
-    copy_time: list[float] = []
+    copy_time: list[tuple[float, float]] = []
     _record_steps(backend.runner, steps)
 
     async def serve() -> tuple[DriveResult, IterationLog | None]:
@@ -127,10 +132,11 @@ def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -
     return RecordedRun(metrics=metrics, steps=tuple(steps),
                        planned=tuple(log.time) if log is not None else (), wall_s=wall,
                        swap=attrs.asdict(log.swap) if log is not None else {},
-                       swap_submits=tuple(submits), copy_s=sum(copy_time))
+                       swap_submits=tuple(submits), copy_s=sum(e - b for b, e in copy_time),
+                       copy_spans=tuple(sorted(copy_time)))
 
 
-def _record_submits(swapper: Any, into: list[float], copy_time: list[float]) -> None:
+def _record_submits(swapper: Any, into: list[float], copy_time: list[tuple[float, float]]) -> None:
     """Wrap the copier's `submit` (when each transfer is issued) and, where it has one, the
     copy its workers run (`gpu.swap.TorchSwapper._copy`: how long the copies take)."""
     submit = swapper.submit
@@ -141,7 +147,7 @@ def _record_submits(swapper: Any, into: list[float], copy_time: list[float]) -> 
             try:
                 return copy(*args, **kwargs)
             finally:
-                copy_time.append(time.perf_counter() - began)  # list.append: thread-safe
+                copy_time.append((began, time.perf_counter()))  # list.append: thread-safe
 
         swapper._copy = timed
 
@@ -152,16 +158,23 @@ def _record_submits(swapper: Any, into: list[float], copy_time: list[float]) -> 
     swapper.submit = recorded
 
 
-def fit_rows(runs: Sequence[RecordedRun]) -> list[tuple[BatchShape, float]]:
-    """(shape, compute ms) of every step of `runs`: the rows to fit the cost model on."""
-    return [(s.shape, s.compute_ms) for r in runs for s in r.steps if s.compute_ms > 0]
+def fit_rows(runs: Sequence[RecordedRun], *,
+             skip_copying: bool = False) -> list[tuple[BatchShape, float]]:
+    """(shape, compute ms) of every step of `runs`: the rows to fit the cost model on;
+    with `skip_copying`, not the steps that had swap copies running beside them."""
+    out = []
+    for r in runs:
+        spans = CopySpans(r.copy_spans if skip_copying else ())
+        out += [(s.shape, s.compute_ms) for s in r.steps
+                if s.compute_ms > 0 and not spans.ms(s.began + s.stall_s, s.ended)]
+    return out
 
 
-def engine_gaps(run: RecordedRun) -> list[tuple[StepRecord, float, float]]:
-    """(step, ms of engine work between its end and the next step's start, of which ms after
-    the next step was planned) for every step whose next one computes a request of it: that
-    request was ready the moment the step ended, so the engine did not idle between the two
-    (a gap before a step of new requests only may be time waiting for them to arrive)."""
+def _back_to_back(run: RecordedRun) -> list[tuple[StepRecord, StepRecord, float]]:
+    """(step, next step, when the next was planned) for every step whose next one computes
+    a request of it: that request was ready the moment the step ended, so the engine did not
+    idle between the two (a gap before a step of new requests only may be time waiting for
+    them to arrive)."""
     out = []
     planned = np.array(run.planned)
     for cur, nxt in zip(run.steps, run.steps[1:]):
@@ -171,15 +184,27 @@ def engine_gaps(run: RecordedRun) -> list[tuple[StepRecord, float, float]]:
         i = int(np.searchsorted(planned, nxt.began)) - 1
         if i < 0 or planned[i] < cur.began:
             continue
-        out.append((cur, (nxt.began - cur.ended) * 1000.0, (nxt.began - planned[i]) * 1000.0))
+        out.append((cur, nxt, float(planned[i])))
     return out
 
 
-def fit_engine_cost(runs: Sequence[RecordedRun], source: str) -> EngineCost:
+def engine_gaps(run: RecordedRun, *, skip_copying: bool = False) -> list[tuple[StepRecord, float, float]]:
+    """(step, ms of engine work between its end and the next step's start, of which ms after
+    the next step was planned) for every back-to-back pair of steps (`_back_to_back`); with
+    `skip_copying`, not the gaps that had swap copies running beside them."""
+    spans = CopySpans(run.copy_spans if skip_copying else ())
+    return [(cur, (nxt.began - cur.ended) * 1000.0, (nxt.began - plan) * 1000.0)
+            for cur, nxt, plan in _back_to_back(run) if not spans.ms(cur.ended, nxt.began)]
+
+
+def fit_engine_cost(runs: Sequence[RecordedRun], source: str, *,
+                    skip_copying: bool = False) -> EngineCost:
     """Least squares of the gap between back-to-back steps on (1, sequences, sampled tokens):
-    the engine's own cost per iteration and per sequence, kept >= 0."""
-    pairs = [(s, g) for r in runs for s, g, _ in engine_gaps(r)]
-    pre = sum(p for r in runs for _, _, p in engine_gaps(r))
+    the engine's own cost per iteration and per sequence, kept >= 0 (with `skip_copying`, on
+    the gaps without swap copies beside them)."""
+    gaps_of = [engine_gaps(r, skip_copying=skip_copying) for r in runs]
+    pairs = [(s, g) for gs in gaps_of for s, g, _ in gs]
+    pre = sum(p for gs in gaps_of for _, _, p in gs)
     if len(pairs) < 8:
         raise ValueError(f"only {len(pairs)} back-to-back steps to fit the engine's cost on")
     gaps = np.array([g for _, g in pairs])
@@ -206,13 +231,36 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
     """A sim profile of `config.model` on this machine fitted on recorded runs: the cost model
     on their steps, the engine's own cost on the gaps between them, the given copy link (its
     per-call cost raised to what the runs' own copies took, when they swapped: see
-    `copy_dispatch_us`)."""
-    rows = fit_rows(runs)
+    `copy_dispatch_us`). On the CPU, where the copies share the cores with the engine, the two
+    models are fitted on the steps and gaps with no copy beside them, and what copying adds to
+    the others is fitted apart (`shunter.contention`); a GPU's copy engine runs beside compute,
+    so its profile charges none."""
+    contended = resolve_device(config.device).type == "cpu" and any(r.copy_spans for r in runs)
+    rows = fit_rows(runs, skip_copying=contended)
     fit = fit_recorded_steps(rows, source=f"{len(rows)} recorded steps of {source}")
-    cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}")
+    cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}",
+                           skip_copying=contended)
     profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
                           gb_per_s=gb_per_s, dispatch_us=copy_dispatch_us(runs, gb_per_s, dispatch_us))
-    return attrs.evolve(profile, engine_cost=cost), fit
+    contention = None
+    if contended:
+        contention = fit_contention(*contention_rows(runs, fit.cost, cost),
+                                    source=f"copies of {source} beside steps and gaps")
+    return attrs.evolve(profile, engine_cost=cost, copy_contention=contention), fit
+
+
+def contention_rows(runs: Sequence[RecordedRun], cost: CostModel, engine: EngineCost) -> tuple[
+        list[tuple[float, float, float]], list[tuple[float, float, float]]]:
+    """(measured ms, predicted ms, ms of copying beside it) of every step and of every gap
+    between back-to-back steps of `runs`: what `shunter.contention.fit_contention` fits on."""
+    steps, gaps = [], []
+    for r in runs:
+        spans = CopySpans(r.copy_spans)
+        steps += [(s.compute_ms, cost.predict_ms(s.shape), spans.ms(s.began + s.stall_s, s.ended))
+                  for s in r.steps if s.compute_ms > 0]
+        gaps += [((nxt.began - cur.ended) * 1000.0, engine.ms(cur.seqs, cur.sampled),
+                  spans.ms(cur.ended, nxt.began)) for cur, nxt, _ in _back_to_back(r)]
+    return steps, gaps
 
 
 def copy_dispatch_us(runs: Sequence[RecordedRun], gb_per_s: float, dispatch_us: float) -> float:

@@ -39,7 +39,7 @@ class Transfer:
 
 class CopyEngine:
     def __init__(self, link: CopyLink, *, yield_every: int | None = None,
-                 yield_bytes: int | None = None) -> None:
+                 yield_bytes: int | None = None, track_busy: bool = False) -> None:
         if yield_every is not None and yield_every < 1:
             raise ValueError(f"yield_every must be >= 1 or None, got {yield_every}")
         self.link = link
@@ -51,6 +51,8 @@ class CopyEngine:
         self._boundaries: dict[Direction, list[float]] = {"out": [], "in": []}
         """Times at which a synchronisation lets other copies in, per direction (pending ones)."""
         self.counters = SwapCounters()
+        self._spans: list[tuple[float, float]] | None = [] if track_busy else None
+        """(start, end) of transfers not yet behind every `busy_s` window, when tracked."""
 
     def busy_until(self, direction: Direction) -> float:
         return self._free_at[direction]
@@ -64,6 +66,8 @@ class CopyEngine:
         if (self.yield_every is not None or self.yield_bytes is not None) and calls:
             end = self._bounded(direction, start, calls, nbytes)
         self._free_at[direction] = end
+        if self._spans is not None and end > start:
+            self._spans.append((start, end))
         c = self.counters
         c.copy_ops += calls
         if direction == "out":
@@ -102,6 +106,15 @@ class CopyEngine:
         if pieces > 1:  # the extra pieces were extra calls
             self.counters.copy_ops += total - calls
         return t
+
+    def busy_s(self, t0: float, t1: float) -> float:
+        """Seconds of copying (both directions added: they run at once) inside [t0, t1]
+        (`track_busy`; windows must not start before an earlier window's start)."""
+        spans = self._spans
+        if not spans or t1 <= t0:
+            return 0.0
+        spans[:] = [sp for sp in spans if sp[1] > t0]
+        return sum(min(e, t1) - max(b, t0) for b, e in spans if b < t1)
 
     def step_copy(self, now: float, direction: Direction) -> float:
         """When a step's own copy issued at `now` in `direction` can run: after every swap copy

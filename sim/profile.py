@@ -96,6 +96,21 @@ class EngineCost:
 
 
 @attrs.frozen(kw_only=True)
+class CopyContention:
+    """Copies that share the machine with the engine (issue 18). On a GPU the copy engine
+    runs beside compute; on a CPU torch backend the swapper's copy threads run on the same
+    cores (and interpreter) as the model's steps and the engine's own work, so each second of
+    copying that overlaps them lengthens them. Fitted from recorded runs
+    (`shunter.contention.fit_contention`); profiles without it (every GPU profile) charge none."""
+
+    engine: float = 0.0
+    """Engine time added per second of copying that overlaps the engine's own work."""
+    step: float = 0.0
+    """Step time added per second of copying that overlaps a step's compute."""
+    source: str = ""
+
+
+@attrs.frozen(kw_only=True)
 class Profile:
     name: str
     model: ModelShape
@@ -110,6 +125,9 @@ class Profile:
     source: str = ""
     engine_cost: EngineCost | None = None
     """The engine's own cost around each step; None (charged nothing) unless fitted here."""
+    copy_contention: CopyContention | None = None
+    """What copies cost the engine beside them; None (they overlap for free) unless fitted on
+    a backend whose copies share its cores."""
 
     def num_blocks(self, block_size: int, memory_utilization: float | None = None) -> int:
         """KV blocks that fit in the device memory left after the weights."""
@@ -132,7 +150,9 @@ class Profile:
                 **({"activation_gib": self.activation_gib} if self.activation_gib else {}),
                 "model": attrs.asdict(self.model), "cost_model": cost,
                 "copy_link": attrs.asdict(self.link),
-                **({"engine_cost": attrs.asdict(self.engine_cost)} if self.engine_cost else {})}
+                **({"engine_cost": attrs.asdict(self.engine_cost)} if self.engine_cost else {}),
+                **({"copy_contention": attrs.asdict(self.copy_contention)}
+                   if self.copy_contention else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], where: str) -> Profile:
@@ -146,7 +166,9 @@ class Profile:
                 model=ModelShape(**data["model"]),
                 cost=CostModel(**data["cost_model"], source=f"profile {data['name']}: {source}"),
                 link=CopyLink(**data["copy_link"]),
-                engine_cost=EngineCost(**data["engine_cost"]) if "engine_cost" in data else None)
+                engine_cost=EngineCost(**data["engine_cost"]) if "engine_cost" in data else None,
+                copy_contention=(CopyContention(**data["copy_contention"])
+                                 if "copy_contention" in data else None))
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: not a valid profile: {type(exc).__name__}: {exc}") from None
 

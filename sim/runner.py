@@ -9,7 +9,7 @@ import anyio
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from sim.group import GroupNetwork, SimGroup, enter_group
-from sim.profile import CopyLink, EngineCost, ModelShape
+from sim.profile import CopyContention, CopyLink, EngineCost, ModelShape
 from sim.swap import SimSwapper
 
 SIM_TOKEN_ID = 1
@@ -22,11 +22,17 @@ class SimRunner:
 
     def __init__(self, cost: CostModel, num_blocks: int, *, token_id: int = SIM_TOKEN_ID,
                  link: CopyLink | None = None, model: ModelShape | None = None,
-                 block_size: int = 16, engine_cost: EngineCost | None = None) -> None:
+                 block_size: int = 16, engine_cost: EngineCost | None = None,
+                 contention: CopyContention | None = None) -> None:
         self.cost = cost
         self.engine_cost = engine_cost
         """The engine's own time around each step (issue 18), slept before and after it."""
         self.engine_s = 0.0
+        """Simulated seconds charged for it."""
+        self.contention = contention
+        """What swap copies overlapping a step and the engine's time around it add to them
+        (a CPU backend's copies share its cores), slept after the step."""
+        self.contention_s = 0.0
         """Simulated seconds charged for it."""
         self.num_blocks = num_blocks
         self.token_id = token_id
@@ -51,7 +57,8 @@ class SimRunner:
         if self._link is None or self._model is None:
             raise RuntimeError("this simulated runner has no copy link to swap over")
         self.swapper = SimSwapper(self._link, block_nbytes=self._model.block_bytes(self._block_size),
-                                  num_layers=self._model.num_layers, block_size=self._block_size)
+                                  num_layers=self._model.num_layers, block_size=self._block_size,
+                                  track_busy=self.contention is not None)
         return self.swapper
 
     async def step(self, step: ExecuteStep) -> StepFinished:
@@ -61,9 +68,6 @@ class SimRunner:
             done = await self.group.step(step)
             self.steps, self.busy_s = self.steps + 1, self.busy_s + done.compute_s
             return done
-        stall = 0.0
-        if self.swapper is not None:
-            stall = await self._wait_for_swaps(step)
         # BatchShape.of, without a generator: this runs once per iteration of a replayed hour
         pt = psq = ppre = ds = dc = 0
         sampled = []
@@ -83,25 +87,50 @@ class SimRunner:
                            decode_seqs=ds, decode_context=dc)
         seconds = self.cost.predict_ms(shape) / 1000.0 if step.seqs else 0.0
         after = 0.0
+        contend = self.contention if self.swapper is not None else None
+        extra = 0.0
         if self.engine_cost is not None and step.seqs:
             around = self.engine_cost.ms(len(step.seqs), len(sampled)) / 1000.0
             before = around * self.engine_cost.before_share
             after = around - before
             self.engine_s += around
+            began = anyio.current_time() if contend is not None else 0.0
             await anyio.sleep(before)
+            if contend is not None:
+                extra += contend.engine * self._copying_since(began)
+        # after the engine's work before the step, as on a real engine: the swaps issued with
+        # this step's plan copy while the plan travels to the device, which then waits for
+        # what is left of them (the stall)
+        stall = 0.0
+        if self.swapper is not None:
+            stall = await self._wait_for_swaps(step)
         if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out
             wait_in = self._own_copy_wait("in", 0.0)
             seconds += wait_in + self._own_copy_wait("out", wait_in + seconds)
         if seconds > 0:
+            began = anyio.current_time() if contend is not None else 0.0
             await anyio.sleep(seconds)
+            if contend is not None:
+                extra += contend.step * self._copying_since(began)
         if self.swapper is not None:
             stall += await self._wait_for_overlapped()
         if after > 0:
+            began = anyio.current_time() if contend is not None else 0.0
             await anyio.sleep(after)
+            if contend is not None:
+                extra += contend.engine * self._copying_since(began)
+        if extra > 0:  # one pass: copying during this extra time is not charged again
+            self.contention_s += extra
+            await anyio.sleep(extra)
         self.steps += 1
         self.busy_s += seconds
         return StepFinished(step_id=step.step_id, sampled=tuple(sampled), compute_s=seconds,
                             stall_s=stall)
+
+    def _copying_since(self, began: float) -> float:
+        """Seconds of swap copying between `began` and now (sim/copy_engine.py)."""
+        assert self.swapper is not None
+        return self.swapper.engine.busy_s(began, anyio.current_time())
 
     def _own_copy_wait(self, direction: str, after_s: float) -> float:
         """How long the step's own copy in `direction`, issued `after_s` into the step, waits

@@ -32,10 +32,11 @@ dispatch. Our choice (the paper gives no number): a small share of a 30-50 ms A1
 class SimSwapper:
     def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
                  yield_every: int | None = YIELD_EVERY, block_size: int = 16,
-                 yield_ms: float | None = YIELD_MS) -> None:
+                 yield_ms: float | None = YIELD_MS, track_busy: bool = False) -> None:
         yield_bytes = None if yield_ms is None else int(
             link.bandwidth_gb_per_s * 1e9 * yield_ms / 1000.0)
-        self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes)
+        self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes,
+                                 track_busy=track_busy)
         self.block_nbytes = block_nbytes
         self.block_size = block_size
         self.num_layers = num_layers
