@@ -27,6 +27,13 @@ from gpu.runner import TorchRunner
 
 
 class KunServeTorchRunner(TorchRunner):
+    GROUP_MODES = ("coordinated", "tokens")
+    """KunServe group settings it honours: the exchanged KV goes in chunks behind activations
+    (gpu/transfer.py's two lanes: `kv_exchange coordinated`; one FIFO queue is not built) and
+    microbatches are cut by tokens (engine/cluster/plan.py `split_microbatches`; the lookahead
+    cost model runs on the simulator only). Groups form on local clusters of instance processes
+    (shunter/cluster/remote_groups.py)."""
+
     def __init__(self, *args, chunk_blocks: int = 4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.chunk_blocks = chunk_blocks

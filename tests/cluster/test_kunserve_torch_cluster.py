@@ -15,6 +15,7 @@ from __future__ import annotations
 import random
 
 import anyio
+import attrs
 import pytest
 
 import shunter
@@ -42,7 +43,7 @@ def kunserve_config(kunserve_model, tmp_path_factory):
     from policies import policy_path
 
     policy = tmp_path_factory.mktemp("kunserve-policy") / "kunserve_torch.policy"
-    policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_drop")}" {{\n'
+    policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_exchange")}" {{\n'
                       f'  overload restore when kv_usage < 60%\n}}\n')
     return EngineConfig(model=kunserve_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
                         block_size=BLOCK, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
@@ -121,3 +122,23 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
                             *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
+
+
+def test_torch_engines_honour_coordinated_exchange_and_refuse_lookahead(kunserve_config):
+    """The torch runner claims the group settings it runs (`kv_exchange coordinated`,
+    `microbatch tokens`); `kunserve_lookahead` (the simulator's cost model) is refused at load
+    with the setting's place in the file."""
+    from engine.errors import PolicyError
+    from policies import policy_path
+    from shunter.backends import build_backend
+    from shunter.policy_source import engine_capabilities, initial_policy
+
+    backend = build_backend(kunserve_config)
+    caps = engine_capabilities(kunserve_config, backend)
+    backend.runner.close()
+    assert caps.group_modes == {"coordinated", "tokens"}
+    assert initial_policy(kunserve_config, None, caps).settings.memory.kv_exchange == "coordinated"
+    with pytest.raises(PolicyError, match=r"kunserve_lookahead\.policy:\d+:\d+.*microbatch "
+                                          r"lookahead is not supported"):
+        initial_policy(attrs.evolve(kunserve_config, policy=policy_path("kunserve_lookahead")),
+                       None, caps)
