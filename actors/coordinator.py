@@ -23,9 +23,10 @@ from engine.cluster.messages import (
     InstanceDown,
     RequestEnded,
     SetDispatchRule,
+    SetTriggers,
     StatsReported,
 )
-from engine.cluster.overload import OverloadMonitor
+from engine.cluster.overload import OverloadMonitor, dissolve_only
 
 log = structlog.get_logger(actor="coordinator")
 
@@ -68,6 +69,9 @@ class Coordinator:
                 self.table.down(i, reason)
             case SetDispatchRule(rule=rule):
                 self.rule = rule
+            case SetTriggers(triggers=triggers):
+                if self.overload is not None:
+                    self.overload.replace_triggers(triggers or dissolve_only)
             case InspectCluster(reply=reply):
                 reply.send(tuple(self.table.views()))
             case CheckOverload(reply=reply):

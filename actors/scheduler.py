@@ -194,8 +194,9 @@ class Scheduler(AdoptionMixin):
             now=now, iteration=self._iteration, requests=self._prefixes.views(self._live, now),
             free_blocks=self._free_blocks(), total_blocks=self._total_blocks,
             reverse_free_blocks=self._bidi.reverse_free() if self._bidi else None,
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs, cost=self._stats.cost_model,
-            max_batched_tokens=c.max_batched_tokens, last_iteration_ms=self._last_iteration_ms)
+            block_size=c.block_size, max_num_seqs=c.max_num_seqs * self._seat.stages,
+            max_batched_tokens=c.max_batched_tokens * self._seat.stages,  # a group's: adoption.py
+            cost=self._stats.cost_model, last_iteration_ms=self._last_iteration_ms)
 
     def _next_step(self) -> RunStep | None:
         began = time.thread_time()

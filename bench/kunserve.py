@@ -56,15 +56,40 @@ BASELINE_POLICIES = {
 LADDER = ["kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"]
 
 
+async def sample_demand(cluster, capacity_blocks: int, block_size: int, out: list) -> None:
+    """Every 0.5 s: the cluster's KV held, held plus each instance's head-of-line request (the
+    memory demand as Llumnix counts it and KunServe §2.2 uses to scale traces), and held plus
+    every queued request, each over the pre-drop capacity."""
+    while True:
+        held = head = queued = 0
+        for i in range(len(cluster.instances)):
+            st = cluster.table.stats(i)
+            if st is None:
+                continue
+            held += st.total_blocks - st.free_blocks
+            head += -(-st.head_tokens // block_size)
+            queued += -(-st.queued_tokens // block_size)
+        out.append((anyio.current_time(), held / capacity_blocks,
+                    (held + head) / capacity_blocks, (held + queued) / capacity_blocks))
+        await anyio.sleep(0.5)
+
+
 async def serve(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
     config = attrs.evolve(base, policy=policy_file)
     static = label == "pipeline2"
+    profile = load_profile(base.profile)
+    one = base.num_blocks or profile.num_blocks(base.block_size)
+    capacity = instances * one
+    if label == "memory_oracle":  # vllm_dp with 16x the KV: what no memory mechanism can beat
+        config = attrs.evolve(config, num_blocks=16 * one)
     if static:  # N/2 instances, each the head of a fixed two-member group
-        profile = load_profile(base.profile)
         wb = profile.model.weight_bytes // profile.model.block_bytes(base.block_size)
-        one = base.num_blocks or profile.num_blocks(base.block_size)
-        config = attrs.evolve(config, num_blocks=group_pool([one, one], wb))
+        # vLLM's pipeline parallelism gives each of its 2 virtual engines a whole step budget
+        config = attrs.evolve(config, num_blocks=group_pool([one, one], wb),
+                              max_batched_tokens=2 * base.max_batched_tokens,
+                              max_num_seqs=2 * base.max_num_seqs)
         instances //= 2
+    demand: list = []
     async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
         if static:
             model = load_profile(base.profile).model
@@ -75,14 +100,17 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
                 runner.group = SimGroup(plan, runner.cost, runner.network, runner.token_id)
         driver = Driver(cluster, workload, vocab=cluster.backend.vocab_size,
                         declared_classes={"default"})
-        result = await driver.run()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sample_demand, cluster, capacity, base.block_size, demand)
+            result = await driver.run()
+            tg.cancel_scope.cancel()
         report = cluster.groups.report(result.started) if cluster.groups is not None else None
         if static:
             nets = [i.engine.backend.runner.network for i in cluster.instances]
             busy = sum(n.totals.busy_s for n in nets)
             stage = sum(n.totals.stage_s for n in nets)
             report = {"bubble_ratio": 1 - busy / stage if stage else 0.0}
-    return result, report
+    return result, report, demand
 
 
 def run(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
@@ -90,11 +118,11 @@ def run(label: str, policy_file: Path, workload, base: EngineConfig, instances: 
     rng = getattr(getattr(getattr(trio, "_core", None), "_run", None), "_r", None)
     if rng is not None:
         rng.seed(0)  # replay exactly (shunter/benchmark/run.py does the same)
-    result, cluster = anyio.run(serve, label, policy_file, workload, base, instances,
+    result, cluster, demand = anyio.run(serve, label, policy_file, workload, base, instances,
                                 backend="trio",
                                 backend_options={"clock": trio.testing.MockClock(
                                     autojump_threshold=0)})
-    return result, cluster, time.perf_counter() - began
+    return result, cluster, demand, time.perf_counter() - began
 
 
 def pct(xs, p):
@@ -152,13 +180,14 @@ def main() -> None:
         path.write_text(text.replace('"fcfs.policy"', f'"{policy_path("fcfs")}"'))
         runs.append((label, path))
     runs += [(name, policy_path(name)) for name in LADDER]
+    runs.append(("memory_oracle", policy_dir / "vllm_dp.policy"))
     if args.only:
         keep = set(args.only.split(","))
         runs = [r for r in runs if r[0] in keep]
     results = {}
     for label, path in runs:
-        result, cluster, wall = run(label, path, workload, base, args.instances)
-        results[label] = (result, cluster, wall)
+        result, cluster, demand, wall = run(label, path, workload, base, args.instances)
+        results[label] = (result, cluster, demand, wall)
         print(f"{label}: {len(result.timelines)} requests, wall {wall:.1f} s", flush=True)
     base_p50 = min(pct([t.ttft_s for t in results[b][0].timelines], 50)
                    for b in BASELINE_POLICIES if b in results) if any(
@@ -170,18 +199,37 @@ def main() -> None:
                                                      "cpu_swap_blocks": base.cpu_swap_blocks},
               "capacity_tokens": capacity, "runs": {}}
     if "vllm_dp" in results:
-        report["mean_memory_demand"] = memory_demand(results["vllm_dp"][0], capacity)
-    for label, (result, cluster, wall) in results.items():
+        report["mean_kv_in_system"] = memory_demand(results["vllm_dp"][0], capacity)
+        report.update(demand_summary(results["vllm_dp"][2]))
+    for label, (result, cluster, demand, wall) in results.items():
         entry = summarize(result, slo)
         entry["wall_s"] = wall
+        entry["demand"] = demand_summary(demand)
         if cluster is not None:
             entry["cluster"] = cluster
+        if label in ("vllm_dp", "kunserve"):
+            entry["ttft_series"] = sorted(
+                (round(t.arrival - result.started, 3), round(t.ttft_s, 3))
+                for t in result.timelines if t.ttft_s is not None)
         report["runs"][label] = entry
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(table(report))
     print(table(report))
     plot(report, out.with_suffix(".png"))
+
+
+def demand_summary(samples: list) -> dict:
+    """Means and peaks of the sampled demand (`sample_demand`), as shares of the capacity."""
+    if not samples:
+        return {}
+    n = len(samples)
+    return {"mean_memory_demand": sum(s[2] for s in samples) / n,
+            "mean_kv_held": sum(s[1] for s in samples) / n,
+            "peak_memory_demand": max(s[2] for s in samples),
+            "peak_demand_with_queue": max(s[3] for s in samples),
+            "share_of_time_queue_over_capacity": sum(s[3] > 1 for s in samples) / n,
+            "share_of_time_head_blocked": sum(s[2] > 1 for s in samples) / n}
 
 
 def table(report: dict) -> str:
@@ -191,9 +239,16 @@ def table(report: dict) -> str:
     lines = [(f"# KunServe on the simulator: {report['workload']}, {report['instances']} x "
              f"{report['profile']}, link {report['link']}"),
              "",
-             (f"Mean memory demand of the window (vllm_dp): "
-             f"{report.get('mean_memory_demand', float('nan')):.1%} of "
-             f"{report['capacity_tokens']:,} KV tokens. SLO: TTFT <= "
+             (f"Memory demand on vllm_dp (KV held plus each instance's head-of-line request, "
+             f"as Llumnix counts it; sampled every 0.5 s) over {report['capacity_tokens']:,} "
+             f"KV tokens: mean {report.get('mean_memory_demand', float('nan')):.1%}, peak "
+             f"{report.get('peak_memory_demand', float('nan')):.1%}; with every queued request "
+             f"counted, peak {report.get('peak_demand_with_queue', float('nan')):.1%}, over "
+             f"capacity {report.get('share_of_time_queue_over_capacity', float('nan')):.1%} of "
+             f"the time; head-of-line request blocked by memory "
+             f"{report.get('share_of_time_head_blocked', float('nan')):.1%} of the time. "
+             f"memory_oracle = vllm_dp with 16x the KV (no memory limit): no memory mechanism "
+             f"can beat it. SLO: TTFT <= "
              f"{runs[next(iter(runs))].get('slo_ttft_s', float('nan')):.2f} s (5x the best "
              f"baseline's P50). Best KV-centric baseline by P99 TTFT: {best}."),
              "",
@@ -236,21 +291,29 @@ def plot(report: dict, path: Path) -> None:
         return
     c = run["cluster"]
     ts = [s["t"] for s in c["kv_usage"]]
-    fig, ax = plt.subplots(3, 1, figsize=(9, 8), sharex=True)
+    fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
     n = len(c["kv_usage"][0]["used"])
     for i in range(n):
         ax[0].plot(ts, [(s["used"][i] or 0) / max(1, s["pool"][i]) if s["pool"][i] else 0
                         for s in c["kv_usage"]], label=f"instance {i}")
-        ax[1].plot(ts, [s["pool"][i] for s in c["kv_usage"]], label=f"instance {i}")
+        ax[1].step(ts, [s["dropped_layers"][i] + 0.15 * i for s in c["kv_usage"]], where="post",
+                   label=f"instance {i}")
     ax[0].set_ylabel("KV usage (of own pool)")
-    ax[1].set_ylabel("KV pool (blocks)")
+    ax[1].set_ylabel("dropped layers")
     ax[2].plot(ts, [s["queued_tokens"] for s in c["kv_usage"]], color="k")
     ax[2].set_ylabel("queued tokens")
+    for label, color in (("vllm_dp", "tab:gray"), ("kunserve", "tab:blue")):
+        series = report["runs"].get(label, {}).get("ttft_series")
+        if series:
+            ax[3].scatter([a for a, _ in series], [t for _, t in series], s=3, color=color,
+                          label=label)
+    ax[3].set_ylabel("TTFT s (by arrival)")
+    ax[3].legend(fontsize=7)
     for e in c["events"]:
         for a in ax:
             a.axvline(e["t"], color="r" if e["event"] == "group" else "g", ls="--", lw=0.8)
     ax[0].legend(fontsize=7)
-    ax[2].set_xlabel("seconds (red: group formed, green: restored)")
+    ax[3].set_xlabel("seconds (red: group formed, green: restored)")
     fig.suptitle(f"KunServe, {report['workload']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -145,6 +145,12 @@ class SchedulerView:
         """Tokens of requests that are not running and still need computing."""
         return sum(r.remaining_tokens for r in self.requests if r.state != "running")
 
+    @property
+    def head_tokens(self) -> int:
+        """KV tokens the oldest waiting or swapped request needs to run."""
+        return min(((r.arrival, r.context_tokens) for r in self.requests
+                    if r.state in ("waiting", "swapped")), default=(0.0, 0))[1]
+
 
 @attrs.frozen(kw_only=True)
 class Decision:

@@ -117,4 +117,6 @@ class SchedulerStats:
             prefix_cache=self.prefixes.snapshot(),
             cancelled_by_state=tuple(sorted(self.cancelled_by_state.items())),
             queued_tokens=sum(r.context_tokens for r in live if r.state in ("waiting", "swapped")),
+            head_tokens=min(((r.arrival, r.context_tokens) for r in live
+                             if r.state in ("waiting", "swapped")), default=(0.0, 0))[1],
         )

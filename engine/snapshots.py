@@ -31,6 +31,9 @@ class SchedulerSnapshot:
     queued_tokens: int = 0
     """KV tokens the requests not running need (prompt and output so far): the queued demand
     KunServe's global monitor reads (§4.1)."""
+    head_tokens: int = 0
+    """KV tokens the oldest queued request needs: when they exceed the free KV, admission is
+    blocked by memory, not by the step's token budget (head-of-line demand, §2.2)."""
     cpu_free_blocks: int = 0
     cpu_total_blocks: int = 0
     cpu_copies: int = 0

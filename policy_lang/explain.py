@@ -230,8 +230,9 @@ class _Explainer:
         if restore is not None:
             lines.append(f"  Restore them (KunServe §4.4) when {self.text(restore.cond)}"
                          + (f" has held for {self.text(restore.hold)}" if restore.hold else "") + ".")
-        lines.append("  Until the cluster coordinator exists, the engine only counts and logs "
-                     "these triggers (engine.inspect()).")
+        lines.append("  On a cluster the coordinator's monitor evaluates them on every instance (a "
+                     "group at its head) and acts; an engine alone only counts and logs them "
+                     "(engine.inspect()).")
         return "\n".join(lines)
 
     def memory(self) -> str:

@@ -119,6 +119,9 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
           doc="tokens the free blocks hold"),
     Field(name="queued_tokens", type=Type.TOKENS, scope=_E, attr="queued_tokens",
           doc="tokens that requests not running still need computed"),
+    Field(name="head_tokens", type=Type.TOKENS, scope=_E, attr="head_tokens",
+          doc="KV tokens the oldest waiting or swapped request needs (above free_tokens: "
+              "memory, not the token budget, holds the queue)"),
     Field(name="waiting", type=Type.NUMBER, scope=_E, doc="requests waiting"),
     Field(name="running", type=Type.NUMBER, scope=_E, doc="requests running"),
     Field(name="last_iteration", type=Type.DURATION, scope=_E, attr="last_iteration_ms",

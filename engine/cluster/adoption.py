@@ -33,6 +33,11 @@ class GroupSeat:
     group: object | None = None
     exported: int = 0
     adopted: int = 0
+    stages: int = 1
+    """Pipeline stages of the group this engine heads (1: alone). A group's step keeps one
+    microbatch per stage in flight, each with the token and sequence budget of a step alone,
+    as vLLM's pipeline parallelism (which KunServe builds on, §5) gives each of its virtual
+    engines a whole scheduler budget: the step's budget is `stages` times an instance's."""
 
 
 class AdoptionMixin:
@@ -98,6 +103,7 @@ class AdoptionMixin:
                 stats.total_blocks = msg.pool_blocks
         if msg.group is not None:
             seat.group = msg.group
+            seat.stages = getattr(msg.group, "size", 1)
         msg.reply.send(tuple(out))
 
 

@@ -63,7 +63,10 @@ class InstanceStats:
     preemptions: int = 0
     iteration_ms: float = 0.0
     queued_tokens: int = 0
-    """KV tokens its queued requests need (KunServe's head-of-line demand, §4.1)."""
+    """KV tokens its queued requests need (KunServe's queued demand, §4.1)."""
+    head_tokens: int = 0
+    """KV tokens its oldest queued request needs (memory blocks admission when they exceed the
+    free KV)."""
 
     @property
     def kv_usage(self) -> float:

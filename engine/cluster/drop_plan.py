@@ -3,15 +3,17 @@ KV memory freed by dropping replicated layers fits the queued demand.
 
 Every instance holds a whole copy of the weights. A group of k instances needs one copy between
 them, so each merge of two groups frees exactly one copy of the weights (`weight_blocks` KV
-blocks). The planner merges the two smallest groups (fewest pipeline stages per request, the
-cost §4.1 measures in Figure 5) until the free blocks cover the demand, and stops at the first
-merge that makes it fit: no group is larger than it has to be, and the count of merges is the
-least that fits. Plain and synchronous: the coordinator decides when, this answers how.
+blocks). Demand is counted where it waits: a group fits when its members' free blocks (plus the
+weights they dropped) hold its members' queued demand. While some group does not fit, the
+planner merges the smallest such group with the smallest other group (fewest pipeline stages per
+request, the cost §4.1 measures in Figure 5), and stops once every group fits: an instance
+overloaded while others still have free memory gets a partner (Algorithm 6 run on the overloaded
+instance's demand), groups that fit are left alone (no unnecessary cooperation), and no group is
+larger than it has to be. Plain and synchronous: the coordinator decides when, this answers how.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import attrs
@@ -76,35 +78,41 @@ def group_pool(pools: Sequence[int], weight_blocks: int) -> int:
 def plan_drop(instances: Sequence[InstanceCapacity], *, num_layers: int, weight_blocks: int,
               groups: Sequence[Sequence[int]] = ()) -> DropPlan | None:
     """Greedy grouping: start from the current `groups` (index tuples; unlisted instances are
-    alone), merge the two smallest (ties: the lowest indices) while the demand exceeds the free
-    blocks. None when even one group of every instance cannot hold it (the caller falls back to
-    KV-centric preemption, §4.1). Pipeline groups need a layer per member, so a group never
-    grows past `num_layers` members."""
+    alone); while a group's queued demand exceeds its free blocks, merge the smallest such group
+    (ties: the lowest index) with the smallest other group. None when a group that does not fit
+    cannot grow any more: one group of every instance cannot hold the demand, or the merge would
+    need more stages than the model has layers (the caller falls back to KV-centric preemption,
+    §4.1)."""
     if weight_blocks < 0:
         raise ValueError(f"weight_blocks must be >= 0, got {weight_blocks}")
     by_index = {c.index: c for c in instances}
-    start = [tuple(g) for g in groups if g]
+    start = [tuple(i for i in g if i in by_index) for g in groups]
+    start = [g for g in start if g]
     grouped = {i for g in start for i in g}
-    start += [(c.index,) for c in instances if c.index not in grouped]
-    free = sum(c.pool_blocks - c.used_blocks for c in instances)
-    free += sum((len(g) - 1) * weight_blocks for g in start)
-    demand = sum(c.queued_blocks for c in instances)
-    heap = [(len(g), min(g), g) for g in start]
-    heapq.heapify(heap)
-    while free < demand:
-        if len(heap) < 2 or weight_blocks == 0:
+    current = start + [(c.index,) for c in instances if c.index not in grouped]
+
+    def free(g: tuple[int, ...]) -> int:
+        return (sum(by_index[i].pool_blocks - by_index[i].used_blocks for i in g)
+                + (len(g) - 1) * weight_blocks)
+
+    def demand(g: tuple[int, ...]) -> int:
+        return sum(by_index[i].queued_blocks for i in g)
+
+    while short := [g for g in current if free(g) < demand(g)]:
+        a = min(short, key=lambda g: (len(g), min(g)))
+        others = [g for g in current if g is not a]
+        if not others:
             return None
-        a = heapq.heappop(heap)
-        b = heapq.heappop(heap)
-        if a[0] + b[0] > num_layers:
+        b = min(others, key=lambda g: (len(g), min(g)))
+        if len(a) + len(b) > num_layers:
             return None  # the smallest merge already needs more stages than layers
-        members = _order(a[2] + b[2], by_index)
-        heapq.heappush(heap, (len(members), min(members), members))
-        free += weight_blocks
-    plans = sorted((g for _, _, g in heap), key=min)
+        current = [g for g in current if g is not a and g is not b]
+        current.append(_order(a + b, by_index))
+    plans = sorted(current, key=min)
     out = tuple(GroupPlan(group_id=k, members=g, layers=stage_layers(num_layers, len(g)))
                 for k, g in enumerate(plans))
-    return DropPlan(groups=out, free_blocks=free, demand_blocks=demand)
+    return DropPlan(groups=out, free_blocks=sum(free(g) for g in plans),
+                    demand_blocks=sum(demand(g) for g in plans))
 
 
 def _order(members: tuple[int, ...], by_index: dict[int, InstanceCapacity]) -> tuple[int, ...]:

@@ -67,5 +67,15 @@ class GroupsChanged:
     restored: int | None = None
 
 
+@attrs.frozen(kw_only=True)
+class SetTriggers:
+    """A replaced policy's `overload` triggers, from the next monitor round: a
+    `engine.cluster.overload.TriggerFactory`, or None when the new policy has none (running
+    groups then dissolve once their requests fit, and nothing drops)."""
+
+    triggers: object | None
+
+
 CoordinatorMessage = Union[ChooseInstance, RequestEnded, StatsReported, InstanceDown,
-                           SetDispatchRule, InspectCluster, CheckOverload, GroupsChanged]
+                           SetDispatchRule, InspectCluster, CheckOverload, GroupsChanged,
+                           SetTriggers]

@@ -1,14 +1,16 @@
-"""KunServe's global monitor (§4.1, §4.4): the cluster's load as the policy's `overload`
+"""KunServe's global monitor (§4.1, §4.4): each serving unit's load as the policy's `overload`
 conditions read it, and what the coordinator does when they fire.
 
-`ClusterLoad` has the engine statistics an overload condition may name, summed over the live
-instances: `kv_usage` is the memory demand (KV in use plus the KV queued requests need) against
-the capacity the cluster had before any drop (§4.4: restore thresholds are measured against
-the pre-drop capacity, not the grown pools);
-`free_blocks`/`free_tokens` are what is free now (grown pools included); `queued_tokens` is the
-head-of-line demand (the KV the requests not running need). `OverloadMonitor` evaluates the
-policy's triggers on it once per monitor round and answers with an action: a drop plan by greedy
-grouping (engine/cluster/drop_plan.py), or the groups to restore. Plain and synchronous.
+`ClusterLoad` has the engine statistics an overload condition may name, for one unit (an
+instance alone, or a group read at its head): `kv_usage` is the memory demand (KV in use plus
+the KV queued requests need) against the capacity the unit had before any drop (§4.4: restore
+thresholds are measured against the pre-drop capacity, not the grown pool);
+`free_blocks`/`free_tokens` are what is free now (a group's grown pool included);
+`queued_tokens` is the queued demand (the KV the requests not running need) and `head_tokens`
+the oldest queued request's (above `free_tokens`, memory rather than the token budget holds the
+queue). `OverloadMonitor` evaluates the policy's triggers on each unit once per monitor round
+and answers with an action: a drop plan by greedy grouping (engine/cluster/drop_plan.py), or
+the groups to restore. Plain and synchronous.
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ class ClusterLoad:
     used_blocks: int
     free_blocks: int
     total_blocks: int
-    """The pre-drop capacity: every live instance's pool serving alone."""
+    """The pre-drop capacity: the unit's members' pools serving alone."""
     block_size: int
     queued_tokens: int
+    head_tokens: int = 0
     waiting: int
     running: int
     last_iteration_ms: float = 0.0
@@ -76,24 +79,69 @@ Signal = Callable[[ClusterLoad], str | None]
 """The policy's overload triggers (`CompiledPolicy.overload_signal`)."""
 
 
+@attrs.frozen(kw_only=True)
+class Trigger:
+    """One compiled copy of the policy's `overload` triggers (they keep state: how many rounds
+    a condition has held, whether a drop fired)."""
+
+    signal: Signal
+    rearm: Callable[[], None]
+    """Keep the restore trigger armed (the triggers stop evaluating `restore` once it fired,
+    and a group formed for another instance's overload never fired its head's drop)."""
+
+
+TriggerFactory = Callable[[], Trigger]
+"""Compiles a fresh copy of the running policy's triggers (one per serving unit)."""
+
+
+def dissolve_only() -> Trigger:
+    """The triggers of a policy that has none, replacing one that had: nothing drops, and the
+    groups still running dissolve once their heads' requests fit their own pools."""
+    return Trigger(signal=lambda load: "restore", rearm=lambda: None)
+
+
 class OverloadMonitor:
+    """Evaluates the policy's triggers once per monitor round on every serving unit: an
+    instance alone, or a group by its head (§4.1: the monitor computes each instance's load, so
+    one instance's overload is seen while others still have free memory). A unit's load is its
+    own: its held and queued KV against its pre-drop capacity (the sum of its members' pools
+    alone, §4.4). Any unit's drop asks the planner for groups in which every unit holds its
+    queue; a group's restore dissolves it once its head's requests fit its own pool."""
+
     def __init__(self, *, base_pools: Sequence[int], block_size: int, num_layers: int,
-                 weight_blocks: int, signal: Signal,
-                 rearm: Callable[[], None] = lambda: None) -> None:
+                 weight_blocks: int, triggers: TriggerFactory) -> None:
         self.base_pools = list(base_pools)
         self.block_size = block_size
         self.num_layers = num_layers
         self.weight_blocks = weight_blocks
         """KV blocks one copy of the weights becomes when dropped (§4.1)."""
-        self._signal = signal
-        self.rearm = rearm
-        """Keeps the restore trigger armed when a restore could not be done yet (the policy's
-        triggers stop evaluating `restore` once it fired)."""
+        self._make = triggers
+        self._triggers: dict[int, Trigger] = {}
+        """Each unit's own triggers, by the instance heading it."""
         self.groups: dict[int, GroupPlan] = {}
         """Running groups of more than one instance, by head."""
         self.rounds = 0
         self.refused = 0
         """Drops the policy asked for that no grouping could fit (KV-centric fallback, §4.1)."""
+        self.fired: list[int] = []
+        """The units whose drop trigger fired in the last round (the bench's events)."""
+
+    def trigger(self, index: int) -> Trigger:
+        if index not in self._triggers:
+            self._triggers[index] = self._make()
+        return self._triggers[index]
+
+    def replace_triggers(self, triggers: TriggerFactory) -> None:
+        """A new policy's triggers from the next round (policy replaced at run time); running
+        groups keep their restore trigger armed."""
+        self._make, self._triggers = triggers, {}
+        for head in self.groups:
+            self.trigger(head).rearm()
+
+    def rearm(self) -> None:
+        """A restore that could not be done yet: every group's restore trigger stays armed."""
+        for head in self.groups:
+            self.trigger(head).rearm()
 
     def member_of(self, index: int) -> int | None:
         """The head serving for `index`, when it is a non-head member of a group."""
@@ -102,40 +150,37 @@ class OverloadMonitor:
                 return head
         return None
 
-    def load(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> ClusterLoad:
-        used = free = queued = waiting = running = 0
-        total = 0
-        ms = 0.0
-        for i, st in enumerate(stats):
-            if not alive[i]:
-                continue
-            total += self.base_pools[i]
-            if st is None or self.member_of(i) is not None:
-                continue  # a member's requests and memory are its head's
-            used += st.total_blocks - st.free_blocks
-            free += st.free_blocks
-            queued += st.queued_tokens
-            waiting += st.waiting
-            running += st.running
-            ms = max(ms, st.iteration_ms)
-        self.rounds += 1
-        return ClusterLoad(iteration=self.rounds, used_blocks=used, free_blocks=free,
-                           total_blocks=total, block_size=self.block_size, queued_tokens=queued,
-                           waiting=waiting, running=running, last_iteration_ms=ms)
+    def load(self, index: int, st: InstanceStats) -> ClusterLoad:
+        """The load of the unit `index` heads (alone or a group's head)."""
+        g = self.groups.get(index)
+        members = g.members if g is not None else (index,)
+        return ClusterLoad(
+            iteration=self.rounds, used_blocks=st.total_blocks - st.free_blocks,
+            free_blocks=st.free_blocks, total_blocks=sum(self.base_pools[m] for m in members),
+            block_size=self.block_size, queued_tokens=st.queued_tokens,
+            head_tokens=st.head_tokens, waiting=st.waiting, running=st.running,
+            last_iteration_ms=st.iteration_ms)
 
     def decide(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Action:
-        load = self.load(stats, alive)
-        signal = self._signal(load)
-        if signal == "drop":
-            return self._drop(stats, alive)
-        if signal == "restore" and self.groups:
-            heads = tuple(h for h, g in self.groups.items()
-                          if stats[h] is not None
-                          and stats[h].total_blocks - stats[h].free_blocks <= self.base_pools[h])
-            if heads:
-                return Restore(heads=heads)
-            self.rearm()
-        return None
+        self.rounds += 1
+        drop, restore = [], []
+        for i, st in enumerate(stats):
+            if not alive[i] or st is None or self.member_of(i) is not None:
+                continue
+            signal = self.trigger(i).signal(self.load(i, st))
+            if signal == "drop":
+                drop.append(i)
+            elif signal == "restore" and i in self.groups:
+                if st.total_blocks - st.free_blocks <= self.base_pools[i]:
+                    restore.append(i)
+                else:
+                    self.trigger(i).rearm()
+        self.fired = drop
+        if drop:
+            action = self._drop(stats, alive)
+            if action is not None:
+                return action
+        return Restore(heads=tuple(restore)) if restore else None
 
     def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Drop | None:
         bs = self.block_size
@@ -163,6 +208,9 @@ class OverloadMonitor:
         for head in [h for h, g in self.groups.items() if set(g.members) & set(group.members)]:
             del self.groups[head]
         self.groups[group.head] = group
+        for m in group.members[1:]:
+            self._triggers.pop(m, None)  # a member is evaluated again once it serves alone
+        self.trigger(group.head).rearm()
 
     def restored(self, head: int) -> None:
         self.groups.pop(head, None)

@@ -23,7 +23,7 @@ import structlog
 from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.messages import GroupsChanged
-from engine.cluster.overload import Drop, OverloadMonitor, Restore
+from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, TriggerFactory
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
@@ -72,6 +72,13 @@ class SimGroups:
             inst.engine.backend.runner.network = GroupNetwork(
                 link=link, model=model, microbatch=memory.microbatch)
 
+    def follow(self, settings) -> None:
+        """A replaced policy's memory settings: exchanges and groups formed from now on use
+        its `kv_exchange` and `microbatch`."""
+        self.coordinated = settings.memory.kv_exchange == "coordinated"
+        for net in self.networks():
+            net.microbatch = settings.memory.microbatch
+
     def networks(self) -> list[GroupNetwork]:
         return [i.engine.backend.runner.network for i in self.instances]
 
@@ -110,7 +117,15 @@ class SimGroups:
             "pool": [0 if i in member else (s.total_blocks if s else 0)
                      for i, s in enumerate(stats)],
             "group": [member.get(i, i) for i in range(len(stats))],
+            "dropped_layers": [self._dropped(i) for i in range(len(stats))],
             "queued_tokens": sum(s.queued_tokens for s in stats if s is not None)})
+
+    def _dropped(self, index: int) -> int:
+        """Layers `index` has dropped (0 alone)."""
+        for g in self.groups.values():
+            if index in g.members:
+                return self.model.num_layers - len(g.layers[g.members.index(index)])
+        return 0
 
     # ------------------------------------------------------------------ forming a group
 
@@ -296,7 +311,8 @@ class SimGroups:
             if fits else None,
             "events": [dict(e, t=e["t"] - t0) for e in c.events],
             "kv_usage": [{"t": s["t"] - t0, "used": s["used"], "pool": s["pool"],
-                          "group": s["group"], "queued_tokens": s["queued_tokens"]}
+                          "group": s["group"], "dropped_layers": s["dropped_layers"],
+                          "queued_tokens": s["queued_tokens"]}
                          for s in c.timeline[::step]],
         }
 
@@ -307,27 +323,37 @@ async def _ask(send, make):
     return await reply.wait()
 
 
-def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
-    """KunServe's global monitor for a cluster of in-process engines whose runners can head
-    groups, when the policy has `overload` triggers; else None. The coordinator evaluates its
-    own compiled copy of the policy (the triggers keep state)."""
+def policy_triggers(policy) -> TriggerFactory | None:
+    """Compiles fresh copies of `policy`'s `overload` triggers, one per serving unit (the
+    coordinator's own: triggers keep state); None when the policy has none."""
     from policy_lang.api import compile_policy  # the front door compiles; no import at start
 
-    if not engines or not getattr(policy, "filename", None):
+    if not getattr(policy, "filename", None):
+        return None
+
+    def make() -> Trigger:
+        own = compile_policy(policy.source, filename=policy.filename, base_dir=policy.base_dir)
+        triggers = own.parts["overload"]
+        return Trigger(signal=own.overload_signal,
+                       rearm=lambda: setattr(triggers, "dropped", True))
+
+    probe = compile_policy(policy.source, filename=policy.filename, base_dir=policy.base_dir)
+    return make if probe.parts.get("overload") is not None else None
+
+
+def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
+    """KunServe's global monitor for a cluster of in-process engines whose runners can head
+    groups, when the policy has `overload` triggers; else None."""
+    if not engines:
         return None
     runner = engines[0].backend.runner
-    if not hasattr(runner, "network"):
-        return None
-    own = compile_policy(policy.source, filename=policy.filename, base_dir=policy.base_dir)
-    if own.parts.get("overload") is None:
-        return None
     model = getattr(runner, "_model", None)
-    if model is None:
+    if not hasattr(runner, "network") or model is None:
         return None
-    triggers = own.parts["overload"]
+    triggers = policy_triggers(policy)
+    if triggers is None:
+        return None
     return OverloadMonitor(
         base_pools=[e.backend.runner.num_blocks for e in engines], block_size=config.block_size,
         num_layers=model.num_layers, weight_blocks=model.weight_bytes // model.block_bytes(
-            config.block_size), signal=own.overload_signal,
-        rearm=lambda: setattr(triggers, "dropped", True))
-
+            config.block_size), triggers=triggers)

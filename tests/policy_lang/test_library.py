@@ -60,7 +60,7 @@ CITED = {  # the paper sections each file's header comment cites, in order
     "groups_markov": ["FastSwitch §4", "§3.1"],
     "groups_random": ["FastSwitch §4", "§3.1"],
     "kunserve": ["KunServe §4", "§4.4", "§5", "§3"],
-    "kunserve_drop": ["KunServe §5.3", "§4.1"],
+    "kunserve_drop": ["KunServe §5.3", "§4.1", "§2.2"],
     "kunserve_exchange": ["KunServe §5.3", "§4.2"],
     "kunserve_lookahead": ["KunServe §5.3", "§4.3"],
     "priority": ["FastSwitch §2.2"],

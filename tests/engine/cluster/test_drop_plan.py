@@ -19,18 +19,28 @@ instances = st.integers(1, 8).flatmap(lambda n: st.tuples(
     st.lists(st.integers(0, 400), min_size=n, max_size=n)))
 
 
+def _free(g, by, w):
+    return sum(by[i].pool_blocks - by[i].used_blocks for i in g) + (len(g) - 1) * w
+
+
+def _demand(g, by):
+    return sum(by[i].queued_blocks for i in g)
+
+
 @settings(max_examples=300, deadline=None)
 @given(instances, st.integers(0, 300), st.integers(1, 40))
 def test_greedy_grouping_properties(cluster, weight_blocks, num_layers):
     inst = _cluster(*cluster)
+    by = {c.index: c for c in inst}
     plan = plan_drop(inst, num_layers=num_layers, weight_blocks=weight_blocks)
     free0 = sum(c.pool_blocks - c.used_blocks for c in inst)
     demand = sum(c.queued_blocks for c in inst)
+    short = {c.index for c in inst if c.pool_blocks - c.used_blocks < c.queued_blocks}
     if plan is None:
-        # refused only when no grouping fits: one group of all (or the most stages the
-        # layers allow, if fewer) frees too little
-        most = min(len(inst), num_layers) - 1
-        assert free0 + most * weight_blocks < demand or weight_blocks == 0 and free0 < demand
+        # refused only when no grouping fits: one group of all frees too little, or the
+        # model has fewer layers than a group would need stages
+        assert short
+        assert free0 + (len(inst) - 1) * weight_blocks < demand or num_layers < len(inst)
         return
     # every instance in exactly one group; every group holds every layer exactly once
     members = sorted(i for g in plan.groups for i in g.members)
@@ -39,14 +49,34 @@ def test_greedy_grouping_properties(cluster, weight_blocks, num_layers):
         layers = [layer for r in g.layers for layer in r]
         assert layers == list(range(num_layers)) and len(g.layers) == g.size
         assert all(len(r) > 0 for r in g.layers)
-    merges = len(inst) - len(plan.groups)
-    # it fits, with the fewest merges that fit (each merge frees exactly one weight copy)
-    assert plan.free_blocks == free0 + merges * weight_blocks >= demand
-    if merges:
-        assert free0 + (merges - 1) * weight_blocks < demand  # no unnecessary cooperation
-    # the smallest groups were merged: sizes never differ by more than a factor of two
-    sizes = sorted(g.size for g in plan.groups)
-    assert sizes[-1] <= 2 * sizes[0]
+        # each group holds its own members' queued demand
+        assert _free(g.members, by, weight_blocks) >= _demand(g.members, by)
+        # no unnecessary cooperation: a group is formed only around an instance that
+        # could not hold its own queue
+        if g.size > 1:
+            assert set(g.members) & short
+    assert plan.free_blocks >= plan.demand_blocks == demand
+    if not short:
+        assert not plan.merged
+
+
+def test_one_overloaded_instance_gets_a_partner_while_others_have_free_memory():
+    """Per-instance overload (§4.1): the cluster as a whole has room (60 + 3 x 90 free blocks
+    against a queue of 100), but instance 0 cannot hold its own queue, so it is grouped."""
+    inst = [InstanceCapacity(index=0, pool_blocks=100, used_blocks=90, queued_blocks=100)] + [
+        InstanceCapacity(index=i, pool_blocks=100, used_blocks=10, queued_blocks=0)
+        for i in (1, 2, 3)]
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400)
+    assert [g.members for g in plan.groups] == [(0, 1), (2,), (3,)]
+
+
+def test_a_group_still_short_grows_by_the_next_smallest():
+    inst = [InstanceCapacity(index=0, pool_blocks=100, used_blocks=100, queued_blocks=900)] + [
+        InstanceCapacity(index=i, pool_blocks=100, used_blocks=100, queued_blocks=0)
+        for i in (1, 2, 3)]
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400)
+    # (0,1) frees 400 < 900; (0,1)+(2) frees 800 < 900; (0,1,2)+(3) frees 1200
+    assert [g.members for g in plan.groups] == [(0, 1, 2, 3)]
 
 
 def test_two_of_four_pair_up_when_one_copy_is_enough():
@@ -75,10 +105,14 @@ def test_head_is_the_member_holding_most_kv():
 def test_existing_groups_are_kept_and_grown():
     inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=100, queued_blocks=0)
             for i in range(4)]
-    inst[3] = InstanceCapacity(index=3, pool_blocks=100, used_blocks=100, queued_blocks=700)
+    inst[3] = InstanceCapacity(index=3, pool_blocks=100, used_blocks=100, queued_blocks=300)
     plan = plan_drop(inst, num_layers=32, weight_blocks=400, groups=[(0, 1)])
-    # (0,1) already freed one copy (400); the next smallest merge is (2)+(3)
+    # (0,1) fits (it freed one copy already); (3) is short and its smallest partner is (2)
     assert sorted(g.members for g in plan.groups) == [(0, 1), (2, 3)]
+    inst[1] = InstanceCapacity(index=1, pool_blocks=100, used_blocks=0, queued_blocks=600)
+    plan = plan_drop(inst, num_layers=32, weight_blocks=400, groups=[(0, 1)])
+    # now (0,1) is short too: it is the smallest short one after (3)+(2) and grows with it
+    assert [g.members for g in plan.groups] == [(0, 1, 2, 3)]
 
 
 def test_refused_when_even_one_group_cannot_hold_it():

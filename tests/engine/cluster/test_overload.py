@@ -1,0 +1,91 @@
+"""KunServe's monitor (§4.1, §4.4): the policy's triggers evaluated on every serving unit, so
+one instance's overload is seen while the others still have free memory; a replaced policy's
+triggers take over."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from engine.cluster.dispatch import InstanceStats
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.overload import Drop, OverloadMonitor, Restore, dissolve_only
+from policies import policy_path
+from policy_lang.api import compile_policy
+from shunter.cluster.groups import policy_triggers
+
+BS = 16
+
+
+def _triggers(name: str | None = None, text: str | None = None):
+    path = Path(policy_path(name)) if name else Path("<test>")
+    policy = compile_policy(text or path.read_text(), filename=str(path),
+                            base_dir=Path(policy_path("fcfs")).parent)
+    return policy_triggers(policy)
+
+
+def _monitor(name: str = "kunserve") -> OverloadMonitor:
+    return OverloadMonitor(base_pools=[100] * 4, block_size=BS, num_layers=32,
+                           weight_blocks=400, triggers=_triggers(name))
+
+
+def _stats(*, used: int, queued_blocks: int = 0, head_blocks: int = 0, total: int = 100):
+    return InstanceStats(waiting=1 if queued_blocks else 0, running=1, swapped=0,
+                         free_blocks=total - used, total_blocks=total,
+                         queued_tokens=queued_blocks * BS, head_tokens=head_blocks * BS)
+
+
+ALIVE = [True] * 4
+
+
+def test_one_instance_overloaded_while_the_others_have_room_forms_a_group():
+    """Instance 0's oldest queued request cannot get memory (its pool is full) while instances
+    1-3 are nearly empty: summed over the cluster, the head-of-line demand (20 blocks) is far
+    below the free memory (270 blocks), so a cluster-wide condition never fires."""
+    m = _monitor()
+    stats = [_stats(used=100, queued_blocks=150, head_blocks=20)] + [_stats(used=10)] * 3
+    assert m.decide(stats, ALIVE) is None  # `for 2 iterations`: first round
+    action = m.decide(stats, ALIVE)
+    assert isinstance(action, Drop) and m.fired == [0]
+    # the overloaded instance and its smallest partner; the others stay alone
+    assert [g.members for g in action.new_groups] == [(0, 1)]
+    assert [g.members for g in action.plan.groups] == [(0, 1), (2,), (3,)]
+
+
+def test_a_queue_held_by_the_token_budget_drops_nothing():
+    """Compute-bound: the queue's demand exceeds the free memory, but its oldest request fits:
+    memory does not hold the queue, so no layers are dropped."""
+    m = _monitor()
+    stats = [_stats(used=60, queued_blocks=300, head_blocks=20)] * 4
+    assert [m.decide(stats, ALIVE) for _ in range(5)] == [None] * 5
+    # the queued-demand condition would have dropped here
+    q = OverloadMonitor(base_pools=[100] * 4, block_size=BS, num_layers=32, weight_blocks=400,
+                        triggers=_triggers(text='policy q extends "kunserve.policy" {\n'
+                                           '  overload drop when queued_tokens > free_tokens\n}\n'))
+    assert isinstance(q.decide(stats, ALIVE), Drop)
+
+
+def test_a_group_restores_on_its_own_load_against_its_pre_drop_capacity():
+    m = _monitor()
+    g = GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32)))
+    m.formed(g)
+    # the head's pool grew to 600 blocks; 120 used is 60% of the group's pre-drop 200: no
+    busy = [_stats(used=120, total=600), None, _stats(used=10), _stats(used=10)]
+    assert m.decide(busy, ALIVE) is None
+    calm = [_stats(used=90, total=600), None, _stats(used=10), _stats(used=10)]
+    assert m.decide(calm, ALIVE) == Restore(heads=(0,))  # 45% < 50%
+
+
+def test_a_replaced_policy_s_triggers_take_over():
+    m = _monitor("kunserve_drop")  # no restore trigger
+    g = GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32)))
+    m.formed(g)
+    calm = [_stats(used=10, total=600), None, _stats(used=10), _stats(used=10)]
+    assert m.decide(calm, ALIVE) is None
+    m.replace_triggers(_triggers("kunserve"))  # + `overload restore when kv_usage < 50%`
+    assert m.decide(calm, ALIVE) == Restore(heads=(0,))
+    # a policy without triggers: nothing drops, groups dissolve once they fit
+    m.formed(g)
+    m.replace_triggers(dissolve_only)
+    over = [_stats(used=10, total=600), None, _stats(used=100, queued_blocks=90, head_blocks=9),
+            _stats(used=10)]
+    assert [m.decide(over, ALIVE) for _ in range(3)] == [Restore(heads=(0,))] * 3
