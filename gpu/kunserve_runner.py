@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 
 from engine.messages import ExecuteStep, StepFinished
+from gpu.data_plane import GroupMemberLost
 from gpu.group_runner import GroupRunner
 from gpu.group_stage import Adopted
 from gpu.runner import TorchRunner
@@ -43,6 +44,9 @@ class KunServeTorchRunner(TorchRunner):
         """The group runner of the last group led (its counters outlive it)."""
         self._tokens: dict[int, tuple[int, ...]] = {}
         """Adopted requests' whole context (prompt and output so far), by id here."""
+        self.lost: str | None = None
+        """Why the group this instance led broke (a member went away), once it did."""
+        self._kv_lost: set[int] = set()
         self.holding = False
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
@@ -111,12 +115,49 @@ class KunServeTorchRunner(TorchRunner):
                                    f"larger than the group's {len(pool)} ({pool})")
         elif plan is not None and self.group is not None:  # a plan of one: alone again
             moved = dict(step.moves)
-            group, self.group = self.group, None
             tables = {rid: [moved.get(b, b) for b in s.table]
-                      for rid, s in group.stage.seqs.items() if rid not in step.release}
-            group.restore(tables, release=step.release)
+                      for rid, s in self.group.stage.seqs.items() if rid not in step.release}
+            try:
+                self.group.restore(tables, release=step.release)
+            except GroupMemberLost as exc:
+                self._group_lost(exc)
+                raise
+            group, self.group = self.group, None
             self.last_group = group
             step = attrs.evolve(step, release=(), moves=(), group=None, pool_blocks=None)
         if self.group is not None:
-            return self.group.execute(step)
+            try:
+                return self.group.execute(step)
+            except GroupMemberLost as exc:
+                self._group_lost(exc)
+                raise
+        if self.lost is not None:
+            self._refuse_lost(step)
         return super().execute(step)
+
+    def _group_lost(self, exc: GroupMemberLost) -> None:
+        """A member went away: this instance serves alone again with its dropped layers from
+        its host copy (the other survivors do the same); every request's KV is lost with the
+        member's layers, so each step that still names one fails with that reason until the
+        engine has let them go (shunter/cluster/instance_groups.py ends them)."""
+        group, self.group = self.group, None
+        self.last_group = group
+        self.lost = str(exc)
+        group.recover_from_host(exc.rank)
+        self._kv_lost = set(self._seqs)
+
+    def _refuse_lost(self, step: ExecuteStep) -> None:
+        for rid in step.release:
+            self._kv_lost.discard(rid)
+        for u in step.blocks:
+            if u.reset:  # recomputed from its tokens: no KV is assumed
+                self._kv_lost.discard(u.request_id)
+        solo = self._model.arena.kv_block_ids
+        for w in step.seqs:
+            if w.request_id in self._kv_lost:
+                raise RuntimeError(f"request {w.request_id} lost its KV with its pipeline group "
+                                   f"({self.lost})")
+        for u in step.blocks:
+            if any(b not in solo for b in u.append):
+                raise RuntimeError(f"block ids beyond this instance's own pool {solo} while its "
+                                   f"group's pool is let go ({self.lost})")

@@ -99,6 +99,13 @@ class RemoteGroups:
     # ------------------------------------------------------------------ the monitor's round
 
     async def act(self, action, stats) -> None:
+        for h, g in list(self.groups.items()):  # a member went away: its head serves alone
+            if not all(self.instances[m].alive for m in g.members):
+                del self.groups[h]
+                self.counters.events.append({"t": anyio.current_time(), "event": "lost",
+                                             "members": list(g.members)})
+                await self.coordinator.send(GroupsChanged(restored=h))
+                return
         if self.busy:
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())

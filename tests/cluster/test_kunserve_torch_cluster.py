@@ -142,3 +142,60 @@ def test_torch_engines_honour_coordinated_exchange_and_refuse_lookahead(kunserve
                                           r"lookahead is not supported"):
         initial_policy(attrs.evolve(kunserve_config, policy=policy_path("kunserve_lookahead")),
                        None, caps)
+
+
+@pytest.mark.anyio
+async def test_member_lost_while_grouped_ends_the_requests_and_the_head_serves_alone(
+        anyio_backend, kunserve_config, kunserve_instances, kunserve_model):
+    """Runs last: it kills one of the module's two instance processes. Killed while grouped,
+    the member takes the KV of its layers with it: the head restores its dropped layers from
+    its host copy, every request ends (with its tokens, or with an error naming the lost
+    member: the engine does not recompute them), and the head then serves a new request alone
+    with the whole model again."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    rng = random.Random(1)
+    prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
+    prompts += [(_prompt(rng, 16), 8) for _ in range(12)]
+    got: dict[int, list[int]] = {}
+    errors: dict[int, str] = {}
+
+    async def one(cluster: Cluster, i: int, started=None) -> None:
+        got[i] = []
+        prompt, n = prompts[i]
+        async with cluster.generate(prompt, shunter.SamplingParams(
+                max_tokens=n, temperature=0)) as stream:
+            async for chunk in stream:
+                got[i] += chunk.token_ids
+                if chunk.error is not None:
+                    errors[i] = chunk.error
+                if started is not None and len(got[i]) >= 2:
+                    started.set()
+
+    async with Cluster.start(kunserve_config, attach=kunserve_instances,
+                             monitor_interval_s=0.02) as cluster:
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                started = [anyio.Event() for _ in range(2)]
+                for i in range(2):
+                    tg.start_soon(one, cluster, i, started[i])
+                for ev in started:
+                    await ev.wait()
+                for i in range(2, len(prompts)):
+                    tg.start_soon(one, cluster, i)
+                while not cluster.groups.groups:
+                    await anyio.sleep(0.002)
+                (group,) = cluster.groups.groups.values()
+                kunserve_instances[group.members[1]].kill()
+            alone = _prompt(rng, 10)
+            after = await cluster.complete(alone, shunter.SamplingParams(
+                max_tokens=12, temperature=0))
+    lost = f"pipeline group member instance {group.members[1]} was lost"
+    assert errors and all(lost in e for e in errors.values()), errors
+    for i, (prompt, n) in enumerate(prompts):  # tokens streamed before the loss are right
+        if i in errors:
+            n = len(got[i])
+        if n:
+            assert_matches(got[i], greedy_reference(kunserve_model, prompt, n), f"request {i}")
+    assert after.finish_reason in ("length", "stop"), after
+    assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 12), "after")
