@@ -34,6 +34,7 @@ from engine.cluster.messages import (
     InstanceDown,
     RequestEnded,
     SetDispatchRule,
+    SetTriggers,
     StatsReported,
 )
 from engine.config import EngineConfig
@@ -46,9 +47,10 @@ from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
 from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
-from shunter.cluster.groups import SimGroups, overload_monitor
+from shunter.cluster.groups import SimGroups, overload_monitor, policy_triggers
 from shunter.cluster.handles import InProcessInstance, RemoteInstance
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
+from shunter.cluster.remote_groups import RemoteGroups, torch_overload_monitor
 from shunter.cluster.wire import Hello, Link
 from shunter.engine import Engine
 from sim.network import LINKS
@@ -130,6 +132,9 @@ class Cluster:
                     for _ in range(cluster._count)]
                 async with anyio.create_task_group() as tg:
                     overload = overload_monitor(policy, config, engines)
+                    if overload is None and launcher is not None and kind == "local":
+                        overload = torch_overload_monitor(policy, config, backend.runner,
+                                                          cluster._count)
                     await tg.start(Coordinator(table=cluster.table,
                                                rule=DISPATCH_RULES[policy.settings.dispatch],
                                                inbox=recv, overload=overload).run)
@@ -137,7 +142,13 @@ class Cluster:
                         await cluster._start_in_process(engines, tg)
                     else:
                         await cluster._start_remote(launcher, tg)
-                    if overload is not None:
+                    if overload is not None and launcher is not None:  # torch processes
+                        cluster.groups = RemoteGroups(
+                            cluster.instances, coordinator=send, base_pools=overload.base_pools,
+                            num_layers=overload.num_layers)
+                        await cluster.groups.join()
+                        await tg.start(cluster.groups.run)
+                    elif overload is not None:
                         cluster.groups = SimGroups(
                             cluster.instances, model=engines[0].backend.runner._model,
                             link=LINKS[config.pipeline_link], block_size=config.block_size,
@@ -281,6 +292,9 @@ class Cluster:
             if inst.alive:
                 await inst.replace_policy(new.source)
         await self._coordinator.send(SetDispatchRule(rule=DISPATCH_RULES[new.settings.dispatch]))
+        if self.groups is not None:  # KunServe: the monitor's triggers follow the policy
+            await self._coordinator.send(SetTriggers(triggers=policy_triggers(new)))
+            getattr(self.groups, "follow", lambda settings: None)(new.settings)
         self.policy, self.policy_version = new, self.policy_version + 1
         return new
 
