@@ -82,6 +82,7 @@ CASES = (
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tokens_per_s")
 TOLERANCE = 0.20
 CONTEXT_BINS = ((0, 64), (64, 128), (128, 256), (256, 512), (512, 1 << 30))
+SEQ_BINS = ((1, 2), (2, 3), (3, 5), (5, 9), (9, 1 << 30))
 """Issue 18: within 20% of the torch median, or within the torch runs' own spread if wider."""
 
 
@@ -125,6 +126,13 @@ def breakdown(runs: list[RecordedRun], profiles: dict[str, Any]) -> dict[str, An
             out["decode_by_context"].append({
                 "bin": f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", "steps": len(part),
                 "predicted_over_measured": total_ratio(profiles["recorded"].cost, part)})
+    out["decode_by_seqs"] = []
+    for lo, hi in SEQ_BINS:  # a batch-size curve the linear model lacks would show here
+        part = [(s, ms) for s, ms in decode if lo <= s.decode_seqs < hi]
+        if part:
+            out["decode_by_seqs"].append({
+                "bin": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+",
+                "steps": len(part), "predicted_over_measured": total_ratio(profiles["recorded"].cost, part)})
     gaps = [(s, g) for r in runs for s, g, _ in engine_gaps(r)]
     out["engine_gap_ms_median"] = statistics.median(g for _, g in gaps) if gaps else 0.0
     out["engine_gap_over_step_time"] = (sum(g for _, g in gaps) / sum(s.compute_ms for s, _ in gaps)

@@ -112,11 +112,15 @@ def _breakdown(m: dict[str, Any]) -> list[str]:
                 cells.append("-")
         lines.append(f"| {r['case']} | " + " | ".join(cells) +
                      f" | {b['engine_gap_ms_median']:.2f}, {b['engine_gap_over_step_time']:.1%} |")
-    ctx = [(r["case"], r["breakdown"].get("decode_by_context")) for r in m["results"]]
-    if any(c for _, c in ctx):
-        bins = [b["bin"] for b in next(c for _, c in ctx if c)]
-        lines += ["", ("Decode-only steps by context per sequence (held out): predicted / "
-                       "measured total time (steps):"), "",
+    for key, what in (("decode_by_context", "context per sequence"),
+                      ("decode_by_seqs", "sequences in the batch")):
+        ctx = [(r["case"], r["breakdown"].get(key)) for r in m["results"]]
+        if not any(c for _, c in ctx):
+            continue
+        bins = sorted({b["bin"] for _, c in ctx for b in c or ()},
+                      key=lambda b: int(b.split("-")[0].rstrip("+")))
+        lines += ["", (f"Decode-only steps of the validation runs by {what}: predicted / "
+                       f"measured total time (steps):"), "",
                   "| workload | " + " | ".join(bins) + " |", "|---|" + "---|" * len(bins)]
         for case, c in ctx:
             cells = {b["bin"]: f"{b['predicted_over_measured']:.2f} ({b['steps']})" for b in c or ()}
