@@ -67,12 +67,23 @@ class AdoptionMixin:
     def _apply_regroup(self, msg: Regroup) -> None:
         now, seat = anyio.current_time(), self._seat
         if msg.pool_blocks is not None and msg.pool_blocks < self._total_blocks:
-            used = sum(r.blocks for r in self._live.values())
+            # (with `recompute` every device block is given back first)
+            used = 0 if msg.recompute else sum(r.blocks for r in self._live.values())
             if used > msg.pool_blocks:  # a restore that does not fit yet: the caller retries
                 msg.reply.fail(PoolTooSmall(f"{used} blocks are held, the pool would have "
                                             f"{msg.pool_blocks}"))
                 return
         out: list[Request] = []
+        if msg.recompute:
+            for req in self._live.values():
+                if req.state in ("running", "swapping_in") or (
+                        req.state == "waiting" and req.computed_tokens):
+                    if req.known_to_executor or req.blocks:
+                        self._release.append(req.id)
+                    req.known_to_executor, req.in_flight_tokens = False, 0
+                    req.recompute()
+                    req.preemptions += 1
+                    out.append(req)
         if msg.export or msg.export_queued:
             for req in list(self._live.values()):
                 if not msg.export and (req.state != "waiting" or req.computed_tokens):
@@ -106,6 +117,24 @@ class AdoptionMixin:
             seat.stages = getattr(msg.group, "size", 1)
         msg.reply.send(tuple(out))
 
+
+    def _lost_kv(self, pool_blocks: int | None) -> None:
+        """The runner lost its group (a member went away) and every request's KV with it, and
+        serves alone again: each live request that had KV, or was waiting for it, is preempted
+        by recompute (released, then set up again from its tokens), and the pool is the
+        runner's own again."""
+        for req in self._live.values():
+            if req.computed_tokens or req.in_flight_tokens or req.state != "waiting":
+                if req.known_to_executor or req.blocks:
+                    self._release.append(req.id)
+                req.in_flight_tokens, req.known_to_executor = 0, False
+                req.preemptions += 1
+                req.recompute()
+        if pool_blocks is not None:
+            self._total_blocks = self._seat.pool_blocks = pool_blocks
+            stats = getattr(self, "_stats", None)
+            if stats is not None:
+                stats.total_blocks = pool_blocks
 
     def _with_regroup(self, step: RunStep) -> RunStep:
         """The next step carries the pool's new size and the runner's new mode, once."""

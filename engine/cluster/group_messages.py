@@ -42,6 +42,10 @@ class Regroup:
     """`engine.request.Request`s, already under this engine's ids."""
     exchange: tuple[int, ...] = ()
     """This engine's own requests whose KV must be exchanged before they run again."""
+    recompute: bool = False
+    """A member of this engine's group was lost with the KV of its layers (§4.4 fault
+    tolerance): every request holding KV on the device is prefilled again (the reply lists
+    them); requests swapped to the host keep their copies."""
     pool_blocks: int | None = None
     group: object | None = None
     """`engine.cluster.drop_plan.GroupPlan` or None (unchanged)."""

@@ -27,6 +27,7 @@ from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, Tri
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
+from shunter.cluster.sim_faults import recover
 from sim.exchange import SimExchange
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
@@ -47,6 +48,10 @@ class ClusterCounters:
     rescheduled_requests: int = 0
     """Queued requests (no KV) moved from an instance alone to a group's head."""
     restore_retries: int = 0
+    faults: int = 0
+    """Groups dissolved because a member was lost (shunter/cluster/sim_faults.py)."""
+    recomputed_requests: int = 0
+    """Requests whose KV went with a lost member, prefilled again."""
     timeline: list[dict] = attrs.field(factory=list)
     """Per monitor round: time, each instance's used blocks and pool, its group."""
     events: list[dict] = attrs.field(factory=list)
@@ -62,9 +67,15 @@ class SimGroups:
         self.coordinated = memory.kv_exchange == "coordinated"
         self.coordinator = coordinator
         self.base_pools = [i.engine.backend.runner.num_blocks for i in instances]
+        copy = getattr(instances[0].engine.backend.runner._link, "bandwidth_gb_per_s", 32.0)
+        self.host_bytes_per_s = copy * 1e9
+        """Where a member's dropped layers come back from after a fault: its host copy, over
+        the profile's host link (32 GB/s, PCIe 4.0 x16, when the profile names none)."""
         self.block_bytes = model.block_bytes(block_size)
         self.weight_blocks = model.weight_bytes // self.block_bytes
         self.groups: dict[int, GroupPlan] = {}
+        self.faults: dict[int, int] = {}
+        """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
         self.counters = ClusterCounters()
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -92,6 +103,13 @@ class SimGroups:
 
     async def act(self, action, stats) -> None:
         self._sample(stats)
+        for head, g in list(self.groups.items()):  # §4.4: a member lost while grouped
+            lost = [m for m in g.members if not self.instances[m].alive]
+            if lost:
+                del self.groups[head]
+                self.faults[head] = self.faults.get(head, 0) + 1
+                log.warning("group member lost", members=g.members, lost=lost)
+                self._tg.start_soon(recover, self, g, lost, _ask)
         if self.busy:  # a restore under way: a restore asked for now waits for the next round
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())
@@ -231,8 +249,11 @@ class SimGroups:
         net = head.backend.runner.network
         net.exchanges = []
 
+        epoch = self.faults.get(g.head, 0)
+
         async def arrived(rid: int) -> None:
-            await head._scheduler_send.send(SwapDone(request_ids=(rid,)))
+            if self.faults.get(g.head, 0) == epoch:  # after a fault they are recomputed
+                await head._scheduler_send.send(SwapDone(request_ids=(rid,)))
 
         for queue in queues.values():
             x = SimExchange(self.link, coordinated=self.coordinated)
@@ -305,6 +326,7 @@ class SimGroups:
             "kv_exchanged_bytes": c.kv_exchanged_bytes, "adopted_requests": c.adopted_requests,
         "rescheduled_requests": c.rescheduled_requests,
             "restore_retries": c.restore_retries, "bubble_ratio": self.bubble_ratio(),
+            "faults": c.faults, "recomputed_requests": c.recomputed_requests,
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
             "token_model_error": (sum(f.tokens_model_error for f in fits) / len(fits))

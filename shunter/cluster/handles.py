@@ -284,7 +284,9 @@ class InProcessInstance(_Relay):
                 if key not in self._live:
                     break
         if key in self._live:  # the engine stopped under the request (an actor failed)
-            await self._forward(key, stopped_chunk(self.engine.stopped_reason()))
+            # (a request moved to a KunServe group's head ends with the head engine's reason)
+            engine = self._cancel_to.get(key, (self.engine,))[0]
+            await self._forward(key, stopped_chunk(engine.stopped_reason()))
         self._ids.pop(key, None)
         self._cancel_to.pop(key, None)
 

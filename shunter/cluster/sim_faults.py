@@ -1,0 +1,66 @@
+"""An instance lost while it serves in a KunServe group, on the simulator (§4.4, fault
+tolerance): "we dynamically restore these affected instances to ensure normal execution under
+failures. By replicating parameters in host DRAM or SSDs, we can always ensure successful
+parameter restoration."
+
+What happens (shunter/cluster/groups.py calls `recover` from the monitor's round once it sees
+a member of a group marked down):
+- the group is dissolved at once: no new group step may use the lost stage;
+- every surviving member reloads the layers it had dropped from its host copy (timed on the
+  host link: the profile's copy link), and serves alone afterwards;
+- a lost member took the KV of its layers with it: the head's requests that held KV are
+  preempted by recompute (their tokens kept, prefilled again once the head serves alone; the
+  client sees a pause, not an error). The head's pool shrinks back to its own at once (nothing
+  is held after the recompute) and its pipeline waits behind the reload: no step runs until
+  its layers are back;
+- a lost head took the group's requests (the head's engine held them all): each ends with the
+  head engine's error, and the members, which hold none, reload and serve alone.
+New requests for the group's members go to its head until the reload is done, then to each
+member again (the coordinator's `GroupsChanged(restored=head)`).
+"""
+
+from __future__ import annotations
+
+import anyio
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.messages import GroupsChanged
+from engine.messages import Regroup
+from sim.exchange import SimExchange
+from sim.network import NetworkLink
+
+
+async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
+    """Dissolve `g` after `lost` members went down (see the module docstring). `groups` is
+    the cluster's `SimGroups`, which no longer lists `g`; `ask(send, make)` sends a message
+    made with a reply and waits for the answer."""
+    layers = groups.model.num_layers
+    per_layer = groups.model.weight_bytes / layers
+    survivors = [m for m in g.members if m not in lost]
+    reload = {m: int(per_layer * (layers - len(r)))
+              for m, r in zip(g.members, g.layers) if m in survivors}
+    host = NetworkLink(name="host copy", latency_s=0.0, bytes_per_s=groups.host_bytes_per_s)
+    recomputed = ()
+    began = anyio.current_time()
+    if g.head in survivors:
+        head = groups.instances[g.head].engine
+        stall = SimExchange(host, coordinated=False)  # the pipeline waits for its layers
+        head.backend.runner.network.exchanges.append(stall)
+        recomputed = await ask(head._scheduler_send, lambda r: Regroup(
+            recompute=True, pool_blocks=groups.base_pools[g.head], reply=r))
+
+        async def nothing(_: int) -> None:
+            return None
+
+        await stall.run([(-1, reload[g.head])], nothing)
+        solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(layers),))
+        await ask(head._scheduler_send, lambda r: Regroup(group=solo, reply=r))
+    else:
+        await anyio.sleep(max((host.send_s(b) for b in reload.values()), default=0.0))
+    await groups.coordinator.send(GroupsChanged(restored=g.head))
+    c = groups.counters
+    c.faults += 1
+    c.recomputed_requests += len(recomputed)
+    c.events.append({"t": anyio.current_time(), "event": "fault", "members": list(g.members),
+                     "lost": lost, "recomputed": len(recomputed),
+                     "reload_s": anyio.current_time() - began})
