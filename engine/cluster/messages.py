@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Union
-
 import attrs
 
 from engine.cluster.dispatch import DispatchRule, InstanceStats, InstanceView
@@ -76,6 +74,6 @@ class SetTriggers:
     triggers: object | None
 
 
-CoordinatorMessage = Union[ChooseInstance, RequestEnded, StatsReported, InstanceDown,
-                           SetDispatchRule, InspectCluster, CheckOverload, GroupsChanged,
-                           SetTriggers]
+CoordinatorMessage = (ChooseInstance | RequestEnded | StatsReported | InstanceDown
+                      | SetDispatchRule | InspectCluster | CheckOverload | GroupsChanged
+                      | SetTriggers)
