@@ -123,4 +123,8 @@ def _fit_on_workloads(args: argparse.Namespace, config: EngineConfig) -> int:
     print(f"wrote {args.out}: {fit.rows} recorded steps, prediction error median "
           f"{fit.median_relative_error:.1%}; engine cost {e.per_iteration_ms:.3f} ms per iteration "
           f"+ {e.per_seq_ms:.4f} per sequence + {e.per_sampled_ms:.4f} per sampled token")
+    if profile.copy_contention is not None:
+        c = profile.copy_contention
+        print(f"copies beside the engine: +{c.engine:.2f} ms of its time and +{c.step:.2f} ms of "
+              f"step time per ms of copying")
     return 0
