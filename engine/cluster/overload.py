@@ -90,6 +90,9 @@ class Trigger:
     and a group formed for another instance's overload never fired its head's drop)."""
 
 
+CLUSTER = -1
+"""The key of the triggers evaluated on the whole cluster (restore, §4.4)."""
+
 TriggerFactory = Callable[[], Trigger]
 """Compiles a fresh copy of the running policy's triggers (one per serving unit)."""
 
@@ -101,12 +104,14 @@ def dissolve_only() -> Trigger:
 
 
 class OverloadMonitor:
-    """Evaluates the policy's triggers once per monitor round on every serving unit: an
+    """Evaluates the policy's drop trigger once per monitor round on every serving unit: an
     instance alone, or a group by its head (§4.1: the monitor computes each instance's load, so
     one instance's overload is seen while others still have free memory). A unit's load is its
     own: its held and queued KV against its pre-drop capacity (the sum of its members' pools
-    alone, §4.4). Any unit's drop asks the planner for groups in which every unit holds its
-    queue; a group's restore dissolves it once its head's requests fit its own pool."""
+    alone). Any unit's drop asks the planner for groups in which every unit holds its queue.
+    The restore trigger reads the whole cluster (§4.4: "when the monitor detects that the total
+    KVCache usage is below a threshold"); it dissolves the groups whose heads' requests fit
+    their own pools."""
 
     def __init__(self, *, base_pools: Sequence[int], block_size: int, num_layers: int,
                  weight_blocks: int, triggers: TriggerFactory) -> None:
@@ -133,15 +138,15 @@ class OverloadMonitor:
 
     def replace_triggers(self, triggers: TriggerFactory) -> None:
         """A new policy's triggers from the next round (policy replaced at run time); running
-        groups keep their restore trigger armed."""
+        groups keep the restore trigger armed."""
         self._make, self._triggers = triggers, {}
-        for head in self.groups:
-            self.trigger(head).rearm()
+        self.rearm()
 
     def rearm(self) -> None:
-        """A restore that could not be done yet: every group's restore trigger stays armed."""
-        for head in self.groups:
-            self.trigger(head).rearm()
+        """Groups are running (or a restore could not be done yet): the cluster's restore
+        trigger stays armed."""
+        if self.groups:
+            self.trigger(CLUSTER).rearm()
 
     def member_of(self, index: int) -> int | None:
         """The head serving for `index`, when it is a non-head member of a group."""
@@ -161,26 +166,45 @@ class OverloadMonitor:
             head_tokens=st.head_tokens, waiting=st.waiting, running=st.running,
             last_iteration_ms=st.iteration_ms)
 
+    def cluster_load(self, stats: Sequence[InstanceStats | None],
+                     alive: Sequence[bool]) -> ClusterLoad:
+        """The whole cluster's load, summed over the serving units, against the capacity every
+        live instance had alone (what the restore trigger reads, §4.4: "the total KVCache
+        usage")."""
+        units = [self.load(i, st) for i, st in enumerate(stats)
+                 if alive[i] and st is not None and self.member_of(i) is None]
+        return ClusterLoad(
+            iteration=self.rounds, used_blocks=sum(u.used_blocks for u in units),
+            free_blocks=sum(u.free_blocks for u in units),
+            total_blocks=sum(p for p, a in zip(self.base_pools, alive) if a),
+            block_size=self.block_size, queued_tokens=sum(u.queued_tokens for u in units),
+            head_tokens=max((u.head_tokens for u in units), default=0),
+            waiting=sum(u.waiting for u in units), running=sum(u.running for u in units),
+            last_iteration_ms=max((u.last_iteration_ms for u in units), default=0.0))
+
     def decide(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Action:
         self.rounds += 1
-        drop, restore = [], []
+        drop = []
         for i, st in enumerate(stats):
             if not alive[i] or st is None or self.member_of(i) is not None:
                 continue
-            signal = self.trigger(i).signal(self.load(i, st))
-            if signal == "drop":
+            if self.trigger(i).signal(self.load(i, st)) == "drop":  # a unit's restore: unused
                 drop.append(i)
-            elif signal == "restore" and i in self.groups:
-                if st.total_blocks - st.free_blocks <= self.base_pools[i]:
-                    restore.append(i)
-                else:
-                    self.trigger(i).rearm()
         self.fired = drop
         if drop:
             action = self._drop(stats, alive)
             if action is not None:
                 return action
-        return Restore(heads=tuple(restore)) if restore else None
+        if not self.groups:
+            return None
+        if self.trigger(CLUSTER).signal(self.cluster_load(stats, alive)) != "restore":
+            return None
+        heads = tuple(h for h, g in self.groups.items() if stats[h] is not None
+                      and stats[h].total_blocks - stats[h].free_blocks <= self.base_pools[h])
+        if heads:
+            return Restore(heads=heads)
+        self.rearm()
+        return None
 
     def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Drop | None:
         bs = self.block_size
@@ -210,7 +234,7 @@ class OverloadMonitor:
         self.groups[group.head] = group
         for m in group.members[1:]:
             self._triggers.pop(m, None)  # a member is evaluated again once it serves alone
-        self.trigger(group.head).rearm()
+        self.rearm()
 
     def restored(self, head: int) -> None:
         self.groups.pop(head, None)
