@@ -50,4 +50,6 @@ class Executor:
             return await self._runner.step(msg)
         except Exception as exc:  # a failed step ends its requests, not the engine
             log.exception("step failed", step_id=msg.step_id)
-            return StepFailed(step_id=msg.step_id, error=f"{type(exc).__name__}: {exc}")
+            return StepFailed(step_id=msg.step_id, error=f"{type(exc).__name__}: {exc}",
+                              kv_lost=getattr(exc, "kv_lost", False),
+                              pool_blocks=getattr(exc, "pool_blocks", None))

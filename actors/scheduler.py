@@ -289,6 +289,9 @@ class Scheduler(AdoptionMixin):
 
     def _on_step_failed(self, msg: StepFailed) -> None:
         log.error("step failed", step_id=msg.step_id, error=msg.error)
+        if msg.kv_lost:  # KunServe: recomputed, not failed (engine/cluster/adoption.py)
+            self._in_flight = {}
+            return self._lost_kv(msg.pool_blocks)
         for req in self._in_flight.values():
             self._finish(req, "error", f"the model step failed: {msg.error}")
         self._in_flight = {}

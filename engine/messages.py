@@ -138,6 +138,11 @@ class StepFailed:
 
     step_id: int
     error: str
+    kv_lost: bool = False
+    """KunServe: the runner lost every request's KV (its pipeline group lost a member, and it
+    serves alone again): every live request is recomputed instead (engine/cluster/adoption.py)."""
+    pool_blocks: int | None = None
+    """With `kv_lost`: the runner's own pool, which the engine's shrinks back to."""
 
 
 @attrs.frozen(kw_only=True)

@@ -63,15 +63,17 @@ class KunServeTorchRunner(TorchRunner):
     def adopt_tokens(self, tokens: dict[int, tuple[int, ...]]) -> None:
         self._tokens.update(tokens)
 
-    def form(self, plan, adopted: Sequence[Adopted]) -> range:
+    def form(self, plan, adopted: Sequence[Adopted]) -> tuple[range, tuple[int, ...]]:
         """Open the group `plan` (members in pipeline order, this instance first) now, with the
-        requests `adopted` from members; returns the group's block ids. Runs on the device
-        thread (`_thread.run`)."""
+        requests `adopted` from members; returns the group's block ids and this instance's
+        own requests whose KV is exchanged (exactly those: each gets its arrival). Runs on the
+        device thread (`_thread.run`)."""
         if self.group is not None:
             raise RuntimeError(f"already leading group {self.group.ranks}")
+        own = tuple(rid for rid, s in self._seqs.items() if s.table)
         self.group = GroupRunner(self, plan.members, plan.layers, adopted,
                                  chunk_blocks=self.chunk_blocks)
-        return self.group.open()
+        return self.group.open(), own
 
     def dissolve_idle(self) -> bool:
         """Restore now when no request is live on this engine (none will step to carry the
@@ -121,7 +123,6 @@ class KunServeTorchRunner(TorchRunner):
                 self.group.restore(tables, release=step.release)
             except GroupMemberLost as exc:
                 self._group_lost(exc)
-                raise
             group, self.group = self.group, None
             self.last_group = group
             step = attrs.evolve(step, release=(), moves=(), group=None, pool_blocks=None)
@@ -130,7 +131,6 @@ class KunServeTorchRunner(TorchRunner):
                 return self.group.execute(step)
             except GroupMemberLost as exc:
                 self._group_lost(exc)
-                raise
         if self.lost is not None:
             self._refuse_lost(step)
         return super().execute(step)
@@ -138,13 +138,17 @@ class KunServeTorchRunner(TorchRunner):
     def _group_lost(self, exc: GroupMemberLost) -> None:
         """A member went away: this instance serves alone again with its dropped layers from
         its host copy (the other survivors do the same); every request's KV is lost with the
-        member's layers, so each step that still names one fails with that reason until the
-        engine has let them go (shunter/cluster/instance_groups.py ends them)."""
+        member's layers. Raises `GroupLost`: the engine recomputes every request (each is
+        released and set up again with its whole context, kept here) and shrinks its pool to
+        this runner's own; until then a step naming a request whose KV is gone fails."""
         group, self.group = self.group, None
         self.last_group = group
         self.lost = str(exc)
         group.recover_from_host(exc.rank)
         self._kv_lost = set(self._seqs)
+        self._tokens.update({rid: tuple(s.tokens) for rid, s in self._seqs.items()})
+        raise GroupLost(f"{exc}; this instance serves alone again from its host copy and "
+                        f"recomputes its requests", self.num_blocks) from exc
 
     def _refuse_lost(self, step: ExecuteStep) -> None:
         for rid in step.release:
@@ -161,3 +165,14 @@ class KunServeTorchRunner(TorchRunner):
             if any(b not in solo for b in u.append):
                 raise RuntimeError(f"block ids beyond this instance's own pool {solo} while its "
                                    f"group's pool is let go ({self.lost})")
+
+
+class GroupLost(RuntimeError):
+    """The step's pipeline group lost a member: the runner serves alone again and every
+    request's KV is gone (the executor's `StepFailed.kv_lost`: the engine recomputes them)."""
+
+    kv_lost = True
+
+    def __init__(self, message: str, pool_blocks: int) -> None:
+        super().__init__(message)
+        self.pool_blocks = pool_blocks

@@ -21,6 +21,7 @@ import attrs
 
 from engine.messages import Regroup, RunStep
 from engine.planner import blocks_for
+from engine.reply import Reply
 from engine.request import Request
 
 
@@ -120,21 +121,9 @@ class AdoptionMixin:
 
     def _lost_kv(self, pool_blocks: int | None) -> None:
         """The runner lost its group (a member went away) and every request's KV with it, and
-        serves alone again: each live request that had KV, or was waiting for it, is preempted
-        by recompute (released, then set up again from its tokens), and the pool is the
-        runner's own again."""
-        for req in self._live.values():
-            if req.computed_tokens or req.in_flight_tokens or req.state != "waiting":
-                if req.known_to_executor or req.blocks:
-                    self._release.append(req.id)
-                req.in_flight_tokens, req.known_to_executor = 0, False
-                req.preemptions += 1
-                req.recompute()
-        if pool_blocks is not None:
-            self._total_blocks = self._seat.pool_blocks = pool_blocks
-            stats = getattr(self, "_stats", None)
-            if stats is not None:
-                stats.total_blocks = pool_blocks
+        serves alone again (`StepFailed.kv_lost`, the torch runner): as `Regroup(recompute)`,
+        with the runner's own pool."""
+        self._apply_regroup(Regroup(recompute=True, pool_blocks=pool_blocks, reply=Reply()))
 
     def _with_regroup(self, step: RunStep) -> RunStep:
         """The next step carries the pool's new size and the runner's new mode, once."""

@@ -24,7 +24,6 @@ shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_gro
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import anyio
@@ -34,7 +33,6 @@ from actors.frontend import _ClientStream
 from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
-from engine.outputs import GenerationChunk
 from engine.reply import Reply
 from gpu.group_stage import Adopted
 from shunter.cluster.group_wire import (
@@ -160,12 +158,12 @@ class InstanceGroups:
                                        kv_tokens=q.computed_tokens))
             reqs.append(q)
         runner.adopt_tokens(tokens)
-        own = (await eng.inspect()).scheduler.live_requests
-        pool = await runner._thread.run(runner.form, plan, tuple(adopted))
+        # own: exactly the requests whose KV the runner exchanges (a request that ran its
+        # first step after the group opened has all of its KV in the group already)
+        pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
         tg.start_soon(self._arrivals, {q.id for q in waiting})
-        tg.start_soon(self._watch, runner.group)
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
 
@@ -181,32 +179,6 @@ class InstanceGroups:
                 waiting.difference_update(got)
                 await self.engine._scheduler_send.send(SwapDone(request_ids=tuple(got)))
             await anyio.sleep(POLL_S)
-
-    async def _watch(self, group) -> None:
-        """A member lost while grouped: the runner serves alone again from its host copy
-        (gpu/kunserve_runner.py); every live request lost the KV of the member's layers and
-        ends here with that reason (the ones in the failed step ended with it already), and the
-        pool shrinks back to this instance's own."""
-        runner, eng = self.runner, self.engine
-        while runner.group is group:
-            await anyio.sleep(POLL_S * 4)
-        if runner.lost is None:
-            return  # restored
-        reqs = await _ask(eng._scheduler_send, lambda r: Regroup(export=True, reply=r))
-        streams = await _ask(eng._frontend_send, lambda r: HandOverStreams(
-            request_ids=tuple(q.id for q in reqs), reply=r)) if reqs else {}
-        why = (f"{runner.lost}; this instance serves alone again, and the request's KV was lost "
-               f"with the member's layers (it was not recomputed)")
-        for rid, cs in streams.items():
-            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
-                cs.send.send_nowait(GenerationChunk(request_id=rid, token_ids=(), text="",
-                                                    finish_reason="error", error=why))
-            cs.send.close()
-        layers = runner._model_config.num_layers
-        await _ask(eng._scheduler_send, lambda r: Regroup(
-            pool_blocks=runner.num_blocks, reply=r, group=GroupPlan(
-                group_id=-1, members=(group.ranks[0],), layers=(range(layers),))))
-        log.warning("group lost", members=group.ranks, ended=len(reqs), why=runner.lost)
 
     async def _leave(self) -> dict:
         eng, runner = self.engine, self.runner

@@ -43,7 +43,10 @@ def kunserve_config(kunserve_model, tmp_path_factory):
     from policies import policy_path
 
     policy = tmp_path_factory.mktemp("kunserve-policy") / "kunserve_torch.policy"
+    # the shipped drop rule waits two monitor rounds; one is enough here (a burst on this tiny
+    # model can drain within two 20 ms rounds on a fast run)
     policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_exchange")}" {{\n'
+                      f'  overload drop when head_tokens > free_tokens\n'
                       f'  overload restore when kv_usage < 60%\n}}\n')
     return EngineConfig(model=kunserve_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
                         block_size=BLOCK, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
@@ -145,20 +148,19 @@ def test_torch_engines_honour_coordinated_exchange_and_refuse_lookahead(kunserve
 
 
 @pytest.mark.anyio
-async def test_member_lost_while_grouped_ends_the_requests_and_the_head_serves_alone(
+async def test_member_lost_while_grouped_the_head_recomputes_and_serves_alone(
         anyio_backend, kunserve_config, kunserve_instances, kunserve_model):
     """Runs last: it kills one of the module's two instance processes. Killed while grouped,
     the member takes the KV of its layers with it: the head restores its dropped layers from
-    its host copy, every request ends (with its tokens, or with an error naming the lost
-    member: the engine does not recompute them), and the head then serves a new request alone
-    with the whole model again."""
+    its host copy, its engine recomputes every request from its tokens (the step that found the
+    member gone included) and shrinks its pool back, and every request still ends with
+    transformers' tokens; a new request is then served by the head alone."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     rng = random.Random(1)
     prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
     prompts += [(_prompt(rng, 16), 8) for _ in range(12)]
     got: dict[int, list[int]] = {}
-    errors: dict[int, str] = {}
 
     async def one(cluster: Cluster, i: int, started=None) -> None:
         got[i] = []
@@ -167,8 +169,7 @@ async def test_member_lost_while_grouped_ends_the_requests_and_the_head_serves_a
                 max_tokens=n, temperature=0)) as stream:
             async for chunk in stream:
                 got[i] += chunk.token_ids
-                if chunk.error is not None:
-                    errors[i] = chunk.error
+                assert chunk.error is None, (i, chunk.error)
                 if started is not None and len(got[i]) >= 2:
                     started.set()
 
@@ -190,12 +191,10 @@ async def test_member_lost_while_grouped_ends_the_requests_and_the_head_serves_a
             alone = _prompt(rng, 10)
             after = await cluster.complete(alone, shunter.SamplingParams(
                 max_tokens=12, temperature=0))
-    lost = f"pipeline group member instance {group.members[1]} was lost"
-    assert errors and all(lost in e for e in errors.values()), errors
-    for i, (prompt, n) in enumerate(prompts):  # tokens streamed before the loss are right
-        if i in errors:
-            n = len(got[i])
-        if n:
-            assert_matches(got[i], greedy_reference(kunserve_model, prompt, n), f"request {i}")
-    assert after.finish_reason in ("length", "stop"), after
+            head = (await cluster.instances[group.head].snapshot()).scheduler
+    assert head.total_blocks == SOLO_BLOCKS and head.preemptions >= 1, head
+    assert not cluster.groups.groups and any(e["event"] == "lost"
+                                             for e in cluster.groups.report(0.0)["events"])
+    for i, (prompt, n) in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(kunserve_model, prompt, n), f"request {i}")
     assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 12), "after")

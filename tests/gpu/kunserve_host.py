@@ -19,7 +19,7 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
     from gpu.config import ModelConfig
     from gpu.data_plane import GroupMemberLost, data_plane, join_data_plane
     from gpu.group_runner import serve_member
-    from gpu.kunserve_runner import KunServeTorchRunner
+    from gpu.kunserve_runner import GroupLost, KunServeTorchRunner
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
@@ -65,7 +65,7 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
                 conn.send(("ok", dict(data_plane().queue.sent_bytes)))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
-        except GroupMemberLost as exc:
+        except (GroupMemberLost, GroupLost) as exc:
             conn.send(("lost", str(exc)))
         except Exception:
             conn.send(("error", traceback.format_exc(limit=8)))
