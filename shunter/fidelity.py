@@ -240,6 +240,8 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
     fit = fit_recorded_steps(rows, source=f"{len(rows)} recorded steps of {source}")
     cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}",
                            skip_copying=contended)
+    if any(r.copy_spans for r in runs):
+        cost = attrs.evolve(cost, copy_start_ms=copy_start_ms(runs))
     profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
                           gb_per_s=gb_per_s, dispatch_us=copy_dispatch_us(runs, gb_per_s, dispatch_us))
     contention = None
@@ -247,6 +249,20 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
         contention = fit_contention(*contention_rows(runs, fit.cost, cost),
                                     source=f"copies of {source} beside steps and gaps")
     return attrs.evolve(profile, engine_cost=cost, copy_contention=contention), fit
+
+
+def copy_start_ms(runs: Sequence[RecordedRun]) -> float:
+    """Median ms from a plan to the first copy of a swap it issued: for every swap handed to
+    the copier, the first copy that started after it, less the latest plan before it."""
+    lags = []
+    for r in runs:
+        starts = np.array(sorted(b for b, _ in r.copy_spans))
+        planned = np.array(r.planned)
+        for t in r.swap_submits:
+            i, j = int(np.searchsorted(planned, t, side="right")) - 1, int(np.searchsorted(starts, t))
+            if i >= 0 and j < len(starts):
+                lags.append((starts[j] - planned[i]) * 1000.0)
+    return float(np.median(lags)) if lags else 0.0
 
 
 def contention_rows(runs: Sequence[RecordedRun], cost: CostModel, engine: EngineCost) -> tuple[

@@ -58,7 +58,9 @@ class SimRunner:
             raise RuntimeError("this simulated runner has no copy link to swap over")
         self.swapper = SimSwapper(self._link, block_nbytes=self._model.block_bytes(self._block_size),
                                   num_layers=self._model.num_layers, block_size=self._block_size,
-                                  track_busy=self.contention is not None)
+                                  track_busy=self.contention is not None,
+                                  start_lag_s=(self.engine_cost.copy_start_ms / 1000.0
+                                               if self.engine_cost is not None else 0.0))
         return self.swapper
 
     async def step(self, step: ExecuteStep) -> StepFinished:

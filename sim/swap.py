@@ -32,13 +32,17 @@ dispatch. Our choice (the paper gives no number): a small share of a 30-50 ms A1
 class SimSwapper:
     def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
                  yield_every: int | None = YIELD_EVERY, block_size: int = 16,
-                 yield_ms: float | None = YIELD_MS, track_busy: bool = False) -> None:
+                 yield_ms: float | None = YIELD_MS, track_busy: bool = False,
+                 start_lag_s: float = 0.0) -> None:
         yield_bytes = None if yield_ms is None else int(
             link.bandwidth_gb_per_s * 1e9 * yield_ms / 1000.0)
         self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes,
                                  track_busy=track_busy)
         self.block_nbytes = block_nbytes
         self.block_size = block_size
+        self.start_lag_s = start_lag_s
+        """A transfer's copies start no sooner than this after it is submitted (the engine's
+        hop from the plan to its copier: `EngineCost.copy_start_ms`)."""
         self.num_layers = num_layers
         self._end: dict[int, float] = {}
         self._device_busy: dict[int, float] = {}
@@ -54,7 +58,7 @@ class SimSwapper:
         if granularity == "slots":
             self._submit_slots(ticket_id, direction, pairs)
             return
-        now = anyio.current_time()
+        now = anyio.current_time() + self.start_lag_s
         after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._slot_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
@@ -81,7 +85,8 @@ class SimSwapper:
         devices, hosts = slot_blocks(direction, pairs, bs)
         after = max([self._device_busy.get(g, 0.0) for g in devices]
                     + [self._slot_busy.get(g, 0.0) for g in devices]
-                    + [self._host_busy.get(h, 0.0) for h in hosts] + [anyio.current_time()])
+                    + [self._host_busy.get(h, 0.0) for h in hosts]
+                    + [anyio.current_time() + self.start_lag_s])
         calls = len(slot_runs(pairs, bs))
         engine = "out" if direction == "out" else "in"
         t = self.engine.submit(after, engine, calls, len(pairs) * self.block_nbytes // bs)

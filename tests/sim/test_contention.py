@@ -42,12 +42,12 @@ STEP_S = (2.0 + 0.5) / 1000  # one decode
 
 
 def _step(contention: CopyContention | None, copies: list[tuple[float, str]],
-          wait: bool = False) -> tuple[float, float, float]:
+          wait: bool = False, engine: EngineCost = ENGINE) -> tuple[float, float, float]:
     """(virtual seconds from the plan to the step's end, its stall, the charge for copies) of
     one decode step planned at t=20 ms on a SimRunner whose swapper is handed a 10 ms copy at
     each (time, direction) of `copies` (those after 20 ms while the step runs); `wait`: the
     step waits for the first (a synchronous swap-in)."""
-    runner = SimRunner(COST, 64, link=LINK, model=SHAPE, engine_cost=ENGINE, contention=contention)
+    runner = SimRunner(COST, 64, link=LINK, model=SHAPE, engine_cost=engine, contention=contention)
     seqs = (SeqWork(request_id=1, start=10, num_tokens=1, sample=True),)
 
     async def go() -> tuple[float, float]:
@@ -104,6 +104,11 @@ def test_the_engine_work_before_a_step_overlaps_the_copy_it_waits_for():
     took, stall, _ = _step(None, [(0.02, "in")], wait=True)
     assert stall == pytest.approx(COPY_S - 0.001)
     assert took == pytest.approx(COPY_S + STEP_S + 0.001)
+    # ... and the copies start the engine's hop to its copier after the plan
+    hop = attrs.evolve(ENGINE, copy_start_ms=0.4)
+    took, stall, _ = _step(None, [(0.02, "in")], wait=True, engine=hop)
+    assert stall == pytest.approx(0.0004 + COPY_S - 0.001)
+    assert took == pytest.approx(0.0004 + COPY_S + STEP_S + 0.001)
 
 
 def test_copy_engine_busy_time_adds_up_both_directions():
@@ -154,6 +159,18 @@ def _swapping_run(extra_per_copy_ms: float) -> RecordedRun:
     return RecordedRun(metrics=None, steps=tuple(steps), planned=tuple(planned[:-1]),
                        wall_s=t, swap={"copy_ops": 30, "bytes_out": 30 * 4096},
                        copy_s=0.015, copy_spans=tuple(spans))
+
+
+def test_the_copies_start_is_fitted_from_the_plans_and_the_copies():
+    # plans every 10 ms; a swap handed to the copier 0.3 ms after a plan, its copy starting
+    # 0.2 ms later; an unrelated copy before the first swap is ignored
+    planned = tuple(0.01 * i for i in range(20))
+    submits = tuple(p + 0.0003 for p in planned[1::2])
+    spans = ((0.0001, 0.0002),) + tuple((t + 0.0002, t + 0.001) for t in submits)
+    run = RecordedRun(metrics=None, steps=(), planned=planned, wall_s=0.2, swap={},
+                      swap_submits=submits, copy_spans=spans)
+    assert fidelity.copy_start_ms([run]) == pytest.approx(0.5)
+    assert fidelity.copy_start_ms([attrs.evolve(run, copy_spans=())]) == 0.0
 
 
 def test_a_cpu_profile_carries_the_fitted_charge_and_a_gpu_one_none(tiny_llama_dir, monkeypatch):
