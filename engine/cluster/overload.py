@@ -201,10 +201,9 @@ class OverloadMonitor:
             return None
         heads = tuple(h for h, g in self.groups.items() if stats[h] is not None
                       and stats[h].total_blocks - stats[h].free_blocks <= self.base_pools[h])
-        if heads:
-            return Restore(heads=heads)
-        self.rearm()
-        return None
+        if len(heads) < len(self.groups):
+            self.rearm()  # the groups that cannot restore yet are tried again next round
+        return Restore(heads=heads) if heads else None
 
     def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Drop | None:
         bs = self.block_size

@@ -80,6 +80,14 @@ def test_groups_restore_on_the_whole_cluster_s_load_against_its_pre_drop_capacit
     full = [_stats(used=150, total=600), None, _stats(used=0), _stats(used=0)]
     assert m.decide(full, ALIVE) is None
     assert m.decide(calm, ALIVE) == Restore(heads=(0,))
+    # two groups, one of which fits its own pool: it restores now, the other once it fits
+    m.formed(g)
+    m.formed(GroupPlan(group_id=1, members=(2, 3), layers=(range(16), range(16, 32))))
+    both = [_stats(used=30, total=600), None, _stats(used=150, total=600), None]
+    assert m.decide(both, ALIVE) == Restore(heads=(0,))
+    m.restored(0)
+    later = [_stats(used=30), _stats(used=0), _stats(used=90, total=600), None]
+    assert m.decide(later, ALIVE) == Restore(heads=(2,))
 
 
 def test_a_replaced_policy_s_triggers_take_over():
