@@ -91,9 +91,8 @@ class EngineCost:
     before its tokens reach the frontend."""
     source: str = ""
     copy_start_ms: float = 0.0
-    """From a plan to the first copy of the swaps it issued (the swap pool's hop, the copier's
-    thread waking): the sim's copies start this long after the plan, during the share before
-    the step."""
+    """From a plan to the moment the swaps it issued reach the copier (the swap pool's hop):
+    the sim's copies start this long after the plan, during the share before the step."""
 
     def ms(self, seqs: int, sampled: int) -> float:
         return self.per_iteration_ms + self.per_seq_ms * seqs + self.per_sampled_ms * sampled
