@@ -45,7 +45,9 @@ def _fit_line(m: dict[str, Any]) -> str:
                  f"{one['held_out_predicted_over_measured_total']:.3f}")
     line += (f"). Engine cost charged: {e['per_iteration_ms']:.3f} ms per iteration + "
              f"{e['per_seq_ms']:.4f} per sequence + {e['per_sampled_ms']:.4f} per sampled token, "
-             f"{e['before_share']:.0%} of it before the step.")
+             f"{e['before_share']:.0%} of it before the step"
+             + (f"; swaps reach the copier {e['copy_start_ms']:.2f} ms after their plan."
+                if e.get("copy_start_ms") else "."))
     c = m["profile"].get("copy_contention")
     if c:
         line += (f" Copies beside the engine (fitted on the calibration runs' copies): "
