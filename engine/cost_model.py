@@ -95,20 +95,28 @@ class CostModel:
         """BROS §4.1: an iteration that first brings `copy_blocks` KV blocks back from the
         host (swapped or checkpointed) takes max(model, copy): the copies are asynchronous and
         overlap the model. One copy call per block (a block group would make fewer)."""
-        model = self.predict_ms(shape)
+        return self.iteration_of(shape.prefill_tokens, shape.prefill_sq, shape.prefill_prefix,
+                                 shape.decode_seqs, shape.decode_context, copy_blocks)
+
+    def predict_ms(self, shape: BatchShape) -> float:
+        return self.iteration_of(shape.prefill_tokens, shape.prefill_sq, shape.prefill_prefix,
+                                 shape.decode_seqs, shape.decode_context)
+
+    def iteration_of(self, prefill_tokens: int, prefill_sq: int, prefill_prefix: int,
+                     decode_seqs: int, decode_context: int, copy_blocks: int = 0) -> float:
+        """`predict_iteration_ms` of a shape given as its five numbers (`predict_ms` without
+        `copy_blocks`): packing tries a shape per candidate request, and building each as a
+        BatchShape cost more than the prediction."""
+        model = 0.0 if prefill_tokens == 0 and decode_seqs == 0 else (
+            self.a_ms
+            + self.b_ms_per_prefill_token * prefill_tokens
+            + self.c_ms_per_prefill_token_sq * prefill_sq
+            + self.f_ms_per_prefill_prefix_token * prefill_prefix
+            + self.d_ms_per_decode_seq * decode_seqs
+            + self.e_ms_per_decode_context_token * decode_context)
         if not copy_blocks or self.copy is None:
             return model
         return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
-
-    def predict_ms(self, shape: BatchShape) -> float:
-        if shape.prefill_tokens == 0 and shape.decode_seqs == 0:
-            return 0.0
-        return (self.a_ms
-                + self.b_ms_per_prefill_token * shape.prefill_tokens
-                + self.c_ms_per_prefill_token_sq * shape.prefill_sq
-                + self.f_ms_per_prefill_prefix_token * shape.prefill_prefix
-                + self.d_ms_per_decode_seq * shape.decode_seqs
-                + self.e_ms_per_decode_context_token * shape.decode_context)
 
 
 LLAMA3_8B_A100 = CostModel(

@@ -29,7 +29,8 @@ the two runs merge in linear time; requests are then pulled until the batch is f
 The decision's order is the batch, then the running requests left out (ranked, so the planner
 preempts the least deserving first: BE before RT). The iteration time is predicted by the
 engine's cost model (engine/cost_model.py); only an engine without one falls back to the moving
-average of observed iteration times (BROS Table 1).
+average of observed iteration times (BROS Table 1). The batch being built, with its predicted
+shape kept summed, is policy_lang/pack_batch.py.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from typing import Any
 
 import attrs
 
-from engine.cost_model import BatchShape, CostModel
 from engine.policy import RequestView, SchedulerView
+from policy_lang.pack_batch import Batch, Lender, copies_of, plus
 
 Condition = Callable[[RequestView], Any]
 
@@ -97,149 +98,6 @@ class Replace:
     cond: Condition
 
 
-def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-class _Batch:
-    def __init__(self, view: SchedulerView, cost: CostModel | None, average_ms: float,
-                 limit: int) -> None:
-        self.cost, self.average_ms, self.limit = cost, average_ms, limit
-        self.budget_tokens = view.max_batched_tokens
-        self.tokens_left = view.max_batched_tokens
-        self.block_size = view.block_size
-        self.free = view.free_blocks
-        self.reverse_free = view.reverse_free_blocks
-        """Free blocks left for BE requests on a bidirectional table (None: no such table): a
-        BE request starts only in wholly free blocks and a displaced one swaps back into them,
-        while `free` also counts BE blocks RT may overwrite. Without it, BE requests took token
-        budget for memory `fit` then could not give them (sim, tests/sim/test_bros_overload.py:
-        62% of planned BE tokens left out)."""
-        self.reverse_takes: list[int] = []
-        self.selected: list[RequestView] = []
-        self.classes: list[int] = []
-        self.chunks: list[tuple[int, int]] = []
-        self.needs: list[int] = []
-        self.budgets: list[float] = []
-        """Per-iteration time budget each request counts with toward min_slack (inf: none)."""
-        self.shape = BatchShape()
-        self.copy_blocks = 0  # KV blocks the batch brings back from the host (swap, checkpoints)
-        self.copies: list[int] = []
-        self.min_slack = math.inf
-        self.ids: set[int] = set()
-        self.reserved: dict[int, tuple[int, int]] = {}
-        """request id -> (class, blocks) held back for a request that is late or did not fit:
-        a request of its class behind it may not take those (each freed block going to a newer,
-        smaller request starved it: a 15.6 s TTFT p99.9 under memory pressure). Other classes
-        may: RT takes BE memory back anyway."""
-        self.held: dict[int, int] = {}  # class -> blocks `reserved` holds for it, kept summed
-        self.borrowers: set[int] = set()
-        """Requests in the batch that took memory from a later class's requests."""
-        self.lent: set[int] = set()
-        """Requests whose memory was taken: they cannot join the batch."""
-
-    def full(self) -> bool:
-        return len(self.selected) >= self.limit or self.tokens_left <= 0
-
-    def reserve(self, rid: int, cls: int, blocks: int) -> None:
-        if rid not in self.reserved:
-            self.reserved[rid] = (cls, blocks)
-            self.held[cls] = self.held.get(cls, 0) + blocks
-
-    def unreserve(self, rid: int) -> None:
-        if (entry := self.reserved.pop(rid, None)) is not None:
-            self.held[entry[0]] -= entry[1]
-
-    def chunk(self, r: RequestView, extra_tokens: int = 0) -> tuple[int, int]:
-        return r.computed_tokens, max(1, min(r.remaining_tokens, self.tokens_left + extra_tokens))
-
-    def need(self, r: RequestView, chunk: tuple[int, int]) -> int:
-        return max(0, _blocks(chunk[0] + chunk[1], self.block_size) - r.blocks)
-
-    def reverse_need(self, r: RequestView, need: int) -> int:
-        """Wholly free blocks r takes: RT takes those first; a BE request also its restore's
-        blocks (at most one per checkpointed block)."""
-        if self.reverse_free is None:
-            return 0
-        if r.ttft_ms is None and r.tpot_ms is None:
-            return need + r.checkpointed_blocks
-        return min(need, self.reverse_free)
-
-    def reverse_short(self, r: RequestView, need: int, extra: int = 0) -> bool:
-        """A BE request whose blocks are not wholly free (`fit` would leave it out)."""
-        if self.reverse_free is None or r.ttft_ms is not None or r.tpot_ms is not None:
-            return False
-        return self.reverse_need(r, need) > self.reverse_free + extra
-
-    def iterations(self, r: RequestView, chunk: tuple[int, int]) -> int:
-        """Iterations until r's current token: this one, then the rest of its prefill."""
-        rest = r.remaining_tokens - chunk[1]
-        return 1 + (_blocks(rest, self.budget_tokens) if rest > 0 else 0)
-
-    def predict(self, shape: BatchShape, copies: int = 0) -> float:
-        """max(model, copy) for the batch plus `copies` more blocks to bring back (§4.1)."""
-        if self.cost is None:
-            return self.average_ms
-        return self.cost.predict_iteration_ms(shape, self.copy_blocks + copies)
-
-    def add(self, r: RequestView, cls: int, chunk: tuple[int, int], need: int,
-            shape: BatchShape, budget: float) -> None:
-        copies = _copies(r)
-        self.copies.append(copies)
-        self.copy_blocks += copies
-        self.selected.append(r)
-        self.classes.append(cls)
-        self.chunks.append(chunk)
-        self.needs.append(need)
-        take = self.reverse_need(r, need)
-        self.reverse_takes.append(take)
-        if self.reverse_free is not None:
-            self.reverse_free = max(0, self.reverse_free - take)
-        self.budgets.append(budget)
-        self.ids.add(r.id)
-        self.shape = shape
-        self.tokens_left -= chunk[1]
-        self.free -= need
-        self.min_slack = min(self.min_slack, budget)
-
-    def remove(self, i: int) -> None:
-        self.tokens_left += self.chunks[i][1]
-        self.free += self.needs[i]
-        self.ids.discard(self.selected[i].id)
-        self.copy_blocks -= self.copies[i]
-        if self.reverse_free is not None:
-            self.reverse_free += self.reverse_takes[i]
-        for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets,
-                    self.copies, self.reverse_takes):
-            del seq[i]
-        self.shape = BatchShape.of(self.chunks) if self.cost is not None else self.shape
-        self.min_slack = min(self.budgets, default=math.inf)
-
-
-class _Lender:
-    """Blocks a class may take from running requests of classes packed after it and left out
-    of the batch (FindPreemptBlock): the least deserving lender first."""
-
-    def __init__(self, groups: list[list[RequestView]], pack_rank: list[int]) -> None:
-        self._by_rank: list[list[RequestView]] = [[] for _ in range(max(pack_rank) + 2)]
-        for cls, group in enumerate(groups):
-            self._by_rank[pack_rank[cls]] += [r for r in group if r.state == "running" and r.blocks]
-        self.claimed: set[int] = set()
-
-    def available(self, rank: int) -> int:
-        return sum(r.blocks for lenders in self._by_rank[rank + 1:] for r in lenders
-                   if r.id not in self.claimed)
-
-    def claim(self, rank: int, blocks: int, batch_ids: set[int]) -> None:
-        for lenders in reversed(self._by_rank[rank + 1:]):
-            for r in reversed(lenders):
-                if blocks <= 0:
-                    return
-                if r.id not in self.claimed and r.id not in batch_ids:
-                    self.claimed.add(r.id)
-                    blocks -= r.blocks
-
-
 class PackOrder:
     """The order is the packed batch, then the running requests left out; `batch` says how many
     lead it and `violated` whether packing predicted a miss."""
@@ -261,10 +119,10 @@ class PackOrder:
         groups = self._split(view.requests)
         n = len(groups)
         rank = [self._pack_rank.get(c, len(self._pack_rank)) for c in range(n)]
-        lender = _Lender(groups, rank)
+        lender = Lender(groups, rank)
         sorted_groups: dict[int, list[RequestView]] = {}
         left: dict[int, list[RequestView]] = {}
-        batch = _Batch(view, view.cost, self._timer.average_ms, limit or view.max_num_seqs)
+        batch = Batch(view, view.cost, self._timer.average_ms, limit or view.max_num_seqs)
         for step in self._steps:
             if isinstance(step, Take):
                 group = sorted_groups.get(step.cls)
@@ -289,7 +147,7 @@ class PackOrder:
             return sort(group)
         return sort(sort(pending) + sort(waiting))
 
-    def _take(self, batch: _Batch, step: Take, group: list[RequestView], lender: _Lender,
+    def _take(self, batch: Batch, step: Take, group: list[RequestView], lender: Lender,
               rank: int) -> list[RequestView]:
         """Take from `group` in order; returns the requests not taken (for `replaces`)."""
         left: list[RequestView] = []
@@ -313,22 +171,27 @@ class PackOrder:
                 left.append(r)
         return left
 
-    def _try(self, batch: _Batch, step: Take, r: RequestView, lender: _Lender, rank: int,
+    def _try(self, batch: Batch, step: Take, r: RequestView, lender: Lender, rank: int,
              late_ok: bool) -> str:
-        chunk = batch.chunk(r)
-        need = batch.need(r, chunk)
+        # batch.chunk, batch.need and batch.iterations inline: this runs per request per iteration
+        remaining, start = r.remaining_tokens, r.computed_tokens
+        chunk = start, max(1, min(remaining, batch.tokens_left))
+        need = max(0, -(-(start + chunk[1]) // batch.block_size) - r.blocks)
         admits = r.state != "running" or chunk[1] > 1
-        # FindPreemptBlock: only classes packed later lend memory for a new request or a
-        # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
-        free = batch.free - batch.held.get(step.cls, 0) + batch.reserved.get(r.id, (0, 0))[1]
-        if admits and need > free and need > free + lender.available(rank):
-            batch.reserve(r.id, step.cls, max(0, min(need, free)))
+        free = 0
+        if admits:
+            # FindPreemptBlock: only classes packed later lend memory for a new request or a
+            # prefill chunk; a decode grows into what the planner frees for it (vLLM's rule)
+            free = batch.free - batch.held.get(step.cls, 0) + batch.reserved.get(r.id, (0, 0))[1]
+            if need > free and need > free + lender.available(rank):
+                batch.reserve(r.id, step.cls, max(0, min(need, free)))
+                return "skip"
+        if batch.reverse_free is not None and batch.reverse_short(r, need):
             return "skip"
-        if batch.reverse_short(r, need):
-            return "skip"
-        shape = batch.shape.plus(*chunk) if batch.cost is not None else batch.shape
-        est = batch.predict(shape, _copies(r))
-        budget = r.slack_ms / batch.iterations(r, chunk)
+        copies, shape = copies_of(r), plus(batch.shape, chunk, 1)
+        est = batch.predict(shape, copies)
+        rest = remaining - chunk[1]
+        budget = r.slack_ms / (1 + (-(-rest // batch.budget_tokens) if rest > 0 else 0))
         if budget < est:
             if not late_ok:
                 if admits:
@@ -348,11 +211,12 @@ class PackOrder:
             batch.free += need - free  # the claimed blocks, freed for r by the planner
             batch.borrowers.add(r.id)
             batch.lent = lender.claimed
-        batch.unreserve(r.id)
-        batch.add(r, step.cls, chunk, need, shape, budget)
+        if batch.reserved:
+            batch.unreserve(r.id)
+        batch.add(r, step.cls, chunk, need, budget, copies, shape)
         return "taken"
 
-    def _replace(self, batch: _Batch, step: Replace,
+    def _replace(self, batch: Batch, step: Replace,
                  candidates: list[RequestView]) -> list[RequestView]:
         env = self._env
         for done, cand in enumerate(candidates):
@@ -371,9 +235,9 @@ class PackOrder:
             if need > batch.free + batch.needs[i] or batch.reverse_short(
                     cand, need, batch.reverse_takes[i]):
                 continue  # BE takes no memory from RT
-            rest = batch.chunks[:i] + batch.chunks[i + 1:]
-            shape = BatchShape.of(rest + [chunk]) if batch.cost is not None else batch.shape
-            est = batch.predict(shape, _copies(cand) - batch.copies[i])
+            copies = copies_of(cand)
+            shape = plus(plus(batch.shape, chunk, 1), batch.chunks[i], -1)
+            est = batch.predict(shape, copies - batch.copies[i])
             budget = cand.slack_ms / batch.iterations(cand, chunk)
             budget = budget if budget >= est else math.inf
             env.est_iteration = est
@@ -383,14 +247,8 @@ class PackOrder:
             if not step.cond(victim):
                 return candidates[done:]
             batch.remove(i)
-            batch.add(cand, step.cls, chunk, need, shape, budget)
+            batch.add(cand, step.cls, chunk, need, budget, copies, shape)
         return []
-
-
-def _copies(r: RequestView) -> int:
-    """Blocks r brings back from the host if it runs: all its KV when swapped out, else its
-    lazily checkpointed blocks (BROS §5.2)."""
-    return r.swapped_blocks if r.state == "swapped" else r.checkpointed_blocks
 
 
 def _last_index(classes: list[int], cls: int) -> int | None:

@@ -27,11 +27,11 @@ checkpoint space), which the caller must run in the order given and before the s
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator
 
 import attrs
 
+from engine.memory.preemption_order import preemption_order
 from engine.memory.slot_runs import NO_COPIES, SlotCopies, decode, encode, physical_slot
 
 __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
@@ -72,6 +72,7 @@ class BidirectionalBlocks:
         self._blocks = {b: _Block() for b in block_ids}
         self._free = list(reversed(block_ids))  # blocks with no owner at all
         self._be_only: set[int] = set()  # blocks with a BE owner and no RT one
+        self._holed: set[int] = set()  # blocks whose `lost` may be non-empty (a superset)
         self._free_host = list(reversed(range(host_slots)))
         self._seqs: dict[int, _Seq] = {}
         self.checkpointed_slots_total = 0
@@ -114,8 +115,7 @@ class BidirectionalBlocks:
 
     def displaced(self, rid: int) -> bool:
         """Some of the request's KV is only on the host: it cannot run before `restore`."""
-        s = self._seqs[rid]
-        return bool(s.host) and not s.swapped
+        return bool((s := self._seqs[rid]).host) and not s.swapped
 
     def swapped(self, rid: int) -> bool:
         return self._seqs[rid].swapped
@@ -145,15 +145,17 @@ class BidirectionalBlocks:
         self._seqs[rid] = _Seq(reverse=reverse)
 
     def _pick_rt_blocks(self, n: int) -> list[int]:
-        """n blocks: free ones, then BE-only blocks with the most empty slots (block preemption),
-        taking first the blocks of BE requests already displaced: a BE request loses its turn
-        at its first overwritten slot, so spreading RT over many BE requests' blocks would
-        stop them all (measured: bench/results/bros_bicache.md). One pass for all n: no key
-        changes while blocks are picked (checkpoints come after)."""
+        """n blocks: free ones, then BE-only blocks by `_preempt_key` (block preemption; see
+        engine/memory/preemption_order.py). One pass: no key changes while blocks are picked."""
         picked = [self._free.pop() for _ in range(min(n, len(self._free)))]
-        blocks, seqs = self._blocks, self._seqs
-        return picked + heapq.nlargest(n - len(picked), self._be_only, key=lambda b: (
-            bool(seqs[blocks[b].be].host), len(blocks[b].lost) - blocks[b].be_fill, -b))
+        return picked + (self._preemption_order(n - len(picked)) if n > len(picked) else [])
+
+    def _preempt_key(self, b: int) -> tuple[bool, int, int]:  # largest first
+        return bool(self._seqs[(x := self._blocks[b]).be].host), len(x.lost) - x.be_fill, -b
+
+    def _preemption_order(self, k: int) -> list[int]:
+        owners = [(s.table, bool(s.host)) for s in self._seqs.values() if s.reverse and s.table]
+        return preemption_order(k, self._be_only, self._holed, owners, self._preempt_key)
 
     def _pick_be_block(self) -> int | None:
         """A free block: of the blocks without a BE owner, those have the most empty slots.
@@ -219,12 +221,13 @@ class BidirectionalBlocks:
         """RT is about to write `offsets` of `block`: each that holds live BE KV is copied to a
         host slot first and marked overwritten (BROS §5.2, lazy checkpointing)."""
         be, bs, out = self._seqs[x.be], self.block_size, []
-        index = next(j for j, e in enumerate(be.table) if decode(e)[0] == block)
+        index = be.table.index(encode(block, True))  # a BE table's entries are all reversed
         for offset in offsets:
             if offset >= bs - x.be_fill and offset not in x.lost:
                 host = self._free_host.pop()
                 be.host[index * bs + bs - 1 - offset] = host
                 x.lost.add(offset)
+                self._holed.add(block)
                 out.append((block * bs + offset, host))
         self.checkpointed_slots_total += len(out)
         return out
@@ -279,6 +282,7 @@ class BidirectionalBlocks:
                 s.table[j] = encode(target, True)
             else:
                 x.lost.clear()
+                self._holed.discard(old)
             for i in range(bs):
                 host = s.host.pop(j * bs + i, None)
                 if host is not None:
@@ -368,6 +372,7 @@ class BidirectionalBlocks:
         x = self._blocks[block]
         x.be, x.be_fill = -1, 0
         x.lost.clear()
+        self._holed.discard(block)
         self._be_only.discard(block)
         if x.rt < 0:
             self._free.append(block)

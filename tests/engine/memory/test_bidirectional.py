@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.memory.bidirectional import (
-    BidirectionalBlocks, BidirectionalError, SlotCopies, decode, encode, physical_slot,
+    BidirectionalBlocks,
+    BidirectionalError,
+    SlotCopies,
+    decode,
+    encode,
+    physical_slot,
 )
 from tests.conftest import slow_scale
 
@@ -55,7 +60,7 @@ class SlotModel:
             assert len(t.table(rid)) == (0 if t.swapped(rid) else -(-t.tokens(rid) // t.block_size))
         # a checkpoint covers exactly the overwritten slots of each block
         for b in range(t.num_total):
-            rt, _, be, _, lost = t.block(b)
+            _, _, be, _, lost = t.block(b)
             if be >= 0:
                 table = t.table(be)
                 j = next(j for j, e in enumerate(table) if decode(e)[0] == b)
@@ -65,8 +70,12 @@ class SlotModel:
                 assert not lost
         owned = {decode(e)[0] for rid in t.requests() for e in t.table(rid)}
         assert t.num_free == t.num_total - len(owned)
-        be_only = sum(1 for b in range(t.num_total) if t.block(b)[0] < 0 and t.block(b)[2] >= 0)
-        assert t.rt_room() == t.num_free + be_only
+        be_only = [b for b in range(t.num_total) if t.block(b)[0] < 0 and t.block(b)[2] >= 0]
+        assert t.rt_room() == t.num_free + len(be_only)
+        # block preemption's order, found without keying every BE block, is the full sort's
+        by_key = sorted(be_only, key=t._preempt_key, reverse=True)
+        for k in range(1, len(be_only) + 1):
+            assert t._preemption_order(k) == by_key[:k]
 
 
 def test_entries_carry_the_direction():
@@ -89,6 +98,21 @@ def test_rt_overwrites_be_slots_after_taking_the_empty_ones():
     assert t.block(rt_block)[2] == 1, "RT is a guest in a BE block"
     assert t.checkpointed_slots(1) > 0 and t.displaced(1)
     assert not t.can_extend(1, 7), "a displaced BE request cannot run"
+    m.check()
+
+
+def test_block_preemption_takes_a_displaced_requests_blocks_first():
+    t = BidirectionalBlocks(range(8), BS, host_slots=32)
+    m = SlotModel(t)
+    for rid, tokens in ((1, 8), (2, 12), (3, 6)):  # BE: blocks 0-1, 2-4, and 5-6 (6 half full)
+        t.add(rid, reverse=True)
+        m.extend(rid, tokens)
+    t.add(4, reverse=False)
+    m.extend(4, 4)  # the free block 7
+    m.extend(4, 8)  # the emptiest BE block, 6: two empty slots, two overwritten
+    assert decode(t.table(4)[1])[0] == 6 and t.displaced(3)
+    m.extend(4, 12)  # request 3 is displaced already: its full block 5, not block 0
+    assert decode(t.table(4)[2])[0] == 5
     m.check()
 
 
@@ -170,7 +194,7 @@ ops = st.lists(st.tuples(st.sampled_from(["add_rt", "add_be", "grow", "grow", "g
 
 
 @settings(max_examples=slow_scale(300, 60), deadline=None)
-@given(blocks=st.integers(1, 4), host=st.integers(0, 24), program=ops)
+@given(blocks=st.integers(1, 8), host=st.integers(0, 24), program=ops)
 def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, program):
     t = BidirectionalBlocks(range(blocks), BS, host_slots=host)
     m = SlotModel(t)

@@ -1,0 +1,41 @@
+"""Which BE-only blocks an RT request preempts first on BROS's bidirectional table (§5.2,
+FindPreemptBlock), found without keying every BE block.
+
+The order (`BidirectionalBlocks._preempt_key`, largest first) is: blocks of BE requests already
+displaced (a BE request loses its turn at its first overwritten slot, so spreading RT over many
+BE requests' blocks would stop them all: bench/results/bros_bicache.md), then the most empty
+slots (overwritten slots count as empty), then the lowest id; picked in one pass for all the
+blocks an extension needs (no key changes while they are picked: checkpoints come after).
+Keying every BE-only block on each pick was most of the scheduler's time under memory pressure
+(1,200 blocks, 5 RT req/s: ~585 BE-only blocks keyed per pick). But only a request's last block
+can be partly filled and only blocks with overwritten slots (`holed`) can have lost slots, so
+every other BE-only block is full and keyed (displaced, -block_size, -id): of those, only the k
+lowest ids of each kind can rank among the k largest. Property-tested against the full sort
+(tests/engine/memory/test_bidirectional.py)."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable, Iterable
+from collections.abc import Set as AbstractSet
+
+
+def preemption_order(k: int, be_only: AbstractSet[int], holed: AbstractSet[int],
+                     owners: Iterable[tuple[list[int], bool]],
+                     key: Callable[[int], tuple[bool, int, int]]) -> list[int]:
+    """The k blocks of `be_only` with the largest `key`, largest first. `owners`: each BE
+    request's block table (entries all reversed: block -e - 1, none empty) and whether it is
+    displaced; `holed`: blocks that may hold overwritten slots (a superset is fine)."""
+    exact, displaced = set(holed), set()
+    for table, is_displaced in owners:
+        exact.add(-table[-1] - 1)
+        if is_displaced:
+            displaced.update([-e - 1 for e in table])
+    exact &= be_only
+    full, others = sorted((displaced & be_only) - exact)[:k], []
+    for b in sorted(be_only):
+        if len(others) == k:
+            break
+        if b not in exact and b not in displaced:
+            others.append(b)
+    return heapq.nlargest(k, [*exact, *full, *others], key=key)
