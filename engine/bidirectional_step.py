@@ -78,12 +78,10 @@ class BidirectionalMemory:
             if self._sent.get(rid) != table:
                 self._sent[rid] = table
                 blocks.append(BlockUpdate(request_id=rid, reset=True, append=tuple(table)))
-        bs = t.block_size
-        for rid in t.requests():
+        for rid, held, slots in t.holdings():
             if (r := requests.get(rid)) is not None:
                 # len(table(rid)) without copying it: a table covers its tokens unless swapped
-                r.blocks = 0 if t.swapped(rid) else -(-t.tokens(rid) // bs)
-                slots = t.checkpointed_slots(rid)
+                r.blocks = held
                 if slots != r.checkpointed_slots:  # a set of host slots only grows or empties
                     r.checkpointed_slots = slots
                     r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0

@@ -7,22 +7,20 @@ change needs (flat slot addresses, `block * block_size + offset`, on the device 
 checkpoint space), which the caller must run in the order given and before the step that writes.
 
 - A block table entry carries the direction: `b` is block b read left to right, `-b - 1` the
-  same block read right to left (`encode`, `decode`, `physical_slot`), so no direction tensor is
-  needed beside the block table (the paper keeps one, §6). Logical token offset i of a reversed
-  entry lives in slot `block_size - 1 - i`.
+  same block read right to left (engine/memory/slot_runs.py), so no direction tensor is needed
+  (the paper keeps one, §6). Logical offset i of a reversed entry is slot `block_size - 1 - i`.
 - Per block (the *preemption table* of §5.2): its RT owner and fill, its BE owner and fill, and
   the BE slots RT has overwritten (`lost`), each checkpointed to a host slot first.
-- Placement (§5.2 FindBlock/FindPreemptBlock): a BE request takes a block with the most empty
-  slots (a free one); an RT request a free block, else the BE block with the most empty slots,
+- Placement (§5.2 FindBlock/FindPreemptBlock): BE takes a free block (the most empty slots); RT
+  a free block, else the BE block with the most empty slots (engine/memory/preemption_order.py),
   filling those first, then overwriting BE slots (block preemption), each copied to the host
   just before (lazy checkpointing).
 - A BE request with overwritten slots is *displaced*: it cannot run until `restore` swaps back
   exactly its checkpointed slots (in place when the RT owner has left the block, else merged
   with its surviving slots into a fresh block). A BE request whose next slot is taken by an RT
   guest moves that block's live slots to a fresh block (`extend`).
-- `swap_out` (§5.2's extreme case, the caller picks whom: BE first, then RT by remaining time)
-  copies every live slot of a request to the host and releases its blocks; `swap_in` brings them
-  back into fresh blocks of its direction.
+- `swap_out` (§5.2's extreme case; the caller picks whom) copies every live slot of a request
+  to the host and releases its blocks; `swap_in` brings them back into fresh blocks.
 """
 
 from __future__ import annotations
@@ -120,6 +118,12 @@ class BidirectionalBlocks:
     def swapped(self, rid: int) -> bool:
         return self._seqs[rid].swapped
 
+    def holdings(self) -> Iterator[tuple[int, int, int]]:
+        """(request, device blocks, slots held only on the host) of every request."""
+        bs = self.block_size
+        return ((rid, 0 if s.swapped else -(-s.tokens // bs), len(s.host))
+                for rid, s in self._seqs.items())
+
     def checkpointed_slots(self, rid: int) -> int:
         """Slots of the request held only on the host."""
         return len(self._seqs[rid].host)
@@ -162,15 +166,12 @@ class BidirectionalBlocks:
         BE never starts in an RT block's right side: RT's next writes would overwrite it."""
         return self._free.pop() if self._free else None
 
-    def _blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
     def can_extend(self, rid: int, tokens: int) -> bool:
         """Whether `extend(rid, tokens)` would find its blocks (and host slots to checkpoint)."""
         s = self._seqs[rid]
-        if s.swapped or self.displaced(rid):
+        if s.swapped or s.host:  # swapped, or displaced
             return False
-        new = self._blocks_for(tokens) - len(s.table)
+        new = -(-tokens // self.block_size) - len(s.table)
         if s.reverse:
             return new + self._be_collides(rid, s, tokens) <= len(self._free)
         # each new token overwrites at most one BE slot, which needs a host slot first
@@ -197,7 +198,7 @@ class BidirectionalBlocks:
         copies = NO_COPIES
         if s.reverse and self._be_collides(rid, s, tokens):
             copies = self._move_last_block(rid, s)
-        new = self._blocks_for(tokens) - len(s.table)
+        new = -(-tokens // self.block_size) - len(s.table)
         for b in ([self._free.pop() for _ in range(new)] if s.reverse  # FindBlock: free ones
                   else self._pick_rt_blocks(new) if new > 0 else ()):
             self._own(b, rid, s.reverse)
@@ -205,7 +206,7 @@ class BidirectionalBlocks:
         out, bs, pos = [], self.block_size, s.tokens
         while pos < tokens:  # block by block; slot by slot only where RT meets a BE owner
             j = pos // bs
-            block, end = decode(s.table[j])[0], min(tokens, (j + 1) * bs)
+            block, end = -s.table[j] - 1 if s.reverse else s.table[j], min(tokens, (j + 1) * bs)
             x = self._blocks[block]
             if s.reverse:
                 x.be_fill = end - j * bs
@@ -317,8 +318,7 @@ class BidirectionalBlocks:
         s = self._seqs[rid]
         if not s.swapped:
             return False
-        n = self._blocks_for(s.tokens)
-        return n <= len(self._free)
+        return -(-s.tokens // self.block_size) <= len(self._free)
 
     def swap_in(self, rid: int) -> SlotCopies:
         """Bring a swapped-out request back into blocks of its own (free ones)."""
@@ -326,7 +326,7 @@ class BidirectionalBlocks:
         if not self.can_swap_in(rid):
             raise BidirectionalError(f"request {rid} cannot be swapped in now")
         bs, into = self.block_size, []
-        for _ in range(self._blocks_for(s.tokens)):
+        for _ in range(-(-s.tokens // self.block_size)):
             b = self._free.pop()
             self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
