@@ -47,6 +47,9 @@ class KunServeTorchRunner(TorchRunner):
         self.lost: str | None = None
         """Why the group this instance led broke (a member went away), once it did."""
         self._kv_lost: set[int] = set()
+        self._again: set[int] = set()
+        """Requests the engine releases to recompute them: their context stays in `_tokens`
+        until their setup comes."""
         self.holding = False
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
@@ -95,10 +98,16 @@ class KunServeTorchRunner(TorchRunner):
         plan = step.group
         if self.holding and step.release:
             step = attrs.evolve(step, release=())
-        if self._tokens and step.setups:
-            step = attrs.evolve(step, setups=tuple(
-                attrs.evolve(s, prompt_ids=self._tokens.pop(s.request_id))
-                if s.request_id in self._tokens else s for s in step.setups))
+        if self._tokens:  # kept until released: a step that fails may set them up again
+            if step.setups:
+                step = attrs.evolve(step, setups=tuple(
+                    attrs.evolve(s, prompt_ids=self._tokens[s.request_id])
+                    if s.request_id in self._tokens else s for s in step.setups))
+            set_up = {s.request_id for s in step.setups}
+            self._again -= set_up
+            for rid in step.release:  # ended (a request set up again is not released here)
+                if rid not in set_up and rid not in self._again:
+                    self._tokens.pop(rid, None)
         if (plan is not None and len(plan.members) > 1 and self.group is not None
                 and self.group.ranks == tuple(plan.members)):  # opened by form()
             if step.pool_blocks is not None and step.pool_blocks > len(self.group.pool):
@@ -147,6 +156,7 @@ class KunServeTorchRunner(TorchRunner):
         group.recover_from_host(exc.rank)
         self._kv_lost = set(self._seqs)
         self._tokens.update({rid: tuple(s.tokens) for rid, s in self._seqs.items()})
+        self._again = set(self._tokens)  # released by the engine, set up again later
         raise GroupLost(f"{exc}; this instance serves alone again from its host copy and "
                         f"recomputes its requests", self.num_blocks) from exc
 
