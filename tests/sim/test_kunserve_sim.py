@@ -112,3 +112,27 @@ def test_the_bench_json_records_a_cluster_block_for_kunserve_runs():
     assert 0 <= c["bubble_ratio"] < 1 and c["cost_model_error"] < 0.05
     sample = c["kv_usage"][-1]
     assert len(sample["used"]) == len(sample["pool"]) == 2 and sample["t"] >= 0
+
+
+def test_an_engine_reports_the_oldest_queued_request_s_kv_as_its_head_of_line_demand():
+    """`head_tokens` (what KunServe's drop condition reads): the context of the oldest waiting
+    request, not the whole queue's (`queued_tokens`) and not the largest one's."""
+    from shunter.engine import Engine
+
+    async def main():
+        config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=40)
+        async with Engine.start(config) as engine, anyio.create_task_group() as tg:
+            for i, n in enumerate((300, 300, 200, 350)):  # 19 + 19 blocks run, 2 are free
+                tg.start_soon(_late, engine, i * 0.001, n)
+            await anyio.sleep(0.1)  # both first requests decoding
+            snap = (await engine.inspect()).scheduler
+            tg.cancel_scope.cancel()
+        return snap
+
+    async def _late(engine, delay, n):
+        await anyio.sleep(delay)
+        await engine.complete([5] * n, shunter.SamplingParams(max_tokens=200, ignore_eos=True))
+
+    snap = _virtual(main)
+    assert (snap.running, snap.waiting) == (2, 2)
+    assert snap.head_tokens == 200 and snap.queued_tokens == 550
