@@ -157,9 +157,9 @@ async def test_member_lost_while_grouped_the_head_recomputes_and_serves_alone(
     transformers' tokens; a new request is then served by the head alone."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    rng = random.Random(1)
+    rng = random.Random(0)  # the first test's requests: their references are computed once
     prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
-    prompts += [(_prompt(rng, 16), 8) for _ in range(12)]
+    prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
     got: dict[int, list[int]] = {}
 
     async def one(cluster: Cluster, i: int, started=None) -> None:
