@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import assert_never
 
 import anyio
@@ -29,7 +29,7 @@ from engine.messages import (
 )
 from engine.planner import Budget, IterationPlan, blocks_for, plan_iteration
 from engine.policy import IterationOutcome, Policy, RequestView, SchedulerView
-from engine.request import Request, refusal
+from engine.request import Request, held_blocks, refusal
 from engine.scheduler_stats import SchedulerStats
 from engine.step_plan import BidirectionalMemory, build_run_step, finish_step, land_swaps, start_step
 
@@ -57,7 +57,7 @@ class Scheduler(AdoptionMixin):
         self._inbox, self._allocator, self._frontend = inbox, allocator, frontend
         self._live: dict[int, Request] = {}
         self._in_flight: dict[int, Request] = {}
-        self._step_views: Sequence[RequestView] = ()  # what the policy saw for the step
+        self._step_views: Mapping[int, RequestView] = {}  # what the policy saw for the step
         self._release: list[int] = []
         self._outputs: list[TokenOutput] = []
         self._turns: Counter[str] = Counter()  # conversation -> turns seen
@@ -183,7 +183,7 @@ class Scheduler(AdoptionMixin):
             metrics=req.timeline(anyio.current_time(), reason)))
 
     def _free_blocks(self) -> int:  # held by no live request (a shared cached one counts once)
-        used = sum(r.blocks for r in self._live.values()) - self._prefixes.shared_extra
+        used = held_blocks(self._live.values()) - self._prefixes.shared_extra
         return self._bidi.planning_free() if self._bidi else self._total_blocks - used
 
     # ------------------------------------------------------------------------ iterations
@@ -191,7 +191,7 @@ class Scheduler(AdoptionMixin):
     def _view(self, now: float) -> SchedulerView:
         c = self._config
         return SchedulerView(
-            now=now, iteration=self._iteration, requests=self._prefixes.views(self._live, now),
+            now=now, iteration=self._iteration, requests=self._prefixes.views(self._live),
             free_blocks=self._free_blocks(), total_blocks=self._total_blocks,
             reverse_free_blocks=self._bidi.reverse_free() if self._bidi else None,
             block_size=c.block_size, max_num_seqs=c.max_num_seqs * self._seat.stages,
@@ -263,7 +263,7 @@ class Scheduler(AdoptionMixin):
         self._release = []
         self._profiler.count(step.swap_in)
         self._in_flight = start_step(plan, step, live, view.now)
-        self._step_started, self._step_views = view.now, view.requests
+        self._step_started, self._step_views = view.now, plan.views
         return self._prefixes.attach_ops(step, live)
 
     def _on_step_finished(self, msg: StepFinished) -> None:
@@ -272,7 +272,7 @@ class Scheduler(AdoptionMixin):
                              max_context=self._max_context, limit=self._limit)
         for req, token, reason in result.events:
             if token is not None:
-                self._outputs.append(TokenOutput(request_id=req.id, token_ids=(token,)))
+                self._outputs.append(TokenOutput(req.id, (token,)))
             if reason is not None:
                 self._finish(req, reason)
         self._in_flight = {}

@@ -66,7 +66,8 @@ class HandPrecedenceSlack:
     def decide(self, view: SchedulerView) -> Decision:
         rt = [r for r in view.requests if r.request_class == "rt"]
         be = [r for r in view.requests if r.request_class != "rt"]
-        rt.sort(key=lambda r: r.slack_ms)
+        now = view.now
+        rt.sort(key=lambda r: r.slack_ms(now))
         be.sort(key=lambda r: (r.checkpointed_blocks, r.arrival))
         return Decision(order=rt + be)
 
@@ -113,7 +114,7 @@ def make_view(n: int, seed: int = 0) -> SchedulerView:
             output_tokens=rng.randint(0, 64), checkpointed_blocks=rng.randint(0, 8))
         requests.append(r._replace(  # views are frozen: the derived fields go in a copy
             computed_tokens=r.context_tokens - 1 if state == "running" else 0,
-            slack_ms=rng.uniform(-50, 400) if rt else float("inf")))
+            deadline=100.0 + rng.uniform(-50, 400) / 1000.0 if rt else float("inf")))
     return SchedulerView(now=100.0, iteration=1, requests=requests, free_blocks=1000,
                          total_blocks=4096, block_size=16, max_num_seqs=256,
                          max_batched_tokens=2048, cost=LLAMA3_8B_A100)

@@ -85,6 +85,7 @@ class BidirectionalMemory:
                 if slots != r.checkpointed_slots:  # a set of host slots only grows or empties
                     r.checkpointed_slots = slots
                     r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
+                r.changed()
         return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
 
     def _forget(self, rid: int) -> None:

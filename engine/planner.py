@@ -58,6 +58,8 @@ class Budget:
 class IterationPlan:
     work: dict[int, int] = attrs.field(factory=dict)
     """request id -> tokens to compute this iteration, in scheduling order."""
+    views: dict[int, RequestView] = attrs.field(factory=dict)
+    """request id -> the view it was given work from (what the policy is told it served)."""
     block_targets: dict[int, int] = attrs.field(factory=dict)
     """request id -> device blocks it must hold after this iteration (a count, not a growth)."""
     admitted: list[RequestView] = attrs.field(factory=list)
@@ -127,6 +129,7 @@ class _Planner:
         self.free -= need
         self.tokens -= n
         self.plan.work[r.id] = n
+        self.plan.views[r.id] = r
         self.plan.block_targets[r.id] = (r.blocks + need - r.cached_idle_blocks
                                          + r.cached_tokens // self.budget.block_size)
 
@@ -172,14 +175,18 @@ class _Planner:
             self.preempt(victim)
 
     def running_pass(self) -> None:
+        # once per running request per iteration: `full`, `remaining_tokens` and make_room's
+        # first test written out, since each call costs about what the work does
+        work, preempted, seq_limit = self.plan.work, self.preempted_ids, self.seq_limit
         for r in self.running:
-            if r.id in self.preempted_ids or r.id in self.plan.work:
+            if r.id in preempted or r.id in work:
                 continue
-            if self.full():
+            if len(work) >= seq_limit or self.tokens <= 0:
                 return
-            n = min(r.remaining_tokens, self.tokens)
+            n = min(r.prompt_tokens + r.output_tokens - r.computed_tokens, self.tokens)
             need = self.need(r, n)
-            self.make_room(r, need)
+            if need > self.free:
+                self.make_room(r, need)
             if need <= self.free:
                 self.commit(r, n, need)
             elif self.budget.can_preempt:

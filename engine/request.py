@@ -5,6 +5,7 @@ Policies never see it: each iteration `view(now)` freezes it into a `RequestView
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 
 import attrs
 
@@ -72,6 +73,8 @@ class Request:
     # iteration, where recomputing them cost the simulator's hour-long replays about 10%
     _prompt_len: int = attrs.field(init=False, default=0)
     _deadline: float = attrs.field(init=False, default=0.0)
+    _view: RequestView | None = attrs.field(init=False, default=None)
+    """The view last built, until a transition (or `changed`) drops it."""
 
     def __attrs_post_init__(self) -> None:
         self._prompt_len = len(self.prompt_ids)
@@ -111,23 +114,30 @@ class Request:
         return self._deadline
 
     def _due(self) -> float:
-        return token_deadline(arrival=self.arrival, ttft_ms=self.ttft_ms, tpot_ms=self.tpot_ms,
-                              first_token_at=self.first_token_at,
-                              output_tokens=len(self.output_ids))
+        return token_deadline(self.arrival, self.ttft_ms, self.tpot_ms, self.first_token_at,
+                              len(self.output_ids))
 
-    def view(self, now: float) -> RequestView:
-        """The frozen record a policy reads this iteration."""
-        # Built for every live request every iteration: positional (RequestView's field order,
-        # checked field by field in tests/engine/test_request.py) costs half of 23 keywords.
-        return RequestView(
-            self.id, self.request_class, self.priority, self.tenant, self.conversation_id,
-            self.turn, self.arrival, self._prompt_len, self.sampling.max_tokens,
-            self.ttft_ms, self.tpot_ms, self.state, len(self.output_ids), self.computed_tokens,
-            self.blocks, self.swapped_blocks, self.checkpointed_blocks, self.preemptions,
-            self.first_token_at, self.last_token_at, self.last_scheduled_at,
-            now - (self.last_scheduled_at or self.arrival),     # waited_s
-            (self._deadline - now) * 1000.0,                    # slack_ms
-            self.trace_id)
+    def view(self) -> RequestView:
+        """The frozen record a policy reads: kept until the request changes, since every live
+        request's view is read every iteration (rebuilding them all was a fifth of an
+        hour-long simulator replay). Every transition below drops it; code that sets a field
+        itself calls `changed`."""
+        view = self._view
+        if view is None:
+            # positional (RequestView's field order, checked field by field in
+            # tests/engine/test_request.py): half the cost of 23 keywords
+            view = self._view = RequestView(
+                self.id, self.request_class, self.priority, self.tenant, self.conversation_id,
+                self.turn, self.arrival, self._prompt_len, self.sampling.max_tokens,
+                self.ttft_ms, self.tpot_ms, self.state, len(self.output_ids),
+                self.computed_tokens, self.blocks, self.swapped_blocks, self.checkpointed_blocks,
+                self.preemptions, self.first_token_at, self.last_token_at,
+                self.last_scheduled_at, self._deadline, self.trace_id)
+        return view
+
+    def changed(self) -> None:
+        """A field was set from outside the transitions below: the next `view` is rebuilt."""
+        self._view = None
 
     # ------------------------------------------------------------------------ transitions
 
@@ -136,30 +146,36 @@ class Request:
         self.blocks, self.state = blocks, "running"
         self.in_flight_tokens = tokens
         self.first_scheduled = self.first_scheduled or now
+        self._view = None
 
     def start_swap_in(self, blocks: int, now: float) -> None:
         """Its KV comes back asynchronously into `blocks` device blocks (FastSwitch §3.2)."""
         self.swapped_blocks = 0
         self.blocks, self.state = blocks, "swapping_in"
         self.swap_started = now
+        self._view = None
 
     def swap_in_done(self, now: float) -> None:
         """Its asynchronous swap-in finished: it joins the running batch."""
         self.state = "running"
         self.swap_stall_s += now - self.swap_started
+        self._view = None
 
     def swapped_out(self, swapped_blocks: int) -> None:
         """Preempted by swap: its KV is on the host, its device blocks are given back."""
         self.swapped_blocks = swapped_blocks
         self.blocks, self.state = 0, "swapped"
+        self._view = None
 
     def recompute(self) -> None:
         """Preempted by recompute: the KV is dropped, the tokens kept to be prefilled again."""
         self.blocks, self.computed_tokens, self.state = 0, 0, "waiting"
+        self._view = None
 
     def resume_from_host(self, tokens: int, blocks: int) -> None:
         """A conversation's next turn starts with `tokens` of its prompt already on the host."""
         self.state, self.computed_tokens, self.swapped_blocks = "swapped", tokens, blocks
+        self._view = None
 
     def step_done(self, stall_s: float, now: float) -> None:
         """The step it was in finished (its tokens' KV is written)."""
@@ -167,6 +183,7 @@ class Request:
         self.in_flight_tokens = 0
         self.swap_stall_s += stall_s
         self.last_scheduled_at = now
+        self._view = None
 
     def add_token(self, token_id: int, now: float) -> None:
         self.output_ids.append(token_id)
@@ -174,6 +191,7 @@ class Request:
         self.first_token_at = self.first_token_at or now
         self.last_token_at = now
         self._deadline = self._due()
+        self._view = None
 
     def stop_reason(self, token_id: int, max_context: int, limit: str = "context") -> str | None:
         """Why generation ends after `token_id` was appended, or None to go on. Reaching
@@ -196,6 +214,18 @@ class Request:
             preemptions=self.preemptions, swap_stall_s=self.swap_stall_s,
             ttft_slo_ms=self.ttft_ms, tpot_slo_ms=self.tpot_ms,
         )
+
+
+def views_of(requests: Iterable[Request]) -> list[RequestView]:
+    """Their views, in order: those kept are read without a call (a pass over every live
+    request each iteration)."""
+    return [r._view or r.view() for r in requests]
+
+
+def held_blocks(requests: Iterable[Request], _blocks=attrgetter("blocks")) -> int:
+    """Device blocks `requests` hold together (a block two of them share counts twice): a pass
+    over every live request each iteration, summed in C."""
+    return sum(map(_blocks, requests))
 
 
 def refusal(msg: AddRequest, settings: PolicySettings, live: Iterable[Request]) -> str | None:

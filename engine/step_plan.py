@@ -56,11 +56,11 @@ def _setups(plan: IterationPlan, requests: Mapping[int, Request]) -> tuple[Reque
 def _seqs(plan: IterationPlan, requests: Mapping[int, Request]) -> tuple[SeqWork, ...]:
     """Each request's tokens this step, in scheduling order; it samples once it has caught up
     with its whole context."""
-    seqs = []
+    new, seqs = tuple.__new__, []  # SeqWork's fields in order, skipping its Python-level __new__
     for rid, n in plan.work.items():
         r = requests[rid]
-        seqs.append(SeqWork(request_id=rid, start=r.computed_tokens, num_tokens=n,
-                            sample=r.computed_tokens + n == r.context_tokens))
+        start = r.computed_tokens
+        seqs.append(new(SeqWork, (rid, start, n, start + n == r.context_tokens)))
     return tuple(seqs)
 
 
@@ -93,12 +93,11 @@ class StepResult:
 
 
 def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
-                views: Sequence[RequestView], now: float, *, max_context: int,
+                views: Mapping[int, RequestView], now: float, *, max_context: int,
                 limit: str = "context") -> StepResult:
-    """Land a finished step on the requests that were in it; `views` are those the policy was
-    given when it planned the step (what `served` reports)."""
+    """Land a finished step on the requests that were in it; `views` by id are those the
+    policy was given when it planned the step (`IterationPlan.views`: what `served` reports)."""
     sampled = {s.request_id: s.token_id for s in msg.sampled}
-    seen = {v.id: v for v in views if v.id in in_flight}
     served: list[tuple[RequestView, int, int]] = []
     events: list[tuple[Request, int | None, str | None]] = []
     misses = 0
@@ -109,11 +108,11 @@ def finish_step(msg: StepFinished, in_flight: Mapping[int, Request],
         if req.abort_reason is not None:
             events.append((req, None, req.abort_reason))
         elif token is None:
-            served.append((seen[rid], n, 0))
+            served.append((views[rid], n, 0))
         else:
             misses += now > req.next_deadline()
             req.add_token(token, now)
-            served.append((seen[rid], n - 1, 1))
+            served.append((views[rid], n - 1, 1))
             events.append((req, token, req.stop_reason(token, max_context, limit)))
     return StepResult(served=served, deadline_misses=misses, events=events)
 

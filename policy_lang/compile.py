@@ -104,6 +104,10 @@ class ExprCompiler:
         f, env = FIELDS[name], self.env
         if name == "age":
             return lambda r: (env.view.now - r.arrival) * 1000.0
+        if name == "waited":  # views hold no clock: RequestView.waited_s and slack_ms
+            return lambda r: (env.view.now - (r.last_scheduled_at or r.arrival)) * 1000.0
+        if name == "slack":
+            return lambda r: (r.deadline - env.view.now) * 1000.0
         if name == "assigned_priority":
             get = self.rerank.values.get
             return lambda r: get(r.id, 0.0)

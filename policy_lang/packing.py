@@ -191,7 +191,8 @@ class PackOrder:
         copies, shape = copies_of(r), plus(batch.shape, chunk, 1)
         est = batch.predict(shape, copies)
         rest = remaining - chunk[1]
-        budget = r.slack_ms / (1 + (-(-rest // batch.budget_tokens) if rest > 0 else 0))
+        budget = r.slack_ms(self._env.view.now) / (
+            1 + (-(-rest // batch.budget_tokens) if rest > 0 else 0))
         if budget < est:
             if not late_ok:
                 if admits:
@@ -238,7 +239,7 @@ class PackOrder:
             copies = copies_of(cand)
             shape = plus(plus(batch.shape, chunk, 1), batch.chunks[i], -1)
             est = batch.predict(shape, copies - batch.copies[i])
-            budget = cand.slack_ms / batch.iterations(cand, chunk)
+            budget = cand.slack_ms(env.view.now) / batch.iterations(cand, chunk)
             budget = budget if budget >= est else math.inf
             env.est_iteration = est
             env.min_slack = min(min(batch.budgets[:i] + batch.budgets[i + 1:], default=math.inf),

@@ -73,7 +73,7 @@ class SimRunner:
         # BatchShape.of, without a generator: this runs once per iteration of a replayed hour
         pt = psq = ppre = ds = dc = 0
         sampled = []
-        tok = self.token_id
+        tok, new = self.token_id, tuple.__new__
         for w in step.seqs:
             n = w.num_tokens
             if n == 1:
@@ -84,7 +84,7 @@ class SimRunner:
                 psq += n * n
                 ppre += n * w.start
             if w.sample:
-                sampled.append(SampledToken(request_id=w.request_id, token_id=tok))
+                sampled.append(new(SampledToken, (w.request_id, tok)))  # its fields in order
         shape = BatchShape(prefill_tokens=pt, prefill_sq=psq, prefill_prefix=ppre,
                            decode_seqs=ds, decode_context=dc)
         seconds = self.cost.predict_ms(shape) / 1000.0 if step.seqs else 0.0
@@ -150,7 +150,8 @@ class SimRunner:
                 table.clear()
             table.extend(u.append)
         bs = self._block_size
-        written = [b for w in step.seqs for b in tables.get(w.request_id, [])[w.written(bs)]]
+        written = [b for w in step.seqs for b in tables.get(w.request_id, [])[w.written(bs)]
+                   ] if self.swapper.blocks_busy() else []
         now = anyio.current_time()
         self._overlap_end = self.swapper.overlapped_until(step.wait_tickets, written)
         stall = max(0.0, self.swapper.ready_at(step.wait_tickets, written) - now)

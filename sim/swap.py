@@ -120,6 +120,11 @@ class SimSwapper:
             return None
         return max(0.0, min(self._end.values()) - anyio.current_time())
 
+    def blocks_busy(self) -> bool:
+        """Some device block is still being copied (else the blocks a step writes cannot make
+        it wait, and need not be listed)."""
+        return bool(self._device_busy or self._slot_busy)
+
     def ready_at(self, tickets: Iterable[int], written_blocks: Iterable[int]) -> float:
         """When a step that waits for `tickets` and writes `written_blocks` may start."""
         return max([self._end.get(t, 0.0) for t in tickets if t not in self._overlapped]

@@ -116,6 +116,8 @@ class AdoptionMixin:
         if msg.group is not None:
             seat.group = msg.group
             seat.stages = getattr(msg.group, "size", 1)
+        for req in self._live.values():  # fields set above: their views are rebuilt
+            req.changed()
         msg.reply.send(tuple(out))
 
 

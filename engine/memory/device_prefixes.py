@@ -27,7 +27,7 @@ from engine.memory.prefix_cache import Key, PrefixCache
 from engine.messages import PrefixOps, RunStep
 from engine.planner import IterationPlan
 from engine.policy import RequestView
-from engine.request import Request
+from engine.request import Request, views_of
 
 
 class _Context(Sequence[int]):
@@ -79,13 +79,13 @@ class DevicePrefixes:
         """Changes the allocator has not been told yet."""
         return bool(self._publish or self._evict or self._attach)
 
-    def views(self, live: Mapping[int, Request], now: float) -> list[RequestView]:
+    def views(self, live: Mapping[int, Request]) -> list[RequestView]:
         """The live requests' views for this iteration, after publishing what the last step
         computed (also for the requests that ended in it)."""
         if self.enabled:
             self._publish_computed(live)
         self._seen = dict(live) if self.enabled else {}
-        return self.annotate([r.view(now) for r in live.values()], live)
+        return self.annotate(views_of(live.values()), live)
 
     def _publish_computed(self, live: Mapping[int, Request]) -> None:
         """Publish the blocks steps filled since the last call, for the requests live then
@@ -139,6 +139,7 @@ class DevicePrefixes:
             if hit:
                 self.cache.acquire(v.id, hit)
                 req.computed_tokens = len(hit) * bs
+                req.changed()
                 self._attach.append((v.id, tuple(hit)))
             for c in (self.totals, self._since_take):
                 c.queried_tokens += v.context_tokens

@@ -61,8 +61,8 @@ class SwapInProfiler:
         """Swap in asynchronously this iteration? False when nothing in `order` is swapped;
         `sync` and `async` say; `adaptive` as the module's docstring says, asynchronous when it
         cannot predict yet."""
-        if not any(r.state == "swapped" for r in order):
-            return False
+        if mode == "sync" or not any(r.state == "swapped" for r in order):
+            return False  # sync first: the scan is a pass over the whole queue
         if mode != "adaptive":
             return mode == "async"
         if self.seconds_per_block is None or not iteration_ms:

@@ -42,23 +42,23 @@ def test_the_view_carries_every_field_of_the_request_at_its_moment():
     r.checkpointed_blocks, r.preemptions, r.last_scheduled_at = 5, 6, 11.0
     r.add_token(40, now=10.25)
     r.add_token(41, now=10.5)
-    v = r.view(now=12.0)
+    v = r.view()
     assert v._asdict() == dict(
         id=7, request_class="rt", priority=4, tenant="default", conversation_id="c", turn=3,
         arrival=10.0, prompt_tokens=3, max_tokens=5, ttft_ms=500.0, tpot_ms=50.0,
         state="running", output_tokens=2, computed_tokens=4, blocks=2, swapped_blocks=1,
         checkpointed_blocks=5, preemptions=6, first_token_at=10.25, last_token_at=10.5,
-        last_scheduled_at=11.0, waited_s=1.0, slack_ms=pytest.approx((10.35 - 12.0) * 1000),
-        trace_id="1/7",
+        last_scheduled_at=11.0, deadline=pytest.approx(10.35), trace_id="1/7",
         cached_tokens=0, cached_idle_blocks=0, shared_blocks=0)  # the prefix cache fills these
-    assert (v.context_tokens, v.remaining_tokens, v.next_deadline()) == (5, 1, r.next_deadline())
+    assert (v.context_tokens, v.remaining_tokens, v.deadline) == (5, 1, r.next_deadline())
+    assert (v.waited_s(12.0), v.slack_ms(12.0)) == (1.0, pytest.approx((10.35 - 12.0) * 1000))
     with pytest.raises(AttributeError):
         v.state = "waiting"  # type: ignore[misc]
 
 
 def test_a_view_before_the_first_token_waits_since_arrival():
-    v = Request.admit(_make_add(), SETTINGS, turn=1).view(now=10.5)
-    assert (v.waited_s, v.slack_ms, v.first_token_at) == (0.5, math.inf, None)
+    v = Request.admit(_make_add(), SETTINGS, turn=1).view()
+    assert (v.waited_s(10.5), v.slack_ms(10.5), v.first_token_at) == (0.5, math.inf, None)
     assert isinstance(v, RequestView)
 
 

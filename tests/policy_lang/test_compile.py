@@ -15,7 +15,7 @@ from engine.policy import EngineCapabilities, FcfsPolicy
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import PolicyCheckError
-from tests.factories import make_scheduler_view, make_view
+from tests.factories import NOW, make_scheduler_view, make_view
 
 
 def compile_text(text: str, **kw):
@@ -69,7 +69,7 @@ def test_class_precedence_orders_as_a_hand_written_sort(requests):
     d = compile_text(PRECEDENCE).decide(make_scheduler_view(views))
     rt = [v for v in views if v.request_class == "rt"]
     be = [v for v in views if v.request_class != "rt"]  # unknown classes join the default, be
-    want = sorted(rt, key=lambda v: (v.slack_ms, -v.priority, v.id)) + \
+    want = sorted(rt, key=lambda v: (v.slack_ms(NOW), -v.priority, v.id)) + \
         sorted(be, key=lambda v: (v.checkpointed_blocks, -v.arrival, v.id))
     assert ids(d) == [v.id for v in want]
 
