@@ -67,7 +67,7 @@ def planner_only(requests: int, repeats: int) -> float:
                     max_num_seqs=requests, max_batched_tokens=max(512, requests * 16))
     began = time.perf_counter()
     for it in range(repeats):
-        views = [r.view(float(it)) for r in live]  # frozen, built every iteration
+        views = [r.view() for r in live]  # kept until a request changes, as the engine does
         view = SchedulerView(now=float(it), iteration=it, requests=views, free_blocks=10_000,
                              total_blocks=100_000, block_size=16, max_num_seqs=requests,
                              max_batched_tokens=512)
