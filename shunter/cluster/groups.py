@@ -293,6 +293,8 @@ class SimGroups:
         async with anyio.create_task_group() as tg:
             for x, nbytes in zip(net.exchanges, copies):
                 tg.start_soon(x.run, [(-1, nbytes)], nothing)
+        if self.groups.get(g.head) is not g:
+            return  # a member was lost meanwhile: sim_faults.py dissolves the group
         solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(layers),))
         try:
             await _ask(head._scheduler_send, lambda r: Regroup(
