@@ -220,6 +220,10 @@ class Frontend:
         s = self._streams.get(out.request_id)
         if s is None:
             return
+        if (out.finish_reason is None and not s.stream and s.detok is None and not s.gone
+                and not s.stopping):  # the common case of a replay: held for the last chunk
+            s.held_ids.extend(out.token_ids)
+            return
         final = out.finish_reason is not None
         was_stopping = s.stopping
         text = self._new_text(s, out, final)
