@@ -186,7 +186,10 @@ class PackOrder:
             if need > free and need > free + lender.available(rank):
                 batch.reserve(r.id, step.cls, max(0, min(need, free)))
                 return "skip"
-        if batch.reverse_free is not None and batch.reverse_short(r, need):
+        # a BE request short of wholly free blocks waits, unless nothing else runs: then it
+        # goes first and its step swaps others out (§5.2's extreme case), or BE requests that
+        # all wait for free blocks held by each other would wait forever (96-block pool)
+        if batch.reverse_free is not None and batch.selected and batch.reverse_short(r, need):
             return "skip"
         copies, shape = copies_of(r), plus(batch.shape, chunk, 1)
         est = batch.predict(shape, copies)
