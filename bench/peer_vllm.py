@@ -211,6 +211,8 @@ def main() -> None:
     p.add_argument("--vllm-kv-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     p.add_argument("--workdir", type=Path, default=ROOT / "bench" / "results" / "tmp" / "peer")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--competitor", action="store_true",
+                   help="run both sides next to one busy process (a spinning Python loop)")
     args = p.parse_args()
     if args.setup:
         setup_venv(args.venv)
@@ -218,6 +220,24 @@ def main() -> None:
     if not (args.venv / "bin" / "python").exists():
         sys.exit(f"peer_vllm: no vLLM environment at {args.venv}: run with --setup first")
     args.workdir.mkdir(parents=True, exist_ok=True)
+    busy = (subprocess.Popen([sys.executable, "-c", "while True: pass"]) if args.competitor
+            else None)
+    try:
+        rows = run_all(args)
+    finally:
+        if busy is not None:
+            busy.kill()
+    import torch
+
+    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "torch": torch.__version__, "cpus": os.cpu_count(), "competitor": args.competitor,
+              "load_average_at_end": os.getloadavg(), "rows": rows, "table": table(rows)}
+    print(table(rows))
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
     rows = []
     for size in args.sizes.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
@@ -227,14 +247,7 @@ def main() -> None:
                   f"({row['ratio_tokens_per_s']:.2f}x), identical "
                   f"{row['identical_outputs']}/{row['prompts']}", file=sys.stderr, flush=True)
             rows.append(row)
-    import torch
-
-    result = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "torch": torch.__version__, "cpus": os.cpu_count(),
-              "load_average_at_end": os.getloadavg(), "rows": rows, "table": table(rows)}
-    print(table(rows))
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return rows
 
 
 if __name__ == "__main__":
