@@ -131,10 +131,12 @@ def copy_history() -> Iterator[list[tuple[str, int, tuple]]]:
         SwapPool._dispatch, Request.recompute = dispatch, recompute
 
 
-def lost_checkpoint_used(events: list[tuple[str, int, tuple]], lost: frozenset[int]) -> int | None:
+def lost_checkpoint_reader(events: list[tuple[str, int, tuple]],
+                           lost: frozenset[int]) -> tuple[int, bool] | None:
     """The request that read the lost checkpoint (host slots `lost`, never written) back into its
-    KV and kept it there (was not recomputed later), or None. A checkpoint is ordered by the RT
-    request that overwrites the slots, so the BE owner is known only when it reads them back."""
+    KV, and whether it kept it (was not recomputed later), or None if none read it. A checkpoint
+    is ordered by the RT request that overwrites the slots, so the BE owner is known only when it
+    reads them back."""
     first = next(i for i, (kind, _, pairs) in enumerate(events)
                  if kind == "out" and any(h in lost for _, h in pairs))
     unwritten = set(lost)
@@ -142,8 +144,7 @@ def lost_checkpoint_used(events: list[tuple[str, int, tuple]], lost: frozenset[i
         if kind == "out":
             unwritten -= {h for _, h in pairs}
         elif kind == "in" and any(h in unwritten for h, _ in pairs):
-            recomputed = any(k == "recompute" and r == rid for k, r, _ in events[i:])
-            return None if recomputed else rid
+            return rid, not any(k == "recompute" and r == rid for k, r, _ in events[i:])
     return None
 
 
@@ -170,19 +171,23 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_skipping_one_checkpoint_copy_corrupts_outputs(tiny_llama_dir):
     """Whenever the skipped checkpoint is read back into its request's KV and stays there, that
-    request's output goes wrong. In a run where it was not read back, or its request was
-    recomputed afterwards (timing decides), the seed changes, up to five runs."""
-    for seed in range(5):
+    request's output goes wrong. A reader recomputed later keeps the tokens it made meanwhile,
+    so its output may or may not show it; where it does not (timing decides), or nothing read
+    the checkpoint back, the seed changes, up to eight runs."""
+    for seed in range(8):
         with copy_history() as events:
             run = await serve(tiny_llama_dir, plant_bug=True, seed=seed)
         assert run.swapper.lost, "no checkpoint was made"
-        owner = lost_checkpoint_used(events, run.swapper.lost)
-        if owner is not None:
-            wrong = mismatches(tiny_llama_dir, run.outputs)
-            assert any(m.startswith(f"{run.labels[owner]}:") for m in wrong), \
-                f"a lost checkpoint of {run.labels[owner]} went unnoticed: {wrong}"
+        read = lost_checkpoint_reader(events, run.swapper.lost)
+        if read is None:
+            continue
+        reader, kept = read
+        wrong = mismatches(tiny_llama_dir, run.outputs)
+        caught = any(m.startswith(f"{run.labels[reader]}:") for m in wrong)
+        assert caught or not kept, f"a lost checkpoint of {run.labels[reader]} went unnoticed: {wrong}"
+        if caught:
             return
-    pytest.fail("the skipped checkpoint was never read back and kept in five runs")
+    pytest.fail("in eight runs the skipped checkpoint never reached an output")
 
 
 def test_an_engine_that_cannot_honour_bidirectional_refuses_it_at_load():
