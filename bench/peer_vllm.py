@@ -13,6 +13,10 @@ Then one comparison (each side in a fresh process of its own, sides interleaved 
 
     python bench/peer_vllm.py [--sizes shipped,4x256,25m,100m] [--batches 1,8,64] [--repeats 3]
                               [--prompts 64] [--max-tokens 128] [--out bench/results/peer_vllm.json]
+                              [--competitor]
+
+(`--competitor`: both sides run next to one busy process, a spinning Python loop, started
+before the first run and killed after the last.)
 
 For each model size and batch size (the most sequences either engine runs at once), it reports
 output tokens/s over the generation alone (after one warm-up request, so imports, loading and
