@@ -168,7 +168,7 @@ async def test_draining_refuses_new_requests_and_cuts_the_rest_at_the_deadline()
             with anyio.fail_after(10):
                 while state.live < 2:
                     await anyio.sleep(0.01)
-            tg.start_soon(state.drain, 0.5)
+            tg.start_soon(state.drain, 2.0)  # alone the short one takes 0.2 s, the long one 50 s
             await anyio.sleep(0.05)
             error_of(await http.get("/health"), 503, "engine_dead")
             r = await http.post("/v1/completions", json=short)
