@@ -85,7 +85,7 @@ class Scheduler(AdoptionMixin):
                     await self._handle(await self._inbox.receive())
                 continue
             if self._config.charge_scheduler_time:  # sim: planning's CPU time, on its clock
-                await anyio.sleep(self._stats.last_scheduler_s)
+                await anyio.sleep(self._stats.last_scheduler_s * self._config.scheduler_time_scale)
             await self._allocator.send(self._with_regroup(step))
             await self._wait_for(step.step_id)
             self._regroups_after_step()
@@ -194,8 +194,8 @@ class Scheduler(AdoptionMixin):
             now=now, iteration=self._iteration, requests=self._prefixes.views(self._live),
             free_blocks=self._free_blocks(), total_blocks=self._total_blocks,
             reverse_free_blocks=self._bidi.reverse_free() if self._bidi else None,
-            block_size=c.block_size, max_num_seqs=c.max_num_seqs * self._seat.stages,
-            max_batched_tokens=c.max_batched_tokens * self._seat.stages,  # a group's: adoption.py
+            block_size=c.block_size, max_num_seqs=c.max_num_seqs,  # a group's: adoption.py
+            max_batched_tokens=c.max_batched_tokens * self._seat.stages,
             cost=self._stats.cost_model, last_iteration_ms=self._last_iteration_ms)
 
     def _next_step(self) -> RunStep | None:

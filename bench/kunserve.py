@@ -84,10 +84,10 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
         config = attrs.evolve(config, num_blocks=16 * one)
     if static:  # N/2 instances, each the head of a fixed two-member group
         wb = profile.model.weight_bytes // profile.model.block_bytes(base.block_size)
-        # vLLM's pipeline parallelism gives each of its 2 virtual engines a whole step budget
+        # as a KunServe group (engine/cluster/adoption.py `GroupSeat.stages`): each of the
+        # 2 stages an instance's token budget, the group one instance's sequences
         config = attrs.evolve(config, num_blocks=group_pool([one, one], wb),
-                              max_batched_tokens=2 * base.max_batched_tokens,
-                              max_num_seqs=2 * base.max_num_seqs)
+                              max_batched_tokens=2 * base.max_batched_tokens)
         instances //= 2
     demand: list = []
     async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:

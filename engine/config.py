@@ -72,6 +72,9 @@ class EngineConfig:
     """Sim backend: the scheduler's measured CPU time per iteration passes on the virtual
     clock too, so scheduling overhead shows in latencies (BROS §7.4.2). Real backends pay it
     already."""
+    scheduler_time_scale: float = 1.0
+    """Sim backend, with `charge_scheduler_time`: the charge is the measured time times this.
+    A profile fitted net of a real engine's planning sets both (`EngineCost.planning_scale`)."""
     pipeline_stages: int = 1
     """Torch backend: run the model as a pipeline of this many stage processes, each holding a
     contiguous range of layers (gpu/pipeline.py); 1 runs it in this process."""
@@ -87,6 +90,7 @@ class EngineConfig:
                      "max_batched_tokens", "max_queued_requests", "max_prompt_tokens",
                      "threads", "inbox_size", "pipeline_stages", "pipeline_microbatches"):
             _positive(name, getattr(self, name))
+        _positive("scheduler_time_scale", self.scheduler_time_scale)
         if self.charge_scheduler_time and self.backend != "sim":
             raise ConfigError("charge_scheduler_time is for the sim backend (a real backend's "
                               f"clock already includes the scheduler), got backend {self.backend!r}")
