@@ -69,7 +69,7 @@ class Limits:
 
 
 @attrs.define(eq=False)
-class _ClientStream:
+class ClientStream:
     send: MemoryObjectSendStream[ClientOutput]
     detok: Detokenizer | None
     stop: tuple[str, ...]
@@ -87,6 +87,9 @@ class _ClientStream:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
+_ClientStream = ClientStream  # the old private name: goes once instance_groups.py imports the new
+
+
 class Frontend:
     name = "frontend"
 
@@ -97,7 +100,7 @@ class Frontend:
         self._limits = limits
         self._inbox = inbox
         self._scheduler = scheduler
-        self._streams: dict[int, _ClientStream] = {}
+        self._streams: dict[int, ClientStream] = {}
         self._ids = itertools.count(1)
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -157,8 +160,8 @@ class Frontend:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
             return  # the client went away while its submission waited here
         detok = self._codec.detokenizer() if self._codec else None
-        self._streams[rid] = _ClientStream(send=msg.outputs, detok=detok, stop=msg.sampling.stop,
-                                           stream=msg.stream)
+        self._streams[rid] = ClientStream(send=msg.outputs, detok=detok, stop=msg.sampling.stop,
+                                          stream=msg.stream)
         await self._scheduler.send(AddRequest(
             request_id=rid, prompt_ids=prompt_ids, sampling=msg.sampling,
             scheduling=msg.scheduling, arrival=anyio.current_time(),
@@ -253,7 +256,7 @@ class Frontend:
         elif s.stopping and not was_stopping and not s.gone:
             await self._scheduler.send(AbortRequest(request_id=out.request_id, reason="stop"))
 
-    def _new_text(self, s: _ClientStream, out: TokenOutput, final: bool) -> str:
+    def _new_text(self, s: ClientStream, out: TokenOutput, final: bool) -> str:
         """Text to emit now: detokenize, cut at a stop string, hold back a possible stop prefix."""
         if s.detok is None or s.stopping:
             return ""

@@ -17,10 +17,10 @@ The torch instances do the same through K2's wire commands (see the engine API n
 from __future__ import annotations
 
 import anyio
-import attrs
 import structlog
 
 from engine.cluster.adoption import PoolTooSmall
+from engine.cluster.counters import ClusterCounters
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, TriggerFactory
@@ -34,27 +34,6 @@ from sim.network import NetworkLink
 from sim.profile import ModelShape
 
 log = structlog.get_logger(actor="coordinator")
-
-
-@attrs.define
-class ClusterCounters:
-    """The bench's `cluster` block."""
-
-    drops: int = 0
-    restores: int = 0
-    groups_formed: int = 0
-    kv_exchanged_bytes: int = 0
-    adopted_requests: int = 0
-    rescheduled_requests: int = 0
-    """Queued requests (no KV) moved from an instance alone to a group's head."""
-    restore_retries: int = 0
-    faults: int = 0
-    """Groups dissolved because a member was lost (shunter/cluster/sim_faults.py)."""
-    recomputed_requests: int = 0
-    """Requests whose KV went with a lost member, prefilled again."""
-    timeline: list[dict] = attrs.field(factory=list)
-    """Per monitor round: time, each instance's used blocks and pool, its group."""
-    events: list[dict] = attrs.field(factory=list)
 
 
 class SimGroups:
@@ -324,16 +303,11 @@ class SimGroups:
         step = max(1, len(c.timeline) // 600)
         fits = [f for n in self.networks() for f in n.fits]
         return {
-            "drops": c.drops, "restores": c.restores, "groups_formed": c.groups_formed,
-            "kv_exchanged_bytes": c.kv_exchanged_bytes, "adopted_requests": c.adopted_requests,
-        "rescheduled_requests": c.rescheduled_requests,
-            "restore_retries": c.restore_retries, "bubble_ratio": self.bubble_ratio(),
-            "faults": c.faults, "recomputed_requests": c.recomputed_requests,
+            **c.block(t0), "bubble_ratio": self.bubble_ratio(),
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
             "token_model_error": (sum(f.tokens_model_error for f in fits) / len(fits))
             if fits else None,
-            "events": [dict(e, t=e["t"] - t0) for e in c.events],
             "kv_usage": [{"t": s["t"] - t0, "used": s["used"], "pool": s["pool"],
                           "group": s["group"], "dropped_layers": s["dropped_layers"],
                           "queued_tokens": s["queued_tokens"]}
