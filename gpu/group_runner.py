@@ -23,6 +23,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from engine.cluster.plan import PipelineTotals, pipeline_timing
+from engine.cluster.stage_fits import StageFits, check_cut
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from gpu.data_plane import (
     CONTROL_TAG,
@@ -40,6 +42,7 @@ from gpu.group_stage import (
     GroupRestore,
     GroupStage,
     GroupStart,
+    GroupStep,
     MemberReply,
     SeqState,
     generator_state,
@@ -51,12 +54,27 @@ from gpu.pipeline import StepRecord
 from gpu.pipeline_stage import StageStep
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
+MIN_CHUNK_TOKENS = 4
+"""Lookahead never cuts a prefill into a piece under this many tokens (§4.3 Figure 11, lines
+4-5: formation stops below a threshold). The simulator uses 32 for the 8B profile's GEMMs; the
+tiny CPU models and short prompts the torch groups run in tests are cut down to a block."""
+
 
 class GroupRunner:
     def __init__(self, solo, ranks: Sequence[int], layers: Sequence[range],
                  adopted: Sequence[Adopted] = (), *, chunk_blocks: int = 4,
-                 microbatches: int | None = None) -> None:
+                 microbatches: int | None = None, microbatch: str = "tokens",
+                 fits: StageFits | None = None) -> None:
+        """`microbatch`: how each step is cut (`tokens` or `lookahead`, the policy's setting);
+        `fits`: the stages' Eq. 1-3 fits to go on from (a previous group of the same split)."""
         self.solo = solo
+        self.microbatch = microbatch
+        self.fits = fits if fits is not None else StageFits(len(ranks))
+        self.totals = PipelineTotals()
+        """The steps' GPipe schedule replayed with each stage's measured microbatch times
+        (engine/cluster/plan.py `pipeline_timing`; activations' transfer not counted)."""
+        self.wall = [0.0, 0.0]
+        """[stage compute seconds, stages x step wall seconds] as they ran here."""
         self.ranks, self.layers = tuple(ranks), tuple(layers)
         self.adopted = tuple(adopted)
         self.chunk_blocks = chunk_blocks
@@ -122,7 +140,10 @@ class GroupRunner:
 
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
-        msg = StageStep(step=step, fed_back=self._fed_back)
+        cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
+                            min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
+        check_cut(step.seqs, cut)
+        msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
         try:
@@ -141,6 +162,13 @@ class GroupRunner:
             replies.append(reply)
         self._note_arrived(0, mine.arrived)
         self._fed_back = replies[-1].sampled
+        missing = ({w.request_id for w in step.seqs if w.sample}
+                   - {t.request_id for t in self._fed_back})
+        if missing:
+            raise RuntimeError(f"pipeline group step {step.step_id} sampled no token for "
+                               f"requests {sorted(missing)} (its microbatches left them out)")
+        if cut:
+            self._account(cut, [r.compute_s for r in replies], time.perf_counter() - began)
         if self.records is not None:
             self.records.append(StepRecord(
                 step_id=step.step_id, wall_s=time.perf_counter() - began,
@@ -148,6 +176,23 @@ class GroupRunner:
                 wait_s=tuple(r.wait_s for r in replies)))
         return StepFinished(step_id=step.step_id, sampled=self._fed_back,
                             compute_s=time.perf_counter() - began)
+
+    def _account(self, cut, compute_s, wall: float) -> None:
+        if any(len(c) != len(cut) for c in compute_s):
+            raise RuntimeError(f"the members ran {[len(c) for c in compute_s]} microbatches of "
+                               f"a cut of {len(cut)}")
+        self.fits.observe(cut, [[x * 1e3 for x in c] for c in compute_s])
+        self.totals.add(pipeline_timing(compute_s, [0.0] * len(cut)), len(cut))
+        self.wall[0] += sum(map(sum, compute_s))
+        self.wall[1] += len(compute_s) * wall
+
+    def pipeline_report(self) -> dict:
+        """Bubble ratios and the cost model's prediction error over the group's steps."""
+        t = self.totals
+        return {"microbatch": self.microbatch, "steps": t.steps, "microbatches": t.microbatches,
+                "bubble_ratio": t.bubble_ratio, "busy_s": t.busy_s, "makespan_s": t.makespan_s,
+                "wall_bubble_ratio": 1 - self.wall[0] / self.wall[1] if self.wall[1] else 0.0,
+                "cost_model": self.fits.report()}
 
     def poll(self, step_id: int) -> list[int]:
         """An empty step (members report arrivals); returns `arrived()`."""

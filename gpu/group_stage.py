@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from engine.cluster.plan import split_microbatches
+from engine.cluster.stage_fits import Cut, pieces
 from engine.messages import ExecuteStep, SampledToken, SeqWork
 from engine.params import SamplingParams
 from gpu.block_map import BlockMap
@@ -82,6 +83,14 @@ class GroupStart:
     adopted: tuple[Adopted, ...]
     chunk_blocks: int
     microbatches: int
+
+
+@attrs.frozen(kw_only=True)
+class GroupStep(StageStep):
+    """A group's step with the head's cut of it into microbatches (engine/cluster/stage_fits.py:
+    by tokens, or lookahead's cost-balanced pieces); every member runs exactly this cut."""
+
+    micro: Cut
 
 
 @attrs.frozen(kw_only=True)
@@ -200,9 +209,12 @@ class GroupStage:
         self._book(step)
         for w in step.seqs:
             self._place(w.request_id)
-        ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
-        micro = split_microbatches(ordered, self.start.microbatches,
-                                   [w.num_tokens for w in ordered])
+        if isinstance(msg, GroupStep):
+            micro = pieces(step.seqs, msg.micro)
+        else:
+            ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
+            micro = split_microbatches(ordered, self.start.microbatches,
+                                       [w.num_tokens for w in ordered])
         sampled, compute, waits = [], [], []
         for m, work in enumerate(micro):
             c, w, out = self._microbatch(step.step_id, m, work)

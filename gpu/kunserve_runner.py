@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import attrs
 
+from engine.cluster.stage_fits import StageFits
 from engine.messages import ExecuteStep, StepFinished
 from gpu.data_plane import GroupMemberLost
 from gpu.group_runner import GroupRunner
@@ -28,12 +29,12 @@ from gpu.runner import TorchRunner
 
 
 class KunServeTorchRunner(TorchRunner):
-    GROUP_MODES = ("coordinated", "tokens")
+    GROUP_MODES = ("coordinated", "tokens", "lookahead")
     """KunServe group settings it honours: the exchanged KV goes in chunks behind activations
-    (gpu/transfer.py's two lanes: `kv_exchange coordinated`; one FIFO queue is not built) and
-    microbatches are cut by tokens (engine/cluster/plan.py `split_microbatches`; the lookahead
-    cost model runs on the simulator only). Groups form on local clusters of instance processes
-    (shunter/cluster/remote_groups.py)."""
+    (gpu/transfer.py's two lanes: `kv_exchange coordinated`; one FIFO queue is not built);
+    microbatches are cut by tokens or by lookahead (the head cuts each step with Eq. 1-3 fitted
+    per stage on the microbatches the group ran: engine/cluster/stage_fits.py). Groups form on
+    local clusters of instance processes (shunter/cluster/remote_groups.py)."""
 
     def __init__(self, *args, chunk_blocks: int = 4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -50,6 +51,10 @@ class KunServeTorchRunner(TorchRunner):
         self._again: set[int] = set()
         """Requests the engine releases to recompute them: their context stays in `_tokens`
         until their setup comes."""
+        self.microbatch = "tokens"
+        """How a group this instance leads cuts its steps (the policy's `microbatch`)."""
+        self.stage_fits: dict[tuple, object] = {}
+        """Eq. 1-3 per stage, by the group's layer split: a later group goes on from them."""
         self.holding = False
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
@@ -66,6 +71,12 @@ class KunServeTorchRunner(TorchRunner):
     def adopt_tokens(self, tokens: dict[int, tuple[int, ...]]) -> None:
         self._tokens.update(tokens)
 
+    def _group(self, plan, adopted: Sequence[Adopted]) -> GroupRunner:
+        split = tuple((r.start, r.stop) for r in plan.layers)
+        fits = self.stage_fits.setdefault(split, StageFits(len(plan.members)))
+        return GroupRunner(self, plan.members, plan.layers, adopted,
+                           chunk_blocks=self.chunk_blocks, microbatch=self.microbatch, fits=fits)
+
     def form(self, plan, adopted: Sequence[Adopted]) -> tuple[range, tuple[int, ...]]:
         """Open the group `plan` (members in pipeline order, this instance first) now, with the
         requests `adopted` from members; returns the group's block ids and this instance's
@@ -74,8 +85,7 @@ class KunServeTorchRunner(TorchRunner):
         if self.group is not None:
             raise RuntimeError(f"already leading group {self.group.ranks}")
         own = tuple(rid for rid, s in self._seqs.items() if s.table)
-        self.group = GroupRunner(self, plan.members, plan.layers, adopted,
-                                 chunk_blocks=self.chunk_blocks)
+        self.group = self._group(plan, adopted)
         return self.group.open(), own
 
     def dissolve_idle(self) -> bool:
@@ -117,8 +127,7 @@ class KunServeTorchRunner(TorchRunner):
             if self.group is not None:
                 raise RuntimeError(f"already leading group {self.group.ranks}; got plan "
                                    f"{plan.members}")
-            self.group = GroupRunner(self, plan.members, plan.layers, self._adopted,
-                                     chunk_blocks=self.chunk_blocks)
+            self.group = self._group(plan, self._adopted)
             self._adopted = ()
             pool = self.group.open()
             if step.pool_blocks is not None and step.pool_blocks > len(pool):

@@ -54,6 +54,8 @@ class HeadGroup:
     key: int
     plan: Any
     adopted: tuple[tuple[int, Moved], ...]
+    microbatch: str = "tokens"
+    """How the group cuts its steps (the policy's `microbatch`: `tokens` or `lookahead`)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -29,7 +29,7 @@ import math
 import anyio
 import structlog
 
-from actors.frontend import _ClientStream
+from actors.frontend import ClientStream
 from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
@@ -142,7 +142,7 @@ class InstanceGroups:
             detok = codec.detokenizer() if codec is not None and mv.stream else None
             if detok is not None and q.output_ids:
                 detok.add(list(q.output_ids))  # where the member's detokenizer was
-            streams[q.id] = _ClientStream(send=send, detok=detok, **(mv.stream or {"stop": ()}))
+            streams[q.id] = ClientStream(send=send, detok=detok, **(mv.stream or {"stop": ()}))
             recvs[q.id] = recv
         new_ids = await _ask(eng._frontend_send, lambda r: TakeOverStreams(
             streams=streams, reply=r)) if streams else {}
@@ -158,6 +158,7 @@ class InstanceGroups:
                                        kv_tokens=q.computed_tokens))
             reqs.append(q)
         runner.adopt_tokens(tokens)
+        runner.microbatch = msg.microbatch
         # own: exactly the requests whose KV the runner exchanges (a request that ran its
         # first step after the group opened has all of its KV in the group already)
         pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
@@ -202,7 +203,7 @@ class InstanceGroups:
             ex = g.exchange
             head = {"sent_bytes": ex.sent_bytes, "received_bytes": ex.received_bytes,
                     "chunks_received": ex.chunks_received, "restore": dict(g.restore_stats),
-                    "leading": runner.group is not None}
+                    "leading": runner.group is not None, "pipeline": g.pipeline_report()}
         return {"head": head, "member": self.member_stats}
 
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 import socket
 
 import anyio
-import attrs
 import structlog
 
+from engine.cluster.counters import ClusterCounters
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore
@@ -45,27 +45,25 @@ class GroupCommandError(RuntimeError):
     """An instance could not carry out its part of a group change (names the instance)."""
 
 
-@attrs.define
-class RemoteCounters:
-    drops: int = 0
-    restores: int = 0
-    groups_formed: int = 0
-    adopted_requests: int = 0
-    restore_retries: int = 0
-    events: list[dict] = attrs.field(factory=list)
-
-
 class RemoteGroups:
-    def __init__(self, instances: list, *, coordinator, base_pools, num_layers: int) -> None:
+    def __init__(self, instances: list, *, coordinator, base_pools, num_layers: int,
+                 microbatch: str = "tokens") -> None:
         self.instances = instances
+        self.microbatch = microbatch
+        """The policy's `microbatch`: how the groups formed from now on cut their steps."""
         """RemoteInstance handles (shunter/cluster/handles.py), by index."""
         self.coordinator = coordinator
         self.base_pools = list(base_pools)
         self.num_layers = num_layers
         self.groups: dict[int, GroupPlan] = {}
-        self.counters = RemoteCounters()
+        self.counters = ClusterCounters()
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
+
+    def follow(self, settings) -> None:
+        """A replaced policy's memory settings: groups formed from now on use its
+        `microbatch`."""
+        self.microbatch = settings.memory.microbatch
 
     async def join(self, timeout_s: float = 120.0) -> None:
         """Every instance joins one data plane (this machine's loopback)."""
@@ -134,7 +132,7 @@ class RemoteGroups:
                     member.moved_to[mv.cluster_key] = head
                 adopted.append((k, mv))
         counts = await self._command(g.head, lambda key: HeadGroup(
-            key=key, plan=g, adopted=tuple(adopted)))
+            key=key, plan=g, adopted=tuple(adopted), microbatch=self.microbatch))
         self.groups[g.head] = g
         await self.coordinator.send(GroupsChanged(formed=g))
         c = self.counters
@@ -179,10 +177,7 @@ class RemoteGroups:
         return True
 
     def report(self, t0: float) -> dict:
-        c = self.counters
-        return {"drops": c.drops, "restores": c.restores, "groups_formed": c.groups_formed,
-                "adopted_requests": c.adopted_requests, "restore_retries": c.restore_retries,
-                "events": [dict(e, t=e["t"] - t0) for e in c.events]}
+        return self.counters.block(t0)
 
 
 class _TooSmall(Exception):

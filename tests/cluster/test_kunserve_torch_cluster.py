@@ -45,7 +45,7 @@ def kunserve_config(kunserve_model, tmp_path_factory):
     policy = tmp_path_factory.mktemp("kunserve-policy") / "kunserve_torch.policy"
     # the shipped drop rule waits two monitor rounds; one is enough here (a burst on this tiny
     # model can drain within two 20 ms rounds on a fast run)
-    policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_exchange")}" {{\n'
+    policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_lookahead")}" {{\n'
                       f'  overload drop when head_tokens > free_tokens\n'
                       f'  overload restore when kv_usage < 60%\n}}\n')
     return EngineConfig(model=kunserve_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
@@ -114,6 +114,11 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     member = head_stats[formed["members"][1]]["member"]
     assert head["received_bytes"] > 0 and member["sent_bytes"] > 0, (head, member)
     assert member["copied_blocks"] == 0, "kept KV was copied"
+    # lookahead (§4.3): the head cut the group's steps, prefills divided between microbatches
+    pipe = head["pipeline"]
+    assert pipe["microbatch"] == "lookahead" and pipe["steps"] >= 1, pipe
+    assert pipe["cost_model"]["split_chunks"] >= 1, pipe
+    assert 0 <= pipe["bubble_ratio"] < 1, pipe
     # both long requests were generating before the drop, during the group and after restore
     for i in range(2):
         t = times[f"L{i}"]
@@ -127,10 +132,12 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 
-def test_torch_engines_honour_coordinated_exchange_and_refuse_lookahead(kunserve_config):
+def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kunserve_config,
+                                                                            tmp_path):
     """The torch runner claims the group settings it runs (`kv_exchange coordinated`,
-    `microbatch tokens`); `kunserve_lookahead` (the simulator's cost model) is refused at load
-    with the setting's place in the file."""
+    `microbatch tokens` and `lookahead`): the whole ablation ladder loads. A FIFO exchange
+    (KV in the activations' queue) is not built on torch: a policy that writes it is refused at
+    load with the setting's place in the file."""
     from engine.errors import PolicyError
     from policies import policy_path
     from shunter.backends import build_backend
@@ -139,12 +146,18 @@ def test_torch_engines_honour_coordinated_exchange_and_refuse_lookahead(kunserve
     backend = build_backend(kunserve_config)
     caps = engine_capabilities(kunserve_config, backend)
     backend.runner.close()
-    assert caps.group_modes == {"coordinated", "tokens"}
-    assert initial_policy(kunserve_config, None, caps).settings.memory.kv_exchange == "coordinated"
-    with pytest.raises(PolicyError, match=r"kunserve_lookahead\.policy:\d+:\d+.*microbatch "
-                                          r"lookahead is not supported"):
-        initial_policy(attrs.evolve(kunserve_config, policy=policy_path("kunserve_lookahead")),
-                       None, caps)
+    assert caps.group_modes == {"coordinated", "tokens", "lookahead"}
+    for name in ("kunserve_exchange", "kunserve_lookahead", "kunserve"):
+        loaded = initial_policy(attrs.evolve(kunserve_config, policy=policy_path(name)), None,
+                                caps).settings.memory
+        assert loaded.kv_exchange == "coordinated", name
+        assert loaded.microbatch == ("tokens" if name == "kunserve_exchange" else "lookahead")
+    fifo = tmp_path / "fifo.policy"
+    fifo.write_text(f'policy fifo_exchange extends "{policy_path("kunserve")}" {{\n'
+                    f'  memory {{ kv_exchange fifo }}\n}}\n')
+    with pytest.raises(PolicyError, match=r"fifo\.policy:2:\d+.*kv_exchange fifo is not "
+                                          r"supported"):
+        initial_policy(attrs.evolve(kunserve_config, policy=fifo), None, caps)
 
 
 @pytest.mark.anyio

@@ -1,0 +1,169 @@
+"""KunServe's cost model (§4.3 Eq. 1-3) fitted per pipeline stage from the microbatches a group
+really ran, and the cut of a step into microbatches that a real pipeline group sends its
+members (the torch backend's; the simulator fits the same model to its profile, sim/group.py).
+
+`StageFits` keeps, for each stage, the recent microbatches it ran as (chunks, milliseconds
+measured), refits Eq. 1-3 by least squares (engine/cluster/lookahead.py `fit_chunk_cost`) after
+each step, and before adding a step's microbatches predicts them with the fit it had: those
+predictions against the times then measured are the model's prediction error (held out: a
+microbatch never predicts itself). The same is done for a token-count model (ms = a + b x
+tokens, least squares), the baseline the paper compares with (Figure 15).
+
+`cut` cuts a step's work: `lookahead` balances the microbatches' predicted cost over the whole
+step (`lookahead_split`, with the stages' fits summed: a microbatch's trip through every
+stage), cutting prefill chunks where the balance falls; until every stage has
+`min_samples` measured microbatches it balances tokens the same way (`TOKEN_COUNT`). `tokens`
+keeps whole sequences in microbatches of about equal tokens (engine/cluster/plan.py
+`split_microbatches`, what the group did before lookahead). `pieces` turns a cut back into
+the step's `SeqWork`: a piece of a prefill samples only if it ends where its sequence's work
+ends.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from collections.abc import Sequence
+
+import attrs
+
+from engine.cluster.lookahead import Chunk, ChunkCost, fit_chunk_cost, lookahead_split
+from engine.cluster.plan import split_microbatches
+from engine.messages import SeqWork
+
+TOKEN_COUNT = ChunkCost(alpha=0.0, beta=0.0, gamma=1.0, delta=0.0)
+"""A chunk costs its tokens (what lookahead balances before the stages are fitted)."""
+
+Cut = tuple[tuple[Chunk, ...], ...]
+"""Microbatches in order, each a tuple of (index in the step's seqs, start, tokens)."""
+
+
+def step_chunks(seqs: Sequence[SeqWork]) -> list[Chunk]:
+    """The step's work as chunks, prefills before decodes (the order the groups cut in)."""
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].num_tokens == 1)
+    return [(i, seqs[i].start, seqs[i].num_tokens) for i in order]
+
+
+def pieces(seqs: Sequence[SeqWork], cut: Cut) -> list[list[SeqWork]]:
+    """Each microbatch's `SeqWork`: piece (i, start, n) of `seqs[i]`, sampling only at the end
+    of `seqs[i]`'s work."""
+    out = []
+    for mb in cut:
+        work = []
+        for i, start, n in mb:
+            w = seqs[i]
+            work.append(SeqWork(request_id=w.request_id, start=start, num_tokens=n,
+                                sample=w.sample and start + n == w.start + w.num_tokens))
+        out.append(work)
+    return out
+
+
+def check_cut(seqs: Sequence[SeqWork], cut: Cut) -> None:
+    """Every token of every sequence's work in exactly one piece, in order, none empty."""
+    seen: dict[int, int] = {}
+    for mb in cut:
+        if not mb:
+            raise ValueError("a microbatch of the cut is empty")
+        for i, start, n in mb:
+            w = seqs[i]
+            if n < 1 or start != seen.get(i, w.start):
+                raise ValueError(f"the cut's piece ({i}, {start}, {n}) of request {w.request_id}"
+                                 f" does not follow its previous piece")
+            seen[i] = start + n
+    for i, w in enumerate(seqs):
+        if seen.get(i, w.start) != w.start + w.num_tokens:
+            raise ValueError(f"the cut leaves tokens of request {w.request_id} out "
+                             f"({seen.get(i, w.start)} of [{w.start}, "
+                             f"{w.start + w.num_tokens}) computed)")
+
+
+@attrs.define
+class StageFits:
+    stages: int
+    min_samples: int = 8
+    window: int = 256
+    """Most recent microbatches kept per stage (older ones age out of the fit)."""
+    samples: list[deque] = attrs.field(init=False)
+    fits: list[ChunkCost | None] = attrs.field(init=False)
+    token_fits: list[tuple[float, float] | None] = attrs.field(init=False)
+    errors: list[float] = attrs.field(factory=list)
+    """|predicted - measured| / measured, per stage and microbatch, with the fit of the time."""
+    token_errors: list[float] = attrs.field(factory=list)
+    cuts: int = 0
+    """Steps cut by the fitted model (the others: by tokens)."""
+    split_chunks: int = 0
+    """Prefill chunks the cuts divided between microbatches."""
+
+    def __attrs_post_init__(self) -> None:
+        self.samples = [deque(maxlen=self.window) for _ in range(self.stages)]
+        self.fits = [None] * self.stages
+        self.token_fits = [None] * self.stages
+
+    @property
+    def fitted(self) -> bool:
+        return all(f is not None for f in self.fits)
+
+    def model(self) -> ChunkCost:
+        """A microbatch's cost through every stage (the stages' fits summed)."""
+        if not self.fitted:
+            return TOKEN_COUNT
+        return ChunkCost(**{k: sum(getattr(f, k) for f in self.fits)
+                            for k in ("alpha", "beta", "gamma", "delta")})
+
+    def cut(self, seqs: Sequence[SeqWork], parts: int, mode: str, *,
+            min_tokens: int = 1) -> Cut:
+        chunks = step_chunks(seqs)
+        if mode == "tokens":
+            out = split_microbatches(chunks, parts, [c[2] for c in chunks])
+        elif mode == "lookahead":
+            fitted = self.fitted
+            out = lookahead_split(chunks, parts, self.model(), min_tokens=min_tokens)
+            self.cuts += fitted
+            self.split_chunks += sum(len(mb) for mb in out) - len(chunks)
+        else:
+            raise ValueError(f"microbatch mode {mode!r}: expected 'tokens' or 'lookahead'")
+        return tuple(tuple(mb) for mb in out)
+
+    def observe(self, cut: Cut, stage_ms: Sequence[Sequence[float]]) -> None:
+        """The step's microbatches ran: stage s spent `stage_ms[s][m]` on microbatch m."""
+        if len(stage_ms) != self.stages:
+            raise ValueError(f"{len(stage_ms)} stages measured, {self.stages} fitted")
+        batches = [[(s, n) for _, s, n in mb] for mb in cut]
+        for s, row in enumerate(stage_ms):
+            fit, tok = self.fits[s], self.token_fits[s]
+            for chunks, ms in zip(batches, row):
+                if ms <= 0:
+                    continue
+                if fit is not None:
+                    self.errors.append(abs(fit.batch_ms(chunks) - ms) / ms)
+                if tok is not None:
+                    pred = tok[0] + tok[1] * sum(n for _, n in chunks)
+                    self.token_errors.append(abs(pred - ms) / ms)
+                self.samples[s].append((chunks, ms))
+            if len(self.samples[s]) >= self.min_samples:
+                self.fits[s] = fit_chunk_cost(list(self.samples[s]))
+                self.token_fits[s] = _token_fit(self.samples[s])
+
+    def report(self) -> dict:
+        def stats(xs: list[float]) -> dict:
+            if not xs:
+                return {"n": 0}
+            return {"n": len(xs), "mean": statistics.fmean(xs), "median": statistics.median(xs),
+                    "p90": sorted(xs)[int(0.9 * (len(xs) - 1))]}
+
+        return {"samples": [len(d) for d in self.samples], "fitted": self.fitted,
+                "cuts_by_fit": self.cuts, "split_chunks": self.split_chunks,
+                "error": stats(self.errors), "tokens_model_error": stats(self.token_errors),
+                "fit": None if not self.fitted else attrs.asdict(self.model())}
+
+
+def _token_fit(samples) -> tuple[float, float]:
+    """ms = a + b x tokens by least squares."""
+    xs = [float(sum(n for _, n in c)) for c, _ in samples]
+    ys = [ms for _, ms in samples]
+    k = len(xs)
+    sx, sy = sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    den = k * sxx - sx * sx
+    slope = (k * sxy - sx * sy) / den if den else 0.0
+    return (sy - slope * sx) / k, slope
