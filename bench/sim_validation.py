@@ -10,9 +10,11 @@ For each model (a tiny random Llama and a larger one), on this machine:
    start and end (`shunter/fidelity.py`).
 2. Fit, on the calibration rounds only: the cost model on their steps
    (`sim.fit.fit_recorded_steps`), the engine's cost per iteration / sequence / sampled token
-   on the gaps between back-to-back steps (`shunter.fidelity.fit_engine_cost`), the copy link
-   with torch copies, and what copies add to the steps and gaps they run beside
-   (`shunter/contention.py`); a profile carrying all of them.
+   on the gaps between back-to-back steps less the scheduler's planning
+   (`shunter.fidelity.fit_engine_cost`), the copy link with torch copies, and what copies add
+   to the steps and gaps they run beside (`shunter/contention.py`); a profile carrying all of
+   them. The sim charges its own planning instead, times how much longer torch planned the
+   first calibration round's workloads than the sim (`shunter.fidelity.planning_scale`).
 3. Validate: run each workload on the sim with that profile; report each metric's sim error
    against the torch median beside
    the torch runs' own spread, and the fitted model's error on the validation runs' steps (held
@@ -20,7 +22,7 @@ For each model (a tiny random Llama and a larger one), on this machine:
    calibrated in a running engine, no engine cost) is fitted and run beside it.
 
     python bench/sim_validation.py [--models tiny,larger] [--repeats 3] [--threads 1]
-        [--calibration-rounds 2] [--save-runs FILE.pkl]
+        [--calibration-rounds 2] [--save-runs FILE.pkl] [--no-grid]
         [--out bench/results/sim_validation.json]   # also writes the .md table beside it
 
 Calibration rounds (seeds 1, 2, ...) alternate with the validation rounds (V C V C V), so that a
@@ -59,10 +61,17 @@ from gpu.profiler import measure, measure_copy
 from shunter.benchmark.policies import parse_policy
 from shunter.benchmark.run import run_one
 from shunter.calibrate import calibrate_in_engine, calibrated, profile_for
-from shunter.fidelity import RecordedRun, engine_gaps, fit_rows, profile_from_runs, recorded_run
+from shunter.fidelity import (
+    RecordedRun,
+    engine_gaps,
+    fit_rows,
+    planning_scale,
+    profile_from_runs,
+    recorded_run,
+)
 from shunter.workloads import load_workload
-from sim.fit import fit_cost_model, relative_errors, total_ratio
-from sim.profile import save_profile
+from sim.fit import fit_cost_model, fit_recorded_steps, relative_errors, total_ratio
+from sim.profile import Profile, save_profile
 
 BENCH = Path(__file__).resolve().parent
 MODELS = {
@@ -169,14 +178,16 @@ def judge(torch_runs: list[dict], sim: dict) -> dict[str, Any]:
 
 
 def in_sample(choice: Any, spec: str, cfg: EngineConfig, run: RecordedRun, measured: dict,
-              path: Path, gbps: float, dispatch: float) -> dict[str, Any]:
+              path: Path, gbps: float, dispatch: float, scale: float) -> dict[str, Any]:
     """The simulator's own structural error: a profile fitted on this very torch run (its steps
     and gaps), the same workload replayed on the sim, each metric against that run. What is
     left here is not the fit's generalization but what the sim does differently (queueing,
     admission, variance of real steps); with and without the engine's cost (and the copies'
     contention with it)."""
     profile, fit = profile_from_runs(cfg, [run], name="replay", kv_cache_mib=cfg.kv_cache_mib,
-                                     gb_per_s=gbps, dispatch_us=dispatch, source="one run")
+                                     gb_per_s=gbps, dispatch_us=dispatch, source="one run",
+                                     net_of_scheduler=True)
+    profile = attrs.evolve(profile, engine_cost=attrs.evolve(profile.engine_cost, planning_scale=scale))
     out: dict[str, Any] = {"fit_median_relative_error": fit.median_relative_error}
     uncharged = attrs.evolve(profile, engine_cost=None, copy_contention=None)
     for variant, p in (("charged", profile), ("uncharged", uncharged)):
@@ -206,7 +217,7 @@ def record_rounds(name: str, args: argparse.Namespace, cases: list, torch_cfg: E
         for label, spec, choice in cases:
             run, info = torch_run(choice, spec, torch_cfg, seed=seed)
             if what == "calibrate":
-                calib.append((run, info, seed))
+                calib.append((run, {**info, "case": label}, seed))
             else:
                 torch_runs[label].append(info)
                 recorded[label].append(run)
@@ -223,6 +234,22 @@ def sim_errors(choice: Any, spec: str, cfg: EngineConfig, verdict: dict) -> dict
         return o.error
     m = metrics_of(o.metrics)
     return {k: (m[k] - v["torch_median"]) / v["torch_median"] for k, v in verdict.items()}
+
+
+def with_planning_scale(profile: Profile, calib: list, cases: list, path: Path) -> Profile:
+    """The profile (fitted net of torch's planning) with `planning_scale`: torch's planning of
+    the first calibration round's workloads over the sim's own planning of the same."""
+    save_profile(profile, path)
+    cfg = EngineConfig(backend="sim", profile=str(path))
+    runs, sim_s = [], 0.0
+    for run, info, seed in calib:
+        if seed == 1:
+            _, spec, choice = next(c for c in cases if c[0] == info["case"])
+            p = run_one(choice, load_workload(spec, seed=seed), cfg, progress=False).metrics
+            sim_s += p.scheduler_ms_per_iteration.mean * p.scheduler_ms_per_iteration.count / 1e3
+            runs.append(run)
+    scale = planning_scale(runs, sim_s)
+    return attrs.evolve(profile, engine_cost=attrs.evolve(profile.engine_cost, planning_scale=scale))
 
 
 def held_out(cost: Any, rows: list) -> dict[str, float]:
@@ -244,26 +271,34 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     began = time.perf_counter()
     gbps, dispatch = measure_copy("cpu")
     profiles = {}
-    for variant, runs in (("all", [r for r, _, _ in calib]),
-                          ("one_round", [r for r, _, seed in calib if seed == 1])):
+    for variant, runs, net in (("all", [r for r, _, _ in calib], True),
+                               ("one_round", [r for r, _, seed in calib if seed == 1], True),
+                               ("gross", [r for r, _, _ in calib], False)):
         profiles[variant] = profile_from_runs(
             torch_cfg, runs, name=f"{name}-cpu", kv_cache_mib=torch_cfg.kv_cache_mib, gb_per_s=gbps,
-            dispatch_us=dispatch, source=f"{len(runs)} runs of {len(cases)} workloads")
-    profile, fit = profiles["all"]
+            dispatch_us=dispatch, source=f"{len(runs)} runs of {len(cases)} workloads",
+            net_of_scheduler=net)
+    profile = with_planning_scale(profiles["all"][0], calib, cases, tmp / f"{name}-scale.json")
+    fit = profiles["all"][1]
+    scale = profile.engine_cost.planning_scale
+    one = profiles["one_round"][0]
     cfgs = {}
-    for variant, p in (("main", profile), ("one_round", profiles["one_round"][0]),
-                       ("no_contention", attrs.evolve(profile, copy_contention=None))):
+    for variant, p in (("main", profile), ("no_contention", attrs.evolve(profile, copy_contention=None)),
+                       ("one_round", attrs.evolve(one, engine_cost=attrs.evolve(
+                           one.engine_cost, planning_scale=scale))),
+                       ("gross_planning", profiles["gross"][0])):
         save_profile(p, tmp / f"{name}-cpu-{variant}.json")
         cfgs[variant] = EngineConfig(backend="sim", profile=str(tmp / f"{name}-cpu-{variant}.json"))
     fit_s = time.perf_counter() - began
-    # the method this replaces, in the same window: a grid of shapes timed alone, calibrated
-    # by a few closed-loop batches in a running engine, no engine cost
-    grid = fit_cost_model(measure(torch_cfg, repeats=3), source="grid")
-    grid = calibrated(grid, *calibrate_in_engine(torch_cfg, grid.cost))
-    old = profile_for(torch_cfg, name=f"{name}-cpu-grid", fit=grid, kv_cache_mib=torch_cfg.kv_cache_mib,
-                      gb_per_s=gbps, dispatch_us=dispatch)
-    save_profile(old, tmp / f"{name}-cpu-grid.json")
-    old_cfg = EngineConfig(backend="sim", profile=str(tmp / f"{name}-cpu-grid.json"))
+    grid = old = old_cfg = None
+    if args.grid:  # the method round 1 replaced: a grid of shapes timed alone, calibrated by
+        # a few closed-loop batches in a running engine, no engine cost; in the same window
+        grid = fit_cost_model(measure(torch_cfg, repeats=3), source="grid")
+        grid = calibrated(grid, *calibrate_in_engine(torch_cfg, grid.cost))
+        old = profile_for(torch_cfg, name=f"{name}-cpu-grid", fit=grid, gb_per_s=gbps,
+                          kv_cache_mib=torch_cfg.kv_cache_mib, dispatch_us=dispatch)
+        save_profile(old, tmp / f"{name}-cpu-grid.json")
+        old_cfg = EngineConfig(backend="sim", profile=str(tmp / f"{name}-cpu-grid.json"))
     results = []
     for label, spec, choice in cases:
         sims = []
@@ -275,18 +310,21 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
         sim = {k: statistics.median(s[k] for s in sims) for k in sims[0]}
         verdict = judge(torch_runs[label], sim)
         variants = {}
+        variants["gross_planning_error"] = sim_errors(choice, spec, cfgs["gross_planning"], verdict)
         if args.calibration_rounds > 1:
             variants["one_round_error"] = sim_errors(choice, spec, cfgs["one_round"], verdict)
         if profile.copy_contention is not None and any(t["copy_calls"] for t in torch_runs[label]):
             variants["no_contention_error"] = sim_errors(choice, spec, cfgs["no_contention"], verdict)
         replay = in_sample(choice, spec, torch_cfg, recorded[label][0], torch_runs[label][0],
-                           tmp / f"{name}-{len(results)}-replay.json", gbps, dispatch)
+                           tmp / f"{name}-{len(results)}-replay.json", gbps, dispatch, scale)
         rows_out = fit_rows(recorded[label])
         err = relative_errors(profile.cost, rows_out)
         results.append({"case": label, "workload": spec, "policy": choice.label,
                         "torch": torch_runs[label], "sim": sims, "judged": verdict, **variants,
-                        "grid_profile": {"error": sim_errors(choice, spec, old_cfg, verdict)},
-                        "breakdown": breakdown(recorded[label], {"recorded": profile, "grid": old}),
+                        **({"grid_profile": {"error": sim_errors(choice, spec, old_cfg, verdict)}}
+                           if old_cfg else {}),
+                        "breakdown": breakdown(recorded[label], {"recorded": profile,
+                                                                 **({"grid": old} if old else {})}),
                         "in_sample_replay": replay,
                         "copies": {"torch_s": [t["copy_s"] for t in torch_runs[label]],
                                    "model_s": [profile.link.copy_s(t["copy_calls"], t["copy_bytes"])
@@ -306,8 +344,12 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                     **({"one_round": {"rows": profiles["one_round"][1].rows,
                                       **held_out(one_cost, all_out)}}
                        if args.calibration_rounds > 1 else {}),
-                    "grid_fit": {"rows": grid.rows, "median_relative_error": grid.median_relative_error,
-                                 "calibration": grid.calibration, **held_out(old.cost, all_out)}},
+                    "no_multi_row": held_out(fit_recorded_steps(
+                        fit_rows([r for r, _, _ in calib], skip_copying=True), source="",
+                        multi_row=False).cost, all_out),
+                    **({"grid_fit": {"rows": grid.rows, "median_relative_error": grid.median_relative_error,
+                                     "calibration": grid.calibration, **held_out(old.cost, all_out)}}
+                       if grid else {})},
             "calibration_runs": [{**info, "seed": seed} for _, info, seed in calib],
             "results": results}
 
@@ -324,6 +366,8 @@ def main() -> None:
                     help="also pickle every recorded torch run here (for later analysis)")
     ap.add_argument("--cases", type=lambda v: {int(i) for i in v.split(",")}, default=None,
                     help="only these workloads, by index into CASES (0-based, comma-separated)")
+    ap.add_argument("--no-grid", dest="grid", action="store_false",
+                    help="leave out the grid profile (the method round 1 replaced; saves time)")
     ap.add_argument("--render", type=Path, default=None, metavar="JSON",
                     help="only write the .md table of an earlier run's JSON")
     args = ap.parse_args()
@@ -334,7 +378,7 @@ def main() -> None:
     started = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     report: dict[str, Any] = {"started": started, "threads": args.threads,
                               "repeats": args.repeats, "calibration_rounds": args.calibration_rounds,
-                              "tolerance": TOLERANCE, "models": {}}
+                              "tolerance": TOLERANCE, "grid": args.grid, "models": {}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for name in args.models.split(","):
         report["models"][name] = validate_model(name, args, tmp)

@@ -3,7 +3,8 @@
     t_ms = a + [b*P + c*sum(p_i^2) + f*sum(p_i*prefix_i)] + [d*D + e*sum(ctx_j)]
 
 P: prefill tokens; p_i: chunk length of prefill i and prefix_i the tokens cached before it;
-D: decoding sequences; ctx_j: context length of decode j. The first bracket is the prefill
+D: decoding sequences; ctx_j: context length of decode j (plus g when the step computes more
+than one token row: see `CostModel.g_ms_multi_row`). The first bracket is the prefill
 model, the second the decode model: BROS fits them apart (`fit_split`: decode-only batches give
 a, d, e; prefill-only batches the rest) and sums them per batch. Beside it, `CopyCost` models a
 swap (calls x dispatch + bytes / bandwidth); with asynchronous copies the iteration takes
@@ -84,6 +85,12 @@ class CostModel:
     d_ms_per_decode_seq: float
     e_ms_per_decode_context_token: float
     f_ms_per_prefill_prefix_token: float = 0.0
+    g_ms_multi_row: float = 0.0
+    """Added when the step computes more than one token row (P + D > 1): on the CPU torch
+    backend one row takes the matrix-vector path, half the time of two rows (a 384 x 8192
+    linear: 0.47 vs 0.98 ms, one thread; issue 18 round 3), so one-sequence decode steps run
+    well under a + d, and a linear fit without this term charged the 2-4 sequence steps of
+    round 2's validation runs 6-14% too little. 0 in profiles not fitted with it."""
     source: str = ""
     """Where the coefficients come from (a profile file, a fit on this machine)."""
     copy: CopyCost | None = None
@@ -113,7 +120,8 @@ class CostModel:
             + self.c_ms_per_prefill_token_sq * prefill_sq
             + self.f_ms_per_prefill_prefix_token * prefill_prefix
             + self.d_ms_per_decode_seq * decode_seqs
-            + self.e_ms_per_decode_context_token * decode_context)
+            + self.e_ms_per_decode_context_token * decode_context
+            + (self.g_ms_multi_row if prefill_tokens + decode_seqs > 1 else 0.0))
         if not copy_blocks or self.copy is None:
             return model
         return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
@@ -136,13 +144,15 @@ def iteration_ms(model_ms: float, swap_ms: float, *, overlapped: bool = True) ->
 
 
 COLUMNS = ("a_ms", "b_ms_per_prefill_token", "c_ms_per_prefill_token_sq",
-           "d_ms_per_decode_seq", "e_ms_per_decode_context_token", "f_ms_per_prefill_prefix_token")
-_DECODE, _PREFILL = (0, 3, 4), (1, 2, 5)
+           "d_ms_per_decode_seq", "e_ms_per_decode_context_token", "f_ms_per_prefill_prefix_token",
+           "g_ms_multi_row")
+_DECODE, _PREFILL, _MULTI_ROW = (0, 3, 4), (1, 2, 5), 6
 
 
 def features(shape: BatchShape) -> list[float]:
     return [1.0, shape.prefill_tokens, shape.prefill_sq, shape.decode_seqs,
-            shape.decode_context, shape.prefill_prefix]
+            shape.decode_context, shape.prefill_prefix,
+            1.0 if shape.prefill_tokens + shape.decode_seqs > 1 else 0.0]
 
 
 def nonnegative_fit(x: np.ndarray, y: np.ndarray, active: Sequence[int]) -> np.ndarray:
@@ -164,11 +174,12 @@ def nonnegative_fit(x: np.ndarray, y: np.ndarray, active: Sequence[int]) -> np.n
 
 
 def fit_coefficients(rows: Sequence[tuple[BatchShape, float]], *, split: bool = True,
-                     with_prefix: bool = True) -> np.ndarray:
+                     with_prefix: bool = True, multi_row: bool = False) -> np.ndarray:
     """Coefficients (in COLUMNS order) for `rows` of (shape, measured ms). With `split` and
     enough decode-only and prefill-only rows, the decode model (a, d, e) is fitted on the
     decode-only rows and the prefill model on the prefill-only rows' time above a (BROS §4.1);
-    otherwise one joint fit."""
+    otherwise one joint fit, with `multi_row` also g (when the rows have steps of one token
+    row and of more: else g is a again)."""
     x = np.array([features(s) for s, _ in rows], dtype=np.float64)
     y = np.array([ms for _, ms in rows], dtype=np.float64)
     prefill_cols = [i for i in _PREFILL if with_prefix or i != 5]
@@ -180,7 +191,9 @@ def fit_coefficients(rows: Sequence[tuple[BatchShape, float]], *, split: bool = 
         if np.all(rest > 0):
             coef += nonnegative_fit(x[prefill_only], rest, prefill_cols)
             return coef
-    return nonnegative_fit(x, y, list(_DECODE) + prefill_cols)
+    single = x[:, _MULTI_ROW] == 0
+    extra = [_MULTI_ROW] if multi_row and single.any() and not single.all() else []
+    return nonnegative_fit(x, y, list(_DECODE) + prefill_cols + extra)
 
 
 def model_from(coef: np.ndarray, source: str) -> CostModel:

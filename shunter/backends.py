@@ -31,6 +31,9 @@ class Backend:
     max_prompt_tokens: int
     cost_model: CostModel | None = None
     """Iteration-latency model the policies may consult (the simulator's profile)."""
+    planning_scale: float | None = None
+    """Sim: the profile's engine cost leaves out the scheduler's planning, so the engine charges
+    the sim's own planning times this (`sim.profile.EngineCost.planning_scale`)."""
 
 
 class TokenizerCodec:
@@ -85,6 +88,7 @@ def _sim_backend(config: EngineConfig) -> Backend:
         runner=runner, codec=None,
         vocab_size=profile.model.vocab_size, eos_token_ids=(), max_context=max_context,
         max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
+        planning_scale=profile.engine_cost.planning_scale if profile.engine_cost else None,
         cost_model=attrs.evolve(profile.cost,
                                 block_bytes=profile.model.block_bytes(config.block_size),
                                 copy=CopyCost(bandwidth_gb_per_s=profile.link.bandwidth_gb_per_s,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
+import attrs
 import structlog
 from anyio.streams.memory import MemoryObjectSendStream
 
@@ -87,8 +88,11 @@ class _Started:
 class Engine:
     def __init__(self, config: EngineConfig, policy: Policy | None = None,
                  backend: Backend | None = None) -> None:
-        self.config = config
         self.backend = backend or build_backend(config)
+        if self.backend.planning_scale is not None:  # a profile fitted net of the planning
+            config = attrs.evolve(config, charge_scheduler_time=True,
+                                  scheduler_time_scale=self.backend.planning_scale)
+        self.config = config
         capabilities = engine_capabilities(config, self.backend)
         self._policy = initial_policy(config, policy, capabilities)
         self._policy_version = 1

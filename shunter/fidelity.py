@@ -79,6 +79,14 @@ class RecordedRun:
     copy_spans: tuple[tuple[float, float], ...] = ()
     """(began, ended) of each of those copies (perf_counter), to tell which steps ran beside
     copies (`shunter.contention`)."""
+    scheduler_s: tuple[float, ...] = ()
+    """CPU seconds the scheduler spent planning each iteration of `planned` (the iteration
+    log's `scheduler_s`): the share of the engine's time that depends on the policy and the
+    queue, which a simulator can charge from its own planning (`charge_scheduler_time`)."""
+
+    def planning_s(self, i: int) -> float:
+        """The scheduler's CPU seconds for iteration `i` (0 in runs recorded without them)."""
+        return self.scheduler_s[i] if i < len(self.scheduler_s) else 0.0
 
     def swap_iteration_share(self) -> float:
         """Share of iterations during which (from its plan to the next) a swap was issued."""
@@ -133,7 +141,8 @@ def recorded_run(choice: PolicyChoice, workload: Workload, base: EngineConfig) -
                        planned=tuple(log.time) if log is not None else (), wall_s=wall,
                        swap=attrs.asdict(log.swap) if log is not None else {},
                        swap_submits=tuple(submits), copy_s=sum(e - b for b, e in copy_time),
-                       copy_spans=tuple(sorted(copy_time)))
+                       copy_spans=tuple(sorted(copy_time)),
+                       scheduler_s=tuple(log.scheduler_s) if log is not None else ())
 
 
 def _record_submits(swapper: Any, into: list[float], copy_time: list[tuple[float, float]]) -> None:
@@ -170,11 +179,11 @@ def fit_rows(runs: Sequence[RecordedRun], *,
     return out
 
 
-def _back_to_back(run: RecordedRun) -> list[tuple[StepRecord, StepRecord, float]]:
-    """(step, next step, when the next was planned) for every step whose next one computes
-    a request of it: that request was ready the moment the step ended, so the engine did not
-    idle between the two (a gap before a step of new requests only may be time waiting for
-    them to arrive)."""
+def _back_to_back(run: RecordedRun) -> list[tuple[StepRecord, StepRecord, float, float]]:
+    """(step, next step, when the next was planned, the scheduler's CPU seconds planning it)
+    for every step whose next one computes a request of it: that request was ready the moment
+    the step ended, so the engine did not idle between the two (a gap before a step of new
+    requests only may be time waiting for them to arrive)."""
     out = []
     planned = np.array(run.planned)
     for cur, nxt in zip(run.steps, run.steps[1:]):
@@ -184,25 +193,39 @@ def _back_to_back(run: RecordedRun) -> list[tuple[StepRecord, StepRecord, float]
         i = int(np.searchsorted(planned, nxt.began)) - 1
         if i < 0 or planned[i] < cur.began:
             continue
-        out.append((cur, nxt, float(planned[i])))
+        out.append((cur, nxt, float(planned[i]), run.planning_s(i)))
     return out
 
 
-def engine_gaps(run: RecordedRun, *, skip_copying: bool = False) -> list[tuple[StepRecord, float, float]]:
+def engine_gaps(run: RecordedRun, *, skip_copying: bool = False,
+                net_of_scheduler: bool = False) -> list[tuple[StepRecord, float, float]]:
     """(step, ms of engine work between its end and the next step's start, of which ms after
     the next step was planned) for every back-to-back pair of steps (`_back_to_back`); with
-    `skip_copying`, not the gaps that had swap copies running beside them."""
+    `skip_copying`, not the gaps that had swap copies running beside them; with
+    `net_of_scheduler`, less the scheduler's CPU time planning the next step (from both)."""
     spans = CopySpans(run.copy_spans if skip_copying else ())
-    return [(cur, (nxt.began - cur.ended) * 1000.0, (nxt.began - plan) * 1000.0)
-            for cur, nxt, plan in _back_to_back(run) if not spans.ms(cur.ended, nxt.began)]
+    out = []
+    for cur, nxt, plan, sched in _back_to_back(run):
+        if spans.ms(cur.ended, nxt.began):
+            continue
+        less = sched * 1000.0 if net_of_scheduler else 0.0
+        out.append((cur, (nxt.began - cur.ended) * 1000.0 - less, (nxt.began - plan) * 1000.0 - less))
+    return out
 
 
-def fit_engine_cost(runs: Sequence[RecordedRun], source: str, *,
-                    skip_copying: bool = False) -> EngineCost:
+def fit_engine_cost(runs: Sequence[RecordedRun], source: str, *, skip_copying: bool = False,
+                    net_of_scheduler: bool = False) -> EngineCost:
     """Least squares of the gap between back-to-back steps on (1, sequences, sampled tokens):
     the engine's own cost per iteration and per sequence, kept >= 0 (with `skip_copying`, on
-    the gaps without swap copies beside them)."""
-    gaps_of = [engine_gaps(r, skip_copying=skip_copying) for r in runs]
+    the gaps without swap copies beside them). With `net_of_scheduler`, on the gaps less the
+    scheduler's own planning time, which the simulator then charges from its own planning
+    (`EngineCost.planning_scale`): planning is what differs most between policies (a policy
+    that reranks and plans swaps every iteration plans 3-4x longer than FCFS), and the same
+    planning code runs in the simulator, so its cost follows the policy there too."""
+    if net_of_scheduler and not all(r.scheduler_s for r in runs):
+        raise ValueError("net_of_scheduler needs runs recorded with the scheduler's times")
+    gaps_of = [engine_gaps(r, skip_copying=skip_copying, net_of_scheduler=net_of_scheduler)
+               for r in runs]
     pairs = [(s, g) for gs in gaps_of for s, g, _ in gs]
     pre = sum(p for gs in gaps_of for _, _, p in gs)
     if len(pairs) < 8:
@@ -220,6 +243,7 @@ def fit_engine_cost(runs: Sequence[RecordedRun], source: str, *,
     pred = x @ coef
     return EngineCost(per_iteration_ms=float(max(coef[0], 0.0)), per_seq_ms=float(coef[1]),
                       per_sampled_ms=float(coef[2]), before_share=float(pre / gaps.sum()),
+                      planning_scale=1.0 if net_of_scheduler else None,
                       source=f"{source}; {int(keep.sum())} back-to-back steps, median gap "
                              f"{float(np.median(y)):.3f} ms, median error "
                              f"{float(np.median(np.abs(pred - y))):.3f} ms")
@@ -227,21 +251,23 @@ def fit_engine_cost(runs: Sequence[RecordedRun], source: str, *,
 
 def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name: str,
                       kv_cache_mib: float, gb_per_s: float, dispatch_us: float,
-                      source: str) -> tuple[Profile, Fit]:
+                      source: str, net_of_scheduler: bool = False) -> tuple[Profile, Fit]:
     """A sim profile of `config.model` on this machine fitted on recorded runs: the cost model
     on their steps, the engine's own cost on the gaps between them, the given copy link (its
     per-call cost raised to what the runs' own copies took, when they swapped: see
     `copy_dispatch_us`). On the CPU, where the copies share the cores with the engine, the two
     models are fitted on the steps and gaps with no copy beside them, and what copying adds to
     the others is fitted apart (`shunter.contention`); a GPU's copy engine runs beside compute,
-    so its profile charges none."""
+    so its profile charges none. With `net_of_scheduler` the engine's cost leaves out the
+    scheduler's planning (`fit_engine_cost`): the sim must charge its own."""
     contended = resolve_device(config.device).type == "cpu" and any(r.copy_spans for r in runs)
     rows = fit_rows(runs, skip_copying=contended)
     fit = fit_recorded_steps(rows, source=f"{len(rows)} recorded steps of {source}")
     cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}",
-                           skip_copying=contended)
+                           skip_copying=contended, net_of_scheduler=net_of_scheduler)
     if any(r.copy_spans for r in runs):
-        cost = attrs.evolve(cost, copy_start_ms=copy_start_ms(runs))
+        cost = attrs.evolve(cost, copy_start_ms=copy_start_ms(runs, net_of_scheduler=net_of_scheduler))
+        cost = fit_swap_dispatch(runs, cost)
     profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
                           gb_per_s=gb_per_s, dispatch_us=copy_dispatch_us(runs, gb_per_s, dispatch_us))
     contention = None
@@ -251,10 +277,11 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
     return attrs.evolve(profile, engine_cost=cost, copy_contention=contention), fit
 
 
-def copy_start_ms(runs: Sequence[RecordedRun]) -> float:
+def copy_start_ms(runs: Sequence[RecordedRun], *, net_of_scheduler: bool = False) -> float:
     """Median ms from a plan to the moment a swap it issued was handed to the copier (the swap
-    pool's hop), over the runs that copied. What happens after, the copier's queue, the sim's
-    copy engine models itself."""
+    pool's hop), over the runs that copied; with `net_of_scheduler`, from the end of the
+    planning (the simulator charging its own planning submits the swaps after it). What
+    happens after, the copier's queue, the sim's copy engine models itself."""
     lags = []
     for r in runs:
         if not r.copy_spans:
@@ -263,21 +290,74 @@ def copy_start_ms(runs: Sequence[RecordedRun]) -> float:
         for t in r.swap_submits:
             i = int(np.searchsorted(planned, t, side="right")) - 1
             if i >= 0:
-                lags.append((t - planned[i]) * 1000.0)
+                lags.append((t - planned[i] - (r.planning_s(i) if net_of_scheduler else 0.0)) * 1000.0)
     return float(np.median(lags)) if lags else 0.0
+
+
+def pre_step(run: RecordedRun, *, net_of_scheduler: bool) -> list[tuple[StepRecord, float, int]]:
+    """(step, ms from its plan to its start, transfers issued in that time) for each step with
+    a plan before it; with `net_of_scheduler`, from the end of the planning."""
+    planned, submits = np.array(run.planned), np.array(run.swap_submits)
+    out = []
+    for s in run.steps:
+        i = int(np.searchsorted(planned, s.began)) - 1
+        if i < 0:
+            continue
+        issued = int(np.count_nonzero((submits >= planned[i]) & (submits < s.began)))
+        less = run.planning_s(i) if net_of_scheduler else 0.0
+        out.append((s, (s.began - planned[i] - less) * 1000.0, issued))
+    return out
+
+
+def fit_swap_dispatch(runs: Sequence[RecordedRun], engine: EngineCost) -> EngineCost:
+    """`engine` with `swap_dispatch_ms` and `per_transfer_ms`: least squares, >= 0, of each
+    step's time from its plan to its start above the engine cost's share before the step, on
+    (the iteration issued swaps, transfers it issued), over the runs that swapped. The detour
+    through the swap pool is measured here, not in the engine cost's gaps: those left out the
+    gaps with copies beside them, and every swapping iteration has its copies there."""
+    net = engine.planning_scale is not None
+    rows = [(issued, ms - engine.ms(s.seqs, s.sampled) * engine.before_share)
+            for r in runs if r.swap_submits for s, ms, issued in pre_step(r, net_of_scheduler=net)]
+    if not any(issued for issued, _ in rows):
+        return engine
+    arr = np.array(rows, dtype=np.float64)
+    arr = arr[arr[:, 1] <= np.quantile(arr[:, 1], 0.98)]  # a step next to another's burst
+    x = np.c_[arr[:, 0] > 0, arr[:, 0]].astype(np.float64)
+    coef, *_ = np.linalg.lstsq(x, arr[:, 1], rcond=None)
+    if coef.min() < 0:  # refit on the column that stays non-negative
+        col = int(np.argmax(coef))
+        sub, *_ = np.linalg.lstsq(x[:, [col]], arr[:, 1], rcond=None)
+        coef = np.zeros(2)
+        coef[col] = max(float(sub[0]), 0.0)
+    return attrs.evolve(engine, swap_dispatch_ms=float(coef[0]), per_transfer_ms=float(coef[1]))
+
+
+def planning_scale(runs: Sequence[RecordedRun], sim_planning_s: float) -> float:
+    """How much longer the real engine planned than the simulator: the scheduler's CPU seconds
+    over all iterations of `runs` against `sim_planning_s`, the same over sim runs of the same
+    workloads and policies (`EngineCost.planning_scale`). Measured, not assumed: on the CPU
+    backend the real planner shares the caches with the model's steps."""
+    real = sum(sum(r.scheduler_s) for r in runs)
+    if real <= 0 or sim_planning_s <= 0:
+        raise ValueError("planning_scale needs the scheduler's times of both engines")
+    return real / sim_planning_s
 
 
 def contention_rows(runs: Sequence[RecordedRun], cost: CostModel, engine: EngineCost) -> tuple[
         list[tuple[float, float, float]], list[tuple[float, float, float]]]:
     """(measured ms, predicted ms, ms of copying beside it) of every step and of every gap
-    between back-to-back steps of `runs`: what `shunter.contention.fit_contention` fits on."""
+    between back-to-back steps of `runs`: what `shunter.contention.fit_contention` fits on
+    (the gaps net of the scheduler's planning when `engine` is)."""
     steps, gaps = [], []
     for r in runs:
         spans = CopySpans(r.copy_spans)
         steps += [(s.compute_ms, cost.predict_ms(s.shape), spans.ms(s.began + s.stall_s, s.ended))
                   for s in r.steps if s.compute_ms > 0]
-        gaps += [((nxt.began - cur.ended) * 1000.0, engine.ms(cur.seqs, cur.sampled),
-                  spans.ms(cur.ended, nxt.began)) for cur, nxt, _ in _back_to_back(r)]
+        net = engine.planning_scale is not None
+        issued = {id(s): n for s, _, n in pre_step(r, net_of_scheduler=net)}
+        gaps += [((nxt.began - cur.ended - (sched if net else 0.0)) * 1000.0,
+                  engine.ms(cur.seqs, cur.sampled) + engine.swap_ms(issued.get(id(nxt), 0)),
+                  spans.ms(cur.ended, nxt.began)) for cur, nxt, _, sched in _back_to_back(r)]
     return steps, gaps
 
 

@@ -61,9 +61,11 @@ def fit_cost_model(rows: Sequence[tuple[BatchShape, float]], *, source: str,
 
 
 def fit_recorded_steps(rows: Sequence[tuple[BatchShape, float]], *, source: str,
-                       held_out: Sequence[tuple[BatchShape, float]] = ()) -> Fit:
+                       held_out: Sequence[tuple[BatchShape, float]] = (),
+                       multi_row: bool = True) -> Fit:
     """Fit on the steps a real engine ran (issue 18): one joint fit over whatever mix of
-    prefill, mixed and decode batches its workloads produced, on relative error, then scaled
+    prefill, mixed and decode batches its workloads produced (with the multi-row term,
+    `CostModel.g_ms_multi_row`, unless `multi_row` is False), on relative error, then scaled
     so that the fitted steps' total time equals the measured total (a relative-error fit sits
     below the mean where step times scatter upward, and the simulator's clock adds times up).
     `held_out`: steps of other runs, to report the error on (`held_out_median_error`)."""
@@ -71,7 +73,7 @@ def fit_recorded_steps(rows: Sequence[tuple[BatchShape, float]], *, source: str,
         raise ValueError(f"need at least {len(COLUMNS)} measurements to fit, got {len(rows)}")
     if any(ms <= 0 for _, ms in rows):
         raise ValueError("every measured time must be > 0")
-    coef = fit_coefficients(rows, split=False)
+    coef = fit_coefficients(rows, split=False, multi_row=multi_row)
     cost = model_from(coef, source)
     predicted = sum(cost.predict_ms(s) for s, _ in rows)
     scale = sum(ms for _, ms in rows) / predicted

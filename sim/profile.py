@@ -93,6 +93,23 @@ class EngineCost:
     copy_start_ms: float = 0.0
     """From a plan to the moment the swaps it issued reach the copier (the swap pool's hop):
     the sim's copies start this long after the plan, during the share before the step."""
+    planning_scale: float | None = None
+    """None: the scheduler's planning is in the costs above. A number: they were fitted net of
+    it (`shunter.fidelity.fit_engine_cost`), and the simulator charges its own planning's CPU
+    time times this number instead (the sim backend turns `EngineConfig.charge_scheduler_time`
+    on with it): how much longer the real engine planned the same workloads than the sim
+    (`shunter.fidelity.planning_scale`; its steps share the caches with the planner).
+    `copy_start_ms` then counts from the end of planning."""
+    swap_dispatch_ms: float = 0.0
+    """More engine time before a step whose iteration dispatched swaps (the plan's detour
+    through the swap pool, which issues them and forwards the step), ..."""
+    per_transfer_ms: float = 0.0
+    """... and per transfer it issued; the copies start meanwhile, as on the real engine,
+    which waits for them only when the step begins (`shunter.fidelity.fit_swap_dispatch`)."""
+
+    def swap_ms(self, transfers: int) -> float:
+        """Engine time before a step for the `transfers` swaps its iteration issued."""
+        return self.swap_dispatch_ms + self.per_transfer_ms * transfers if transfers else 0.0
 
     def ms(self, seqs: int, sampled: int) -> float:
         return self.per_iteration_ms + self.per_seq_ms * seqs + self.per_sampled_ms * sampled

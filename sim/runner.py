@@ -45,6 +45,7 @@ class SimRunner:
         self._tables: dict[int, list[int]] = {}
         self.swapper: SimSwapper | None = None
         self._overlap_end = 0.0
+        self._transfers = 0  # the swapper's transfers charged for so far
         self.network: GroupNetwork | None = None
         """Set by a simulated cluster: what this runner needs to head a KunServe group."""
         self.group: SimGroup | None = None
@@ -101,10 +102,16 @@ class SimRunner:
             if contend is not None:
                 extra += contend.engine * self._copying_since(began)
         # after the engine's work before the step, as on a real engine: the swaps issued with
-        # this step's plan copy while the plan travels to the device, which then waits for
-        # what is left of them (the stall)
+        # this step's plan copy while the plan travels to the device (through the swap pool,
+        # which issues them: `EngineCost.swap_ms`), which then waits for what is left of them
         stall = 0.0
         if self.swapper is not None:
+            if self.engine_cost is not None:
+                issued, self._transfers = self.swapper.transfers - self._transfers, self.swapper.transfers
+                dispatch = self.engine_cost.swap_ms(issued) / 1000.0
+                if dispatch > 0:
+                    self.engine_s += dispatch
+                    await anyio.sleep(dispatch)
             stall = await self._wait_for_swaps(step)
         if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out
             wait_in = self._own_copy_wait("in", 0.0)

@@ -44,6 +44,8 @@ class SimSwapper:
         """A transfer's copies start no sooner than this after it is submitted (the engine's
         hop from the plan to its copier: `EngineCost.copy_start_ms`)."""
         self.num_layers = num_layers
+        self.transfers = 0
+        """Transfers submitted so far (the runner charges the engine's dispatch of each)."""
         self._end: dict[int, float] = {}
         self._device_busy: dict[int, float] = {}
         self._host_busy: dict[int, float] = {}
@@ -55,6 +57,7 @@ class SimSwapper:
 
     def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
                granularity: str) -> None:
+        self.transfers += 1
         if granularity == "slots":
             self._submit_slots(ticket_id, direction, pairs)
             return
