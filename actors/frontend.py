@@ -87,8 +87,6 @@ class ClientStream:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
-_ClientStream = ClientStream  # the old private name: goes once instance_groups.py imports the new
-
 
 class Frontend:
     name = "frontend"

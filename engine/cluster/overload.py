@@ -182,34 +182,44 @@ class OverloadMonitor:
             waiting=sum(u.waiting for u in units), running=sum(u.running for u in units),
             last_iteration_ms=max((u.last_iteration_ms for u in units), default=0.0))
 
+    def dissolving(self, alive: Sequence[bool]) -> set[int]:
+        """Instances of groups that lost a member (§4.4, faults): the survivors reload their
+        dropped layers until the group manager reports the group `restored`; meanwhile no plan
+        may group them (a drop planned then would take a reloading survivor into a new group,
+        or the lost instance with it)."""
+        return {m for g in self.groups.values() if not all(alive[i] for i in g.members)
+                for m in g.members}
+
     def decide(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Action:
         self.rounds += 1
+        out = self.dissolving(alive)
         drop = []
         for i, st in enumerate(stats):
-            if not alive[i] or st is None or self.member_of(i) is not None:
+            if not alive[i] or st is None or i in out or self.member_of(i) is not None:
                 continue
             if self.trigger(i).signal(self.load(i, st)) == "drop":  # a unit's restore: unused
                 drop.append(i)
         self.fired = drop
         if drop:
-            action = self._drop(stats, alive)
+            action = self._drop(stats, alive, out)
             if action is not None:
                 return action
         if not self.groups:
             return None
         if self.trigger(CLUSTER).signal(self.cluster_load(stats, alive)) != "restore":
             return None
-        heads = tuple(h for h, g in self.groups.items() if stats[h] is not None
+        heads = tuple(h for h, g in self.groups.items() if h not in out and stats[h] is not None
                       and stats[h].total_blocks - stats[h].free_blocks <= self.base_pools[h])
         if len(heads) < len(self.groups):
             self.rearm()  # the groups that cannot restore yet are tried again next round
         return Restore(heads=heads) if heads else None
 
-    def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Drop | None:
+    def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool],
+              out: set[int]) -> Drop | None:
         bs = self.block_size
         caps = []
         for i, st in enumerate(stats):
-            if not alive[i] or st is None:
+            if not alive[i] or st is None or i in out:
                 continue
             member = self.member_of(i) is not None
             # a head's blocks live in its group's pool: the planner adds the members' pools
@@ -218,12 +228,13 @@ class OverloadMonitor:
             caps.append(InstanceCapacity(
                 index=i, pool_blocks=self.base_pools[i], used_blocks=used,
                 queued_blocks=0 if member else -(-st.queued_tokens // bs)))
+        groups = [g.members for g in self.groups.values() if not set(g.members) & out]
         plan = plan_drop(caps, num_layers=self.num_layers, weight_blocks=self.weight_blocks,
-                         groups=[g.members for g in self.groups.values()])
+                         groups=groups)
         if plan is None:
             self.refused += 1
             return None
-        running = {g.members for g in self.groups.values()}
+        running = set(groups)
         new = tuple(g for g in plan.merged if g.members not in running)
         return Drop(plan=plan, new_groups=new) if new else None
 

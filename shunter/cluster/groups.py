@@ -55,6 +55,8 @@ class SimGroups:
         self.groups: dict[int, GroupPlan] = {}
         self.faults: dict[int, int] = {}
         """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
+        self.reloading: set[int] = set()
+        """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
         self.counters = ClusterCounters()
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
@@ -87,6 +89,7 @@ class SimGroups:
             if lost:
                 del self.groups[head]
                 self.faults[head] = self.faults.get(head, 0) + 1
+                self.reloading.update(g.members)  # until recover's GroupsChanged(restored)
                 log.warning("group member lost", members=g.members, lost=lost)
                 self._tg.start_soon(recover, self, g, lost, _ask)
         if self.busy:  # a restore under way: a restore asked for now waits for the next round
@@ -96,6 +99,8 @@ class SimGroups:
         if action is None and self.groups and not self.busy:
             await self._reschedule_queued(stats)
             return
+        if isinstance(action, Drop) and self._reloading_in(action):
+            return  # planned on a group a fault dissolved this round: planned again next round
         if isinstance(action, Drop):
             self.counters.drops += 1
             for g in action.new_groups:
@@ -104,6 +109,17 @@ class SimGroups:
         elif isinstance(action, Restore):
             self.busy = True
             self._tg.start_soon(self._restore_all, action.heads)
+
+    def _reloading_in(self, action: Drop) -> bool:
+        """A drop that would group an instance lost or still reloading its layers after a fault
+        (the monitor leaves those out once it knows of the loss; this covers a plan made in the
+        round the loss was seen): refused and counted."""
+        bad = sorted({m for g in action.new_groups for m in g.members
+                      if m in self.reloading or not self.instances[m].alive})
+        if bad:
+            self.counters.refused_drops += 1
+            log.warning("drop refused: instances reloading after a fault", instances=bad)
+        return bool(bad)
 
     def _sample(self, stats) -> None:
         member = {m: h for h, g in self.groups.items() for m in g.members[1:]}
@@ -127,6 +143,7 @@ class SimGroups:
     # ------------------------------------------------------------------ forming a group
 
     async def _form(self, g: GroupPlan) -> None:
+        began = anyio.current_time()
         head = self.instances[g.head].engine
         members = {m: h for h, old in self.groups.items() for m in old.members[1:]}
         sources: dict[int, int] = {}
@@ -164,7 +181,8 @@ class SimGroups:
         c.groups_formed += 1
         c.adopted_requests += len(adopted)
         c.events.append({"t": anyio.current_time(), "event": "group", "members": list(g.members),
-                         "pool_blocks": pool, "adopted": len(adopted), "exchanging": len(waiting)})
+                         "pool_blocks": pool, "adopted": len(adopted), "exchanging": len(waiting),
+                         "forming_s": anyio.current_time() - began})
         log.info("group formed", members=g.members, pool_blocks=pool, adopted=len(adopted),
                  exchanging=len(waiting))
 

@@ -57,6 +57,7 @@ async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
         await ask(head._scheduler_send, lambda r: Regroup(group=solo, reply=r))
     else:
         await anyio.sleep(max((host.send_s(b) for b in reload.values()), default=0.0))
+    groups.reloading.difference_update(g.members)
     await groups.coordinator.send(GroupsChanged(restored=g.head))
     c = groups.counters
     c.faults += 1
