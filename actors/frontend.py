@@ -87,7 +87,6 @@ class ClientStream:
         return max((len(s) for s in self.stop), default=1) - 1
 
 
-
 class Frontend:
     name = "frontend"
 
