@@ -73,6 +73,8 @@ class GroupRunner:
         self.totals = PipelineTotals()
         """The steps' GPipe schedule replayed with each stage's measured microbatch times
         (engine/cluster/plan.py `pipeline_timing`; activations' transfer not counted)."""
+        self.last_cut: tuple = ()
+        """The last step's microbatches (engine/cluster/stage_fits.py `Cut`)."""
         self.wall = [0.0, 0.0]
         """[stage compute seconds, stages x step wall seconds] as they ran here."""
         self.ranks, self.layers = tuple(ranks), tuple(layers)
@@ -143,6 +145,7 @@ class GroupRunner:
         cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
                             min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
         check_cut(step.seqs, cut)
+        self.last_cut = cut
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")

@@ -195,6 +195,9 @@ class Cluster:
 
     async def _instance_down(self, index: int, reason: str) -> None:
         await self._coordinator.send(InstanceDown(instance=index, reason=reason))
+        lost = getattr(self.groups, "instance_down", None)
+        if lost is not None:  # torch groups: a lost head's members serve alone from now on
+            await lost(index)
 
     async def _monitor(self) -> None:
         """Every instance's stats to the coordinator (KunServe's global monitor reads these)."""

@@ -94,6 +94,25 @@ class RemoteGroups:
     async def stats(self, index: int) -> dict:
         return await self._command(index, lambda k: AskGroupStats(key=k))
 
+    async def instance_down(self, index: int) -> None:
+        """Instance `index` went away (before its requests are ended or dispatched again). A
+        lost head's group is over: each member restores its dropped layers from its host copy
+        (gpu/group_runner.py `serve_member` sees the head gone) and serves alone, so the
+        coordinator stops sending its requests to the head now, and a request dispatched again
+        can go to a member. (A lost member's group is ended by the head's engine and `act`.)"""
+        g = self.groups.pop(index, None)
+        if g is None:
+            return
+        dead = self.instances[index]
+        for m in g.members[1:]:  # cancels of the requests it had handed over stay here
+            moved = self.instances[m].moved_to
+            for key in [k for k, to in moved.items() if to is dead]:
+                del moved[key]
+        self.counters.events.append({"t": anyio.current_time(), "event": "head lost",
+                                     "members": list(g.members)})
+        log.warning("group head lost; its members serve alone", members=g.members)
+        await self.coordinator.send(GroupsChanged(restored=index))
+
     # ------------------------------------------------------------------ the monitor's round
 
     async def act(self, action, stats) -> None:
@@ -111,7 +130,15 @@ class RemoteGroups:
         if isinstance(action, Drop):
             self.counters.drops += 1
             for g in action.new_groups:
-                await self.form(g)
+                try:
+                    await self.form(g)
+                except (GroupCommandError, EngineDeadError) as exc:  # an instance went away
+                    log.error("group not formed", members=g.members, error=str(exc))
+                    self.counters.events.append({"t": anyio.current_time(),
+                                                 "event": "form failed",
+                                                 "members": list(g.members),
+                                                 "error": str(exc)})
+                    await self.coordinator.send(GroupsChanged(restored=g.head))
         elif isinstance(action, Restore):
             self.busy = True
             self._tg.start_soon(self._restore_all, action.heads)

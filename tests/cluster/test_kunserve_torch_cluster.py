@@ -161,6 +161,84 @@ def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kuns
 
 
 @pytest.mark.anyio
+async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go_to_the_member(
+        anyio_backend, kunserve_config, kunserve_model):
+    """The head is SIGKILLed as soon as the group forms (its own two processes: it kills one).
+    Every request was on the head then (the member had handed its own over): each one that had
+    streamed tokens ends with the front door's clear error, its tokens so far transformers';
+    each that had not is dispatched again, to the member, which restored its dropped layers
+    from its host copy and serves alone, and gives transformers' tokens; so does a new
+    request."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    from shunter.cluster.launch import LocalLauncher
+    from tests.reference import Reference
+
+    launcher = LocalLauncher("asyncio")
+    instances = [launcher.start_process(i, kunserve_config) for i in range(2)]
+    rng = random.Random(0)  # the first test's requests: their references are computed once
+    prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
+    prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
+    got: dict[int, list[int]] = {}
+    errors: dict[int, str] = {}
+    before_kill: dict[int, int] = {}
+
+    async def one(cluster: Cluster, i: int, started=None) -> None:
+        got[i] = []
+        prompt, n = prompts[i]
+        async with cluster.generate(prompt, shunter.SamplingParams(
+                max_tokens=n, temperature=0)) as stream:
+            async for chunk in stream:
+                got[i] += chunk.token_ids
+                if chunk.error is not None:
+                    errors[i] = chunk.error
+                if started is not None and len(got[i]) >= 2:
+                    started.set()
+
+    try:
+        async with Cluster.start(kunserve_config, attach=instances,
+                                 monitor_interval_s=0.02) as cluster:
+            with anyio.fail_after(180):
+                async with anyio.create_task_group() as tg:
+                    started = [anyio.Event() for _ in range(2)]
+                    for i in range(2):
+                        tg.start_soon(one, cluster, i, started[i])
+                    for ev in started:
+                        await ev.wait()
+                    for i in range(2, len(prompts)):
+                        tg.start_soon(one, cluster, i)
+                    while not cluster.groups.groups:
+                        await anyio.sleep(0.002)
+                    (group,) = cluster.groups.groups.values()
+                    before_kill.update({i: len(t) for i, t in got.items()})
+                    instances[group.head].kill()
+                alone = _prompt(rng, 10)
+                after = await cluster.complete(alone, shunter.SamplingParams(
+                    max_tokens=12, temperature=0))
+                member = await cluster.instances[group.members[1]].snapshot()
+            report = cluster.groups.report(0.0)
+    finally:
+        launcher.shutdown(timeout_s=0)
+    print(f"\nhead lost: tokens before the kill {before_kill}; errors {sorted(errors)}")
+    assert any(e["event"] == "head lost" for e in report["events"]), report
+    assert not cluster.groups.groups
+    assert member.idle and member.scheduler.total_blocks == SOLO_BLOCKS, member
+    assert errors and all("went away" in e and "streamed tokens" in e
+                          for e in errors.values()), errors
+    assert {0, 1} <= set(errors), "the long requests were streaming on the head"
+    again = [i for i in got if i not in errors and not before_kill.get(i)]
+    assert again, "no request was dispatched again to the member"
+    for i, (prompt, n) in enumerate(prompts):
+        ref = greedy_reference(kunserve_model, prompt, n)
+        if i in errors:  # ended early: what it streamed is transformers' so far
+            k = len(got[i])
+            assert 0 < k < n, (i, k)
+            ref = Reference(tokens=ref.tokens[:k], top2=ref.top2[:k])
+        assert_matches(got[i], ref, f"request {i}")
+    assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 12), "after")
+
+
+@pytest.mark.anyio
 async def test_member_lost_while_grouped_the_head_recomputes_and_serves_alone(
         anyio_backend, kunserve_config, kunserve_instances, kunserve_model):
     """Runs last: it kills one of the module's two instance processes. Killed while grouped,

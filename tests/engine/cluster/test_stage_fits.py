@@ -80,10 +80,10 @@ def test_fit_predicts_held_out_microbatches_and_lookahead_balances_them():
     bubbles = {"tokens": [], "lookahead": []}
     for _ in range(40):
         seqs = [w for w in _step(rng) if w.num_tokens > 1] + _step(rng)
-        for mode in bubbles:
+        for mode, seen in bubbles.items():
             cut = fits.cut(seqs, 4, mode, min_tokens=8)
             stage_ms = _measure(cut, rng)
-            bubbles[mode].append(pipeline_timing(stage_ms, [0.0] * len(cut)).bubble_ratio)
+            seen.append(pipeline_timing(stage_ms, [0.0] * len(cut)).bubble_ratio)
             fits.observe(cut, stage_ms)
     rep = fits.report()
     assert rep["error"]["mean"] < 0.05, rep
