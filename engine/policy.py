@@ -262,6 +262,9 @@ class EngineCapabilities:
     it starts with); a later policy cannot turn it on."""
     group_modes: frozenset[str] = frozenset()
     """KunServe group settings its runner honours (`kv_exchange`, `microbatch` values)."""
+    no_overload: str | None = None
+    """Why this engine (or cluster) cannot act on `overload` triggers; None when it can or
+    when nothing acts on them anyway (a lone engine counts them)."""
 
     @property
     def swap(self) -> bool:
@@ -302,6 +305,8 @@ class EngineCapabilities:
                         f"match this engine's device allocator, which runs {self.allocator} (it "
                         f"follows the policy the engine started with; restart the engine to "
                         f"change it)"))
+        if self.no_overload is not None and "overload" in written:
+            out.append(("overload", f"overload triggers cannot act here: {self.no_overload}"))
         for name in ("kv_exchange", "microbatch"):
             value = getattr(m, name)
             if (name in written or value != getattr(default, name)) and (

@@ -181,6 +181,8 @@ def build(rules: RuleSet, *, source: str, filename: str, base_dir: Path) -> Comp
     spans = {m.name.name: m.span for m in rules.all("memory")}
     if preempt is not None:
         spans["preempt"] = preempt.span
+    if rules.get("overload", "drop") is not None:
+        spans["overload"] = rules.get("overload", "drop").span
     top = rules.top
     spans["policy"] = top.name.span if top.name else top.span
     return CompiledPolicy(

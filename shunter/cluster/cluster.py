@@ -58,6 +58,11 @@ from shunter.policy_source import engine_capabilities, initial_policy, replaceme
 
 ClusterKind = Literal["local", "ray", "inprocess"]
 
+RAY_NO_GROUPS = ("KunServe's pipeline groups form on local clusters only (their data plane "
+                 "joins on this machine's loopback address, shunter/cluster/remote_groups.py); "
+                 "on a Ray cluster no layer would ever be dropped. Start the cluster with "
+                 "kind='local', or use a policy without `overload` rules")
+
 
 @attrs.frozen(kw_only=True)
 class ClusterSnapshot:
@@ -112,6 +117,8 @@ class Cluster:
         close_runner = getattr(backend.runner, "close", None)
         if close_runner is not None:
             close_runner()  # built for its facts only (a TorchRunner has a device thread)
+        if kind == "ray" and not attach:
+            capabilities = attrs.evolve(capabilities, no_overload=RAY_NO_GROUPS)
         policy = initial_policy(config, None, capabilities)
         cluster = cls(config, policy, len(attach) or instances, monitor_interval_s,
                       attrs.evolve(backend, runner=None), capabilities.running(policy.settings))

@@ -161,6 +161,31 @@ def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kuns
 
 
 @pytest.mark.anyio
+async def test_a_ray_cluster_refuses_overload_rules_at_load(anyio_backend, kunserve_config):
+    """Groups form on local clusters only (the data plane joins on loopback): a Ray cluster
+    would load a KunServe policy and never drop a layer, so its `overload` rule is refused at
+    load with its place in the file; a policy without one loads."""
+    from engine.errors import PolicyError
+    from policies import policy_path
+    from shunter.backends import build_backend
+    from shunter.cluster.cluster import RAY_NO_GROUPS
+    from shunter.policy_source import engine_capabilities, initial_policy
+
+    if anyio_backend != "asyncio":
+        pytest.skip("the refusal does not depend on the event loop")
+    with pytest.raises(PolicyError, match=r"kunserve_torch\.policy:2:\d+.*overload triggers "
+                                          r"cannot act here: KunServe's pipeline groups form on "
+                                          r"local clusters only"):
+        async with Cluster.start(kunserve_config, kind="ray"):
+            pass
+    backend = build_backend(kunserve_config)
+    caps = attrs.evolve(engine_capabilities(kunserve_config, backend), no_overload=RAY_NO_GROUPS)
+    backend.runner.close()
+    fcfs = attrs.evolve(kunserve_config, policy=policy_path("fcfs"))
+    assert initial_policy(fcfs, None, caps).settings.name == "fcfs"
+
+
+@pytest.mark.anyio
 async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go_to_the_member(
         anyio_backend, kunserve_config, kunserve_model):
     """The head is SIGKILLed as soon as the group forms (its own two processes: it kills one).
