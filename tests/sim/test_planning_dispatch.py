@@ -99,6 +99,13 @@ def test_the_engine_cost_is_fitted_net_of_the_schedulers_planning():
     assert fidelity.planning_scale([run], sum(run.scheduler_s) / 2) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="scheduler's times"):
         fit_engine_cost([attrs.evolve(run, scheduler_s=())], "t", net_of_scheduler=True)
+    # what copies add is fitted against the same net gaps, the detour before a step in the
+    # prediction (here every other plan issued one transfer)
+    detour = attrs.evolve(net, swap_dispatch_ms=0.3)
+    _, gaps = fidelity.contention_rows([run], TRUE, detour)
+    assert [g[0] for g in gaps] == pytest.approx([0.5] * (len(run.steps) - 1), abs=1e-6)
+    want = [0.5 + 0.3 * (i % 2) for i in range(len(run.steps) - 1)]
+    assert [g[1] for g in gaps] == pytest.approx(want, abs=1e-6)
 
 
 WORKLOAD = Workload(name="be", description="", params={}, requests=(), duration_s=0.0,
