@@ -15,7 +15,9 @@ the balance falls: engine/cluster/stage_fits.py), the order alternating. --warmu
 profiling does. Both ways add their measured microbatches to the same fits.
 
 Reported per way: the bubble ratio of the steps' GPipe schedule replayed with each stage's
-measured microbatch times (1 - busy / (stages x makespan); activation transfer not counted),
+measured microbatch times (1 - busy / (stages x makespan); activation transfer not counted; a
+stage's time is its thread's CPU time: one intra-op thread per process, so this is what the
+stage takes on a core of its own, whatever else shares the host: gpu/group_stage.py `cpu_s`),
 for the prefill steps and for all steps; the same from the steps' wall time (both processes
 share this host's cores: read it with care); and the cost model's held-out prediction error
 (each microbatch predicted by the fit of before it ran) against a token-count model's. Writes
@@ -105,8 +107,8 @@ def _run_window(group, prompts, decodes: int, step_id: int, first_rid: int, deta
                            "tokens": [[n for _, _, n in mb] for mb in cut],
                            "predicted_ms": [model.batch_ms([(s, n) for _, s, n in mb])
                                             for mb in cut],
-                           "measured_ms": [[x * 1e3 for x in row] for row in
-                                           group.records[-1].compute_s]})
+                           "measured_ms": [[x * 1e3 for x in row]
+                                           for row in group.last_stage_s]})
         t, w = group.totals, group.wall
         out.append((k == 0, t.busy_s - before[0], t.stage_s - before[1], w[0] - before[2],
                     w[1] - before[3]))
@@ -156,7 +158,6 @@ def main() -> None:
                      layers=(range(half), range(half, args.layers)))
     group = GroupRunner(runner, plan.members, plan.layers, microbatches=args.microbatches)
     group.open()
-    group.records = []
     detail: list[dict] = []
     rng = random.Random(11)
     step_id, rid = 0, 1
@@ -182,6 +183,7 @@ def main() -> None:
     member.join(timeout=60)
     rep = group.fits.report()
     result = {"args": vars(args), "load_average": os.getloadavg(),
+              "stage_clock": "thread cpu" if group.cpu_clock else "wall",
               "seconds": time.time() - began, "fit": rep["fit"], "samples": rep["samples"],
               "split_chunks": rep["split_chunks"], "prefill_steps": detail}
     for mode, mode_rows in rows.items():

@@ -73,6 +73,8 @@ class GroupRunner:
         self.totals = PipelineTotals()
         """The steps' GPipe schedule replayed with each stage's measured microbatch times
         (engine/cluster/plan.py `pipeline_timing`; activations' transfer not counted)."""
+        self.cpu_clock = False
+        """The stages' times are their threads' CPU times (gpu/group_stage.py `cpu_s`)."""
         self.last_cut: tuple = ()
         """The last step's microbatches (engine/cluster/stage_fits.py `Cut`)."""
         self.wall = [0.0, 0.0]
@@ -171,7 +173,7 @@ class GroupRunner:
             raise RuntimeError(f"pipeline group step {step.step_id} sampled no token for "
                                f"requests {sorted(missing)} (its microbatches left them out)")
         if cut:
-            self._account(cut, [r.compute_s for r in replies], time.perf_counter() - began)
+            self._account(cut, replies, time.perf_counter() - began)
         if self.records is not None:
             self.records.append(StepRecord(
                 step_id=step.step_id, wall_s=time.perf_counter() - began,
@@ -180,19 +182,26 @@ class GroupRunner:
         return StepFinished(step_id=step.step_id, sampled=self._fed_back,
                             compute_s=time.perf_counter() - began)
 
-    def _account(self, cut, compute_s, wall: float) -> None:
-        if any(len(c) != len(cut) for c in compute_s):
-            raise RuntimeError(f"the members ran {[len(c) for c in compute_s]} microbatches of "
+    def _account(self, cut, replies: Sequence[MemberReply], wall: float) -> None:
+        """Each stage's time per microbatch (its thread's CPU time where it reports one, else
+        wall time) feeds the fits and the replayed schedule; wall time the wall ratio."""
+        compute_s = [r.compute_s for r in replies]
+        stage_s = [r.cpu_s or r.compute_s for r in replies]
+        if any(len(c) != len(cut) for c in stage_s):
+            raise RuntimeError(f"the members ran {[len(c) for c in stage_s]} microbatches of "
                                f"a cut of {len(cut)}")
-        self.fits.observe(cut, [[x * 1e3 for x in c] for c in compute_s])
-        self.totals.add(pipeline_timing(compute_s, [0.0] * len(cut)), len(cut))
+        self.fits.observe(cut, [[x * 1e3 for x in c] for c in stage_s])
+        self.totals.add(pipeline_timing(stage_s, [0.0] * len(cut)), len(cut))
+        self.cpu_clock = all(r.cpu_s for r in replies)
+        self.last_stage_s = stage_s
         self.wall[0] += sum(map(sum, compute_s))
         self.wall[1] += len(compute_s) * wall
 
     def pipeline_report(self) -> dict:
         """Bubble ratios and the cost model's prediction error over the group's steps."""
         t = self.totals
-        return {"microbatch": self.microbatch, "steps": t.steps, "microbatches": t.microbatches,
+        return {"microbatch": self.microbatch, "stage_clock": "thread cpu" if self.cpu_clock
+                else "wall", "steps": t.steps, "microbatches": t.microbatches,
                 "bubble_ratio": t.bubble_ratio, "busy_s": t.busy_s, "makespan_s": t.makespan_s,
                 "wall_bubble_ratio": 1 - self.wall[0] / self.wall[1] if self.wall[1] else 0.0,
                 "cost_model": self.fits.report()}

@@ -108,6 +108,10 @@ class MemberReply:
     step_id: int
     sampled: tuple[SampledToken, ...] = ()
     compute_s: tuple[float, ...] = ()
+    cpu_s: tuple[float, ...] = ()
+    """Per microbatch: the stage thread's CPU seconds in its layers, when it computes on the
+    CPU with one thread (what it would take with a core of its own: the processes of a group
+    on one host share its cores); empty otherwise."""
     wait_s: tuple[float, ...] = ()
     arrived: tuple[int, ...] = ()
     error: str | None = None
@@ -215,12 +219,14 @@ class GroupStage:
             ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
             micro = split_microbatches(ordered, self.start.microbatches,
                                        [w.num_tokens for w in ordered])
-        sampled, compute, waits = [], [], []
+        sampled, compute, waits, cpu = [], [], [], []
         for m, work in enumerate(micro):
-            c, w, out = self._microbatch(step.step_id, m, work)
+            c, w, out, u = self._microbatch(step.step_id, m, work)
             compute.append(c)
             waits.append(w)
+            cpu.append(u)
             sampled.extend(out)
+        own_core = self.model.arena.device.type == "cpu" and torch.get_num_threads() == 1
         try:
             self.plane.queue.flush("activation")  # KV chunks keep going behind them
         except RuntimeError as exc:  # the sending thread failed: the next member went away
@@ -228,7 +234,7 @@ class GroupStage:
                                   "activations were being sent", exc) from exc
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
-                           arrived=tuple(self.receiver.take_arrived()))
+                           cpu_s=tuple(cpu) if own_core else (), arrived=tuple(self.receiver.take_arrived()))
 
     def _book(self, step: ExecuteStep) -> None:
         for rid in step.release:
@@ -278,7 +284,7 @@ class GroupStage:
 
     @torch.inference_mode()
     def _microbatch(self, step_id: int, m: int,
-                    work: Sequence[SeqWork]) -> tuple[float, float, list[SampledToken]]:
+                    work: Sequence[SeqWork]) -> tuple[float, float, list[SampledToken], float]:
         chunks = []
         for w in work:
             seq = self.seqs[w.request_id]
@@ -295,11 +301,11 @@ class GroupStage:
                             device=device)  # [T, hidden]
             recv_tensor(x, ranks[self.me - 1], tag, "activations were due")
             waited = time.perf_counter() - began
-        began = time.perf_counter()
+        began, cpu = time.perf_counter(), time.thread_time()
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)
         sampled: list[SampledToken] = []
         if self.model.last_stage:
             sampled = sample_work(out, work, self.seqs)
         else:
             self.plane.queue.put_activation(out, dst=ranks[self.me + 1], tag=tag)
-        return time.perf_counter() - began, waited, sampled
+        return time.perf_counter() - began, waited, sampled, time.thread_time() - cpu
