@@ -73,8 +73,9 @@ class AdoptionMixin:
     def _apply_regroup(self, msg: Regroup) -> None:
         now, seat = anyio.current_time(), self._seat
         if msg.pool_blocks is not None and msg.pool_blocks < self._total_blocks:
-            # (with `recompute` every device block is given back first)
-            used = 0 if msg.recompute else sum(r.blocks for r in self._live.values())
+            # (with `recompute` every device block is given back first, and with `export` every
+            # request leaves: a group's head joining a larger group as a member)
+            used = 0 if msg.recompute or msg.export else sum(r.blocks for r in self._live.values())
             if used > msg.pool_blocks:  # a restore that does not fit yet: the caller retries
                 msg.reply.fail(PoolTooSmall(f"{used} blocks are held, the pool would have "
                                             f"{msg.pool_blocks}"))
