@@ -36,6 +36,7 @@ import trio.testing
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.kunserve_ladder import ladder, ladder_lines
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
@@ -157,11 +158,15 @@ def memory_demand(result, capacity_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default="azure-code", choices=["azure-code", "azure-conv"])
+    ap.add_argument("--trace", default="azure-code",
+                    choices=["azure-code", "azure-conv", "mooncake-conv"])
     ap.add_argument("--rate", default="1x")
     ap.add_argument("--start", type=float, default=780.0)
     ap.add_argument("--duration", type=float, default=180.0)
     ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--lengths", default="",
+                    help="more workload keys, e.g. scale_lengths=5,max_input=12000 (LongBench-"
+                         "like prompts on the trace's arrivals)")
     ap.add_argument("--profile", default="llama3-8b-a10")
     ap.add_argument("--only", default="", help="comma-separated run labels (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_sim"))
@@ -175,6 +180,8 @@ def main() -> None:
         plot(report, out.with_suffix(".png"))
         return
     spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
+    if args.lengths:
+        spec += f",{args.lengths}"
     workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
     base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
                         max_num_seqs=256, max_batched_tokens=2048)
@@ -220,6 +227,7 @@ def main() -> None:
                 (round(t.arrival - result.started, 3), round(t.ttft_s, 3))
                 for t in result.timelines if t.ttft_s is not None)
         report["runs"][label] = entry
+    report["ladder"] = ladder(report["runs"])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(table(report))
@@ -297,6 +305,7 @@ def table(report: dict) -> str:
         lines += ["", "Eq. 1-3 cost model, least squares per stage, mean relative error on "
                   "held-out microbatches (vs a token-count model fitted the same way): "
                   + "; ".join(f"{k}: {e:.2%} (tokens: {t:.2%})" for k, e, t in fit) + "."]
+    lines += ladder_lines(report.get("ladder") or ladder(runs))
     return "\n".join(lines) + "\n"
 
 

@@ -62,14 +62,23 @@ class GroupNetwork:
     exchanges: list[SimExchange] = attrs.field(factory=list)
     totals: PipelineTotals = attrs.field(factory=PipelineTotals)
     """What the head's pipeline did while grouped, summed over steps (the bench's bubble ratio)."""
+    full: PipelineTotals = attrs.field(factory=PipelineTotals)
+    """The same over the steps with work for a microbatch per stage (where formation can
+    balance anything: a step of fewer microbatches than stages idles stages whatever the
+    split, e.g. a few decodes while the group drains)."""
     fits: list[FitReport] = attrs.field(factory=list)
+    errors: list[float] = attrs.field(factory=list)
+    """|Eq. 1-3 prediction - profile cost| / profile cost of every microbatch a lookahead group
+    ran (stage 0), the in-run counterpart of `FitReport.mean_error`."""
+    token_errors: list[float] = attrs.field(factory=list)
+    """The same for the token-count model fitted beside it."""
 
 
 def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
-              ) -> tuple[ChunkCost, float, float, float]:
+              ) -> tuple[ChunkCost, float, float, float, tuple[float, float]]:
     """Eq. 1-3 for one stage, by least squares over random microbatches timed by the profile
     (the simulator's ground truth), and its error on as many held-out ones; also the error of a
-    token-count model fitted the same way."""
+    token-count model fitted the same way, and that model (intercept, ms per token)."""
     rng = random.Random(seed)
 
     def batch() -> list[tuple[int, int]]:
@@ -97,7 +106,7 @@ def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
     icpt = (sy - slope * sx) / n
     tok_errs = [abs(icpt + slope * sum(k for _, k in b) - t) / t for b, t in test]
-    return fit, sum(errs) / len(errs), max(errs), sum(tok_errs) / len(tok_errs)
+    return fit, sum(errs) / len(errs), max(errs), sum(tok_errs) / len(tok_errs), (icpt, slope)
 
 
 class SimGroup:
@@ -111,9 +120,11 @@ class SimGroup:
         self.shares = [len(r) / layers for r in plan.layers]
         self._token_bytes = net.model.hidden_size * net.model.dtype_bytes
         self.fit: ChunkCost | None = None
+        self._tokens_fit = (0.0, 0.0)
         if net.microbatch == "lookahead":
             fits = [fit_stage(cost, share, seed=s) for s, share in enumerate(self.shares)]
             self.fit = fits[0][0]  # stage costs are proportional here: one shape splits all
+            self._tokens_fit = fits[0][4]
             net.fits.append(FitReport(
                 stages=len(fits), samples=96, mean_error=sum(f[1] for f in fits) / len(fits),
                 max_error=max(f[2] for f in fits),
@@ -149,10 +160,27 @@ class SimGroup:
             t.stage_s += k * period
             t.transfer_s += sum(acts)
             t.microbatches += len(micro)
+            if len(micro) == k:
+                f = self.net.full
+                f.steps += 1
+                f.makespan_s += period
+                f.busy_s += sum(loads)
+                f.stage_s += k * period
+            if self.fit is not None:
+                self._note_errors(micro, costs)
             await anyio.sleep(period)
         sampled = tuple(SampledToken(request_id=w.request_id, token_id=self.token_id)
                         for w in step.seqs if w.sample)
         return StepFinished(step_id=step.step_id, sampled=sampled, compute_s=period)
+
+
+    def _note_errors(self, micro: list[list[tuple[int, int]]], costs: list[float]) -> None:
+        icpt, slope = self._tokens_fit
+        for mb, c in zip(micro, costs):
+            truth = c * 1e3 * self.shares[0]
+            self.net.errors.append(abs(self.fit.batch_ms(mb) - truth) / truth)
+            tokens = icpt + slope * sum(n for _, n in mb)
+            self.net.token_errors.append(abs(tokens - truth) / truth)
 
 
 def enter_group(plan: GroupPlan, cost: CostModel, net: GroupNetwork | None,

@@ -313,6 +313,22 @@ class SimGroups:
         stage = sum(n.totals.stage_s for n in self.networks())
         return 1.0 - busy / stage if stage else 0.0
 
+    def pipeline_report(self) -> dict:
+        """Where the bubble is: over the steps with a microbatch per stage (what formation
+        balances), the share of grouped steps with fewer, and the Eq. 1-3 model's error on
+        the microbatches the groups ran (lookahead only) beside the token-count model's."""
+        nets = self.networks()
+        steps = sum(n.totals.steps for n in nets)
+        busy, stage = sum(n.full.busy_s for n in nets), sum(n.full.stage_s for n in nets)
+        errs = [e for n in nets for e in n.errors]
+        tok = [e for n in nets for e in n.token_errors]
+        return {"grouped_steps": steps,
+                "short_step_share": 1 - sum(n.full.steps for n in nets) / steps if steps else None,
+                "bubble_ratio_full_steps": 1 - busy / stage if stage else None,
+                "cost_model_error_in_run": sum(errs) / len(errs) if errs else None,
+                "token_model_error_in_run": sum(tok) / len(tok) if tok else None,
+                "microbatches_predicted": len(errs)}
+
 
     def report(self, t0: float) -> dict:
         """The bench JSON's `cluster` block: counters, bubble ratio, the Eq. 1-3 fit's error, and
@@ -321,7 +337,7 @@ class SimGroups:
         step = max(1, len(c.timeline) // 600)
         fits = [f for n in self.networks() for f in n.fits]
         return {
-            **c.block(t0), "bubble_ratio": self.bubble_ratio(),
+            **c.block(t0), "bubble_ratio": self.bubble_ratio(), **self.pipeline_report(),
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
             "token_model_error": (sum(f.tokens_model_error for f in fits) / len(fits))
