@@ -55,6 +55,9 @@ BASELINE_POLICIES = {
     "pipeline2": "policy pipeline2 extends \"fcfs.policy\" {\n  dispatch least_load\n}\n",
 }
 LADDER = ["kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"]
+EQ1_AS_PUBLISHED = False
+"""--eq1-as-published: lookahead splits by Eq. 1 with one prefix-attention coefficient for
+decodes and prefills alike (sim/group.py `GroupNetwork.decode_term`)."""
 
 
 async def sample_demand(cluster, capacity_blocks: int, block_size: int, out: list) -> None:
@@ -92,6 +95,9 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
         instances //= 2
     demand: list = []
     async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
+        if EQ1_AS_PUBLISHED and cluster.groups is not None:
+            for net in cluster.groups.networks():
+                net.decode_term = False
         if static:
             model = load_profile(base.profile).model
             plan = GroupPlan(group_id=0, members=(0, 1), layers=stage_layers(model.num_layers, 2))
@@ -164,6 +170,10 @@ def main() -> None:
     ap.add_argument("--start", type=float, default=780.0)
     ap.add_argument("--duration", type=float, default=180.0)
     ap.add_argument("--instances", type=int, default=4)
+    ap.add_argument("--num-blocks", type=int, default=None,
+                    help="KV blocks per instance (default: what the profile's GPU leaves)")
+    ap.add_argument("--eq1-as-published", action="store_true",
+                    help="lookahead without the decode term (Eq. 1 exactly as the paper)")
     ap.add_argument("--lengths", default="",
                     help="more workload keys, e.g. scale_lengths=5,max_input=12000 (LongBench-"
                          "like prompts on the trace's arrivals)")
@@ -186,7 +196,12 @@ def main() -> None:
     base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
                         max_num_seqs=256, max_batched_tokens=2048)
     profile = load_profile(args.profile)
-    capacity = args.instances * profile.num_blocks(base.block_size) * base.block_size
+    if args.num_blocks:
+        base = attrs.evolve(base, num_blocks=args.num_blocks)
+    global EQ1_AS_PUBLISHED
+    EQ1_AS_PUBLISHED = args.eq1_as_published
+    capacity = args.instances * (args.num_blocks or profile.num_blocks(base.block_size)) \
+        * base.block_size
     policy_dir = Path(args.out).parent / "kunserve_policies"
     policy_dir.mkdir(parents=True, exist_ok=True)
     runs = []
@@ -211,7 +226,9 @@ def main() -> None:
     report = {"workload": spec, "profile": args.profile, "instances": args.instances,
               "link": base.pipeline_link, "engine": {"max_num_seqs": base.max_num_seqs,
                                                      "max_batched_tokens": base.max_batched_tokens,
-                                                     "cpu_swap_blocks": base.cpu_swap_blocks},
+                                                     "cpu_swap_blocks": base.cpu_swap_blocks,
+                                                     "num_blocks": base.num_blocks},
+              "eq1_as_published": EQ1_AS_PUBLISHED,
               "capacity_tokens": capacity, "runs": {}}
     if "vllm_dp" in results:
         report["mean_kv_in_system"] = memory_demand(results["vllm_dp"][0], capacity)

@@ -42,7 +42,7 @@ def ladder(runs: dict) -> dict:
         out["short_step_share"] = [get(ex, "short_step_share", True),
                                    get(la, "short_step_share", True)]
         for key in ("cost_model_error", "token_model_error", "cost_model_error_in_run",
-                    "token_model_error_in_run"):
+                    "token_model_error_in_run", "paper_eq1_error_in_run"):
             out[key] = get(la, key, True)
     if la in runs and full in runs:
         out["restore_p50_ttft_change"] = runs[full]["ttft_p50_s"] / runs[la]["ttft_p50_s"] - 1
@@ -78,6 +78,8 @@ def ladder_lines(lad: dict) -> list[str]:
             ("  token-count model error, same", "token_model_error", "p"),
             ("  Eq. 1-3 error on the microbatches run", "cost_model_error_in_run", "p"),
             ("  token-count model error on them", "token_model_error_in_run", "p"),
+            ("  Eq. 1 as published (one prefix coefficient) on them", "paper_eq1_error_in_run",
+             "p"),
             ("+ restore: P50 TTFT change", "restore_p50_ttft_change", "d"),
             ("  P50 TPOT change", "restore_p50_tpot_change", "d"),
             ("  P99 TTFT change", "restore_p99_ttft_change", "d")]

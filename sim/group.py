@@ -72,10 +72,28 @@ class GroupNetwork:
     ran (stage 0), the in-run counterpart of `FitReport.mean_error`."""
     token_errors: list[float] = attrs.field(factory=list)
     """The same for the token-count model fitted beside it."""
+    paper_errors: list[float] = attrs.field(factory=list)
+    """The same for Eq. 1 as published (one prefix-attention coefficient for decodes too),
+    fitted beside it, when the split uses the decode term."""
+    decode_term: bool = True
+    """Lookahead splits by Eq. 1-3 with a decode's context priced apart
+    (engine/cluster/lookahead.py `ChunkCost.alpha_decode`); False: Eq. 1 as published."""
 
 
-def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
-              ) -> tuple[ChunkCost, float, float, float, tuple[float, float]]:
+@attrs.frozen
+class StageFit:
+    fit: ChunkCost
+    mean_error: float
+    max_error: float
+    tokens_error: float
+    tokens_line: tuple[float, float]
+    """The token-count model: (ms intercept, ms per token)."""
+    paper_fit: ChunkCost
+    """Eq. 1 as published, fitted on the same samples."""
+
+
+def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96,
+              decode_term: bool = True) -> StageFit:
     """Eq. 1-3 for one stage, by least squares over random microbatches timed by the profile
     (the simulator's ground truth), and its error on as many held-out ones; also the error of a
     token-count model fitted the same way, and that model (intercept, ms per token)."""
@@ -95,7 +113,7 @@ def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
 
     train = [(b, truth(b)) for b in (batch() for _ in range(samples))]
     test = [(b, truth(b)) for b in (batch() for _ in range(samples))]
-    fit = fit_chunk_cost(train)
+    fit = fit_chunk_cost(train, decode_term=decode_term)
     errs = [abs(fit.batch_ms(b) - t) / t for b, t in test]
     # the token-count baseline: ms = a + b * tokens
     n = len(train)
@@ -106,7 +124,9 @@ def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96
     slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
     icpt = (sy - slope * sx) / n
     tok_errs = [abs(icpt + slope * sum(k for _, k in b) - t) / t for b, t in test]
-    return fit, sum(errs) / len(errs), max(errs), sum(tok_errs) / len(tok_errs), (icpt, slope)
+    return StageFit(fit=fit, mean_error=sum(errs) / len(errs), max_error=max(errs),
+                    tokens_error=sum(tok_errs) / len(tok_errs), tokens_line=(icpt, slope),
+                    paper_fit=fit_chunk_cost(train) if decode_term else fit)
 
 
 class SimGroup:
@@ -120,15 +140,19 @@ class SimGroup:
         self.shares = [len(r) / layers for r in plan.layers]
         self._token_bytes = net.model.hidden_size * net.model.dtype_bytes
         self.fit: ChunkCost | None = None
+        self._paper_fit: ChunkCost | None = None
         self._tokens_fit = (0.0, 0.0)
         if net.microbatch == "lookahead":
-            fits = [fit_stage(cost, share, seed=s) for s, share in enumerate(self.shares)]
-            self.fit = fits[0][0]  # stage costs are proportional here: one shape splits all
-            self._tokens_fit = fits[0][4]
+            fits = [fit_stage(cost, share, seed=s, decode_term=net.decode_term)
+                    for s, share in enumerate(self.shares)]
+            self.fit = fits[0].fit  # stage costs are proportional here: one shape splits all
+            self._paper_fit = fits[0].paper_fit if net.decode_term else None
+            self._tokens_fit = fits[0].tokens_line
             net.fits.append(FitReport(
-                stages=len(fits), samples=96, mean_error=sum(f[1] for f in fits) / len(fits),
-                max_error=max(f[2] for f in fits),
-                tokens_model_error=sum(f[3] for f in fits) / len(fits)))
+                stages=len(fits), samples=96,
+                mean_error=sum(f.mean_error for f in fits) / len(fits),
+                max_error=max(f.max_error for f in fits),
+                tokens_model_error=sum(f.tokens_error for f in fits) / len(fits)))
 
     def _microbatches(self, step: ExecuteStep) -> list[list[tuple[int, int]]]:
         """K microbatches: by the fitted Eq. 1-3 costs (lookahead), or by token count with
@@ -181,6 +205,8 @@ class SimGroup:
             self.net.errors.append(abs(self.fit.batch_ms(mb) - truth) / truth)
             tokens = icpt + slope * sum(n for _, n in mb)
             self.net.token_errors.append(abs(tokens - truth) / truth)
+            if self._paper_fit is not None:
+                self.net.paper_errors.append(abs(self._paper_fit.batch_ms(mb) - truth) / truth)
 
 
 def enter_group(plan: GroupPlan, cost: CostModel, net: GroupNetwork | None,

@@ -6,6 +6,12 @@ Eq. 1, the cost of a chunk of `n` new tokens after `p` tokens already in the KV 
     prefix-attn alpha * p * n  +  self-attn beta * n^2  +  FFN gamma * n
 Eq. 2-3, a microbatch: the sum of its chunks' costs plus `delta` once (the weights are loaded
 once per batch: the term the paper subtracts for the requests sharing them).
+Optionally (`decode_term`) a decode (a chunk of one token) pays `alpha_decode * p` for its
+context instead of `alpha * p`: a decode reads its whole context's KV for one token (memory
+bound) while a prefill chunk's prefix attention reuses each cached token for all its n tokens,
+so one coefficient cannot price both (measured on the simulator's A10 profile, whose decode
+context costs 21x a prefill's prefix token: Eq. 1's error on decode microbatches 27% with
+LongBench-like lengths, 1.7% with the term; bench/results/kunserve_sim_longctx*).
 
 The split (Figure 10-11): start from one microbatch holding every chunk; cut it in two whose
 costs stand in the ratio of the microbatches each side must still become, cutting a prefill
@@ -35,8 +41,12 @@ class ChunkCost:
     """ms per new token: projections and FFN."""
     delta: float
     """ms per microbatch: what its chunks share (the weights read once)."""
+    alpha_decode: float | None = None
+    """ms per context token of a decode (None: Eq. 1 as published, `alpha`)."""
 
     def chunk_ms(self, start: int, n: int) -> float:
+        if n == 1 and self.alpha_decode is not None:
+            return self.alpha_decode * start + self.beta + self.gamma
         return self.alpha * start * n + self.beta * n * n + self.gamma * n
 
     def batch_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
@@ -45,19 +55,28 @@ class ChunkCost:
         return self.delta + sum(self.chunk_ms(s, n) for s, n in chunks)
 
 
-def features(chunks: Sequence[tuple[int, int]]) -> list[float]:
-    """The regressors of Eq. 1-3 for one microbatch: (sum p*n, sum n^2, sum n, 1)."""
-    return [float(sum(s * n for s, n in chunks)), float(sum(n * n for _, n in chunks)),
-            float(sum(n for _, n in chunks)), 1.0]
+def features(chunks: Sequence[tuple[int, int]], *, decode_term: bool = False) -> list[float]:
+    """The regressors of Eq. 1-3 for one microbatch: (sum p*n, sum n^2, sum n, 1); with
+    `decode_term`, (sum p*n over prefill chunks, sum p over decodes, sum n^2, sum n, 1)."""
+    sq, n_all = float(sum(n * n for _, n in chunks)), float(sum(n for _, n in chunks))
+    if decode_term:
+        return [float(sum(s * n for s, n in chunks if n > 1)),
+                float(sum(s for s, n in chunks if n == 1)), sq, n_all, 1.0]
+    return [float(sum(s * n for s, n in chunks)), sq, n_all, 1.0]
 
 
-def fit_chunk_cost(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> ChunkCost:
+def fit_chunk_cost(samples: Sequence[tuple[Sequence[tuple[int, int]], float]], *,
+                   decode_term: bool = False) -> ChunkCost:
     """Least squares over measured microbatches: (chunks as (start, tokens), milliseconds)."""
-    if len(samples) < 4:
-        raise ValueError(f"fitting Eq. 1-3 needs at least 4 samples, got {len(samples)}")
-    x = np.array([features(c) for c, _ in samples])
+    k = 5 if decode_term else 4
+    if len(samples) < k:
+        raise ValueError(f"fitting Eq. 1-3 needs at least {k} samples, got {len(samples)}")
+    x = np.array([features(c, decode_term=decode_term) for c, _ in samples])
     y = np.array([ms for _, ms in samples])
     coef, *_ = np.linalg.lstsq(x, y, rcond=None)
+    if decode_term:
+        return ChunkCost(alpha=float(coef[0]), alpha_decode=float(coef[1]),
+                         beta=float(coef[2]), gamma=float(coef[3]), delta=float(coef[4]))
     return ChunkCost(alpha=float(coef[0]), beta=float(coef[1]), gamma=float(coef[2]),
                      delta=float(coef[3]))
 

@@ -322,11 +322,13 @@ class SimGroups:
         busy, stage = sum(n.full.busy_s for n in nets), sum(n.full.stage_s for n in nets)
         errs = [e for n in nets for e in n.errors]
         tok = [e for n in nets for e in n.token_errors]
+        paper = [e for n in nets for e in n.paper_errors]
         return {"grouped_steps": steps,
                 "short_step_share": 1 - sum(n.full.steps for n in nets) / steps if steps else None,
                 "bubble_ratio_full_steps": 1 - busy / stage if stage else None,
                 "cost_model_error_in_run": sum(errs) / len(errs) if errs else None,
                 "token_model_error_in_run": sum(tok) / len(tok) if tok else None,
+                "paper_eq1_error_in_run": sum(paper) / len(paper) if paper else None,
                 "microbatches_predicted": len(errs)}
 
 

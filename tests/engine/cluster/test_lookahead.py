@@ -27,6 +27,32 @@ def test_least_squares_recovers_the_coefficients():
         assert getattr(fit, name) == pytest.approx(getattr(COST, name), rel=1e-6)
 
 
+def test_a_decode_term_prices_a_decode_s_context_apart():
+    """A decode reads its whole context for one token: with `decode_term` the fit recovers
+    a decode coefficient 20x the prefill's prefix one (as in the A10 profile) and predicts
+    decode microbatches exactly; Eq. 1 as published cannot."""
+    truth = ChunkCost(alpha=1e-5, alpha_decode=2e-4, beta=1e-5, gamma=0.16, delta=30.0)
+    rng = random.Random(2)
+
+    def batch():
+        return [(rng.randint(0, 12000), rng.choice([1, 1, 1, rng.randint(2, 2048)]))
+                for _ in range(rng.randint(1, 40))]
+
+    samples = [(b, truth.batch_ms(b)) for b in (batch() for _ in range(80))]
+    fit = fit_chunk_cost(samples, decode_term=True)
+    for name in ("alpha", "alpha_decode", "beta", "gamma", "delta"):
+        assert getattr(fit, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+    paper = fit_chunk_cost(samples)
+    assert paper.alpha_decode is None
+    decodes = [[(rng.randint(6000, 12000), 1) for _ in range(64)] for _ in range(20)]
+
+    def error(model):
+        return max(abs(model.batch_ms(b) - truth.batch_ms(b)) / truth.batch_ms(b)
+                   for b in decodes)
+
+    assert error(fit) < 1e-6 and error(paper) > 0.2
+
+
 def test_too_few_samples_is_refused():
     with pytest.raises(ValueError, match="at least 4 samples"):
         fit_chunk_cost([([(0, 1)], 1.0)] * 3)
