@@ -47,17 +47,17 @@ WAITING_ABLATION = "bench/bros_no_bicache_no_displace.policy"
 cache blocks"): RT requests that find no free block wait, rather than evicting BE requests by
 recompute as `bros_no_bicache` does (Fig. 5 case 2); `--ablations` adds it."""
 SETUPS = {
-    "sim": dict(
-        rates=(4.0, 8.0, 12.0), workload="rtbe:rate={rate},duration=120,seed=9",
-        config=EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=3500,
-                            charge_scheduler_time=True, max_queued_requests=100_000)),
+    "sim": {
+        "rates": (4.0, 8.0, 12.0), "workload": "rtbe:rate={rate},duration=120,seed=9",
+        "config": EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=3500,
+                               charge_scheduler_time=True, max_queued_requests=100_000)},
     # The shipped 2.4M-parameter model (context 1,024): Table 2's lengths x 0.25 (RT prompts
     # <= 153, outputs <= 125 tokens; BE prompts 128-256, outputs 8-32), a 96-block pool; one
     # torch thread, as the README advises next to other work (this host is shared).
-    "torch": dict(
-        rates=(1.0, 3.0), workload="rtbe:rate={rate},duration=20,seed=9,scale_lengths=0.25",
-        config=EngineConfig(backend="torch", num_blocks=96, threads=1, max_num_seqs=64,
-                            max_batched_tokens=256, max_queued_requests=100_000)),
+    "torch": {
+        "rates": (1.0, 3.0), "workload": "rtbe:rate={rate},duration=20,seed=9,scale_lengths=0.25",
+        "config": EngineConfig(backend="torch", num_blocks=96, threads=1, max_num_seqs=64,
+                               max_batched_tokens=256, max_queued_requests=100_000)},
 }
 TARGETS = (
     # (what, paper, issue's target)
@@ -85,7 +85,11 @@ def summary(o: RunOutcome) -> dict[str, Any]:
             "be_tokens_per_s": be.get("output_tokens_per_s", 0.0),
             "out_tokens_per_s": m.output_tokens_per_s, "scheduler_share": m.scheduler_share,
             "cost_model_error": (m.cost_model_error or {}).get("median"),
-            "preemptions": m.preemptions, "wall_s": o.wall_s}
+            "preemptions": m.preemptions, "wall_s": o.wall_s,
+            # the step's wait for its slot copies (BROS checkpoints, swap-backs; the torch
+            # backend waits for them before computing), beside the run's length
+            "copy_wait_s": m.swap.stall_s, "copy_bytes": m.swap.bytes_out + m.swap.bytes_in,
+            "iterations": m.iterations, "duration_s": m.duration_s}
 
 
 def ratio(a: float | None, b: float | None) -> float:
@@ -99,13 +103,13 @@ def pct(v: float | None) -> str:
 def markdown(backend: str, rows: dict[float, list[dict[str, Any]]], spec: str,
              config: EngineConfig) -> str:
     out = [f"# BROS vs baselines, {backend} backend\n",
-           f"Written by `python bench/bros_compare.py --backend {backend}`.\n",
+           f"Written by `python bench/bros_compare.py {' '.join(sys.argv[1:])}`.\n",
            f"Workload `{spec}` at each RT rate; engine: {config.num_blocks} KV blocks of "
            f"{config.block_size}, max_num_seqs {config.max_num_seqs}, max_batched_tokens "
            f"{config.max_batched_tokens}" + (f", profile {config.profile}" if backend == "sim"
                                               else ", the shipped model") + ".\n",
-           "| RT req/s | policy | RT norm. latency ms | RT TTFT p99 ms | TTFT ok | TPOT ok | "
-           "TPOT ok per token | BE req/s | BE tok/s | sched share | cost-model error (median) |",
+           ("| RT req/s | policy | RT norm. latency ms | RT TTFT p99 ms | TTFT ok | TPOT ok | "
+            "TPOT ok per token | BE req/s | BE tok/s | sched share | cost-model error (median) |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate, runs in rows.items():
         for r in runs:
@@ -147,6 +151,14 @@ def main() -> int:
     ap.add_argument("--rates", default=None, help="RT rates, comma-separated (default per backend)")
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV pool size (default per backend); results get a _<N>blocks suffix")
+    ap.add_argument("--max-batched-tokens", type=int, default=None,
+                    help="token budget per iteration (default per backend: 512 on the sim); "
+                    "results get a _<N>tokens suffix")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="sequence cap per iteration (default per backend: 64); results get a "
+                    "_<N>seqs suffix")
+    ap.add_argument("--profile", default=None,
+                    help="sim profile (default llama3-8b-a100); results get a _<name> suffix")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--ablations", action="store_true",
                     help=f"also run {WAITING_ABLATION} (RT waits for memory)")
@@ -159,6 +171,15 @@ def main() -> int:
     if args.num_blocks:
         config = attrs.evolve(config, num_blocks=args.num_blocks)
         suffix = f"_{args.num_blocks}blocks"
+    if args.max_batched_tokens:
+        config = attrs.evolve(config, max_batched_tokens=args.max_batched_tokens)
+        suffix += f"_{args.max_batched_tokens}tokens"
+    if args.max_num_seqs:
+        config = attrs.evolve(config, max_num_seqs=args.max_num_seqs)
+        suffix += f"_{args.max_num_seqs}seqs"
+    if args.profile:
+        config = attrs.evolve(config, profile=args.profile)
+        suffix += f"_{args.profile}"
     rows: dict[float, list[dict[str, Any]]] = {}
     raw: dict[str, Any] = {}
     for rate in rates:
