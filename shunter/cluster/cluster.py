@@ -152,7 +152,7 @@ class Cluster:
                     if overload is not None and launcher is not None:  # torch processes
                         cluster.groups = RemoteGroups(
                             cluster.instances, coordinator=send, base_pools=overload.base_pools,
-                            num_layers=overload.num_layers,
+                            num_layers=overload.num_layers, block_size=config.block_size,
                             microbatch=policy.settings.memory.microbatch)
                         await cluster.groups.join()
                         await tg.start(cluster.groups.run)

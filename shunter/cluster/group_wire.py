@@ -59,6 +59,22 @@ class HeadGroup:
 
 
 @attrs.frozen(kw_only=True)
+class ExportQueued:
+    """An instance serving alone hands over its queued requests (no KV yet; §4.1: they are
+    rescheduled onto a group's enlarged memory). The answer: a tuple of `Moved`."""
+
+    key: int
+
+
+@attrs.frozen(kw_only=True)
+class AdoptQueued:
+    """A group's head takes `moved` requests that hold no KV (they are set up here)."""
+
+    key: int
+    moved: tuple[Moved, ...]
+
+
+@attrs.frozen(kw_only=True)
 class LeaveGroup:
     """Restore (§4.4): the pool back to the instance's own, every member serving alone."""
 
@@ -79,4 +95,5 @@ class GroupAnswer:
     """A restore asked for while the head's requests hold more blocks than its own pool."""
 
 
-GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, LeaveGroup, AskGroupStats)
+GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, LeaveGroup, AskGroupStats, ExportQueued,
+                AdoptQueued)

@@ -36,8 +36,10 @@ from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.reply import Reply
 from gpu.group_stage import Adopted
 from shunter.cluster.group_wire import (
+    AdoptQueued,
     AskGroupStats,
     ExportGroup,
+    ExportQueued,
     GroupAnswer,
     HeadGroup,
     JoinDataPlane,
@@ -80,6 +82,12 @@ class InstanceGroups:
                     value = await self._leave()
                 case AskGroupStats():
                     value = self._stats()
+                case ExportQueued():
+                    value = await self._hand_over(await _ask(
+                        self.engine._scheduler_send,
+                        lambda r: Regroup(export_queued=True, reply=r)))
+                case AdoptQueued():
+                    value = await self._adopt_queued(msg)
             answer = GroupAnswer(key=msg.key, value=value)
         except PoolTooSmall as exc:
             answer = GroupAnswer(key=msg.key, error=str(exc), too_small=True)
@@ -97,6 +105,27 @@ class InstanceGroups:
         eng = self.engine
         self.runner.holding = True  # the exported requests' sequences stay for the group
         reqs = await _ask(eng._scheduler_send, lambda r: Regroup(export=True, reply=r))
+        out = await self._hand_over(reqs)
+        done = self.member_task = anyio.Event()
+
+        async def serve() -> None:
+            try:
+                self.member_stats = await self.runner._thread.run(
+                    self.runner.serve_group, msg.head)
+                log.info("group left", stats=self.member_stats)
+            except Exception:  # its layers are gone: the instance ends (the head sees it lost)
+                log.exception("serving the group failed", head=msg.head)
+                raise
+            finally:
+                done.set()
+
+        tg.start_soon(serve)
+        return out
+
+    async def _hand_over(self, reqs) -> tuple[Moved, ...]:
+        """The client streams of `reqs` (exported by the scheduler) leave the frontend; each
+        relay drains what its request produced here and ends quietly; then their `Moved`."""
+        eng = self.engine
         streams = await _ask(eng._frontend_send, lambda r: HandOverStreams(
             request_ids=tuple(q.id for q in reqs), reply=r)) if reqs else {}
         keys = self.server.keys_of(tuple(q.id for q in reqs))
@@ -112,20 +141,6 @@ class InstanceGroups:
                 cs.send.close()  # its relay drains what was produced, then ends quietly
             out.append(Moved(cluster_key=keys[q.id], request=q, stream=state))
         await self.server.drained(list(keys.values()))
-        done = self.member_task = anyio.Event()
-
-        async def serve() -> None:
-            try:
-                self.member_stats = await self.runner._thread.run(
-                    self.runner.serve_group, msg.head)
-                log.info("group left", stats=self.member_stats)
-            except Exception:  # its layers are gone: the instance ends (the head sees it lost)
-                log.exception("serving the group failed", head=msg.head)
-                raise
-            finally:
-                done.set()
-
-        tg.start_soon(serve)
         return tuple(out)
 
     # ------------------------------------------------------------------ head
@@ -134,8 +149,39 @@ class InstanceGroups:
         eng, runner, plan = self.engine, self.runner, msg.plan
         if not hasattr(runner, "form"):
             raise RuntimeError("this instance's runner cannot lead KunServe pipeline groups")
+        adopted, reqs = [], []
+        for (owner, mv), (old, q) in zip(msg.adopted, await self._take_over(
+                [mv for _, mv in msg.adopted]), strict=True):
+            if q.computed_tokens and q.state != "swapped":
+                adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
+                                       kv_tokens=q.computed_tokens))
+            reqs.append(q)
+        runner.microbatch = msg.microbatch
+        # own: exactly the requests whose KV the runner exchanges (a request that ran its
+        # first step after the group opened has all of its KV in the group already)
+        pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
+        waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
+            adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
+        tg.start_soon(self._arrivals, {q.id for q in waiting})
+        return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
+                "exchanging": len(waiting)}
+
+    async def _adopt_queued(self, msg: AdoptQueued) -> int:
+        """Requests with no KV from an instance serving alone: set up here like new ones."""
+        if self.runner.group is None:
+            raise RuntimeError("this instance leads no group")
+        reqs = [q for _, q in await self._take_over(msg.moved)]
+        if reqs:
+            await _ask(self.engine._scheduler_send, lambda r: Regroup(adopt=tuple(reqs), reply=r))
+        return len(reqs)
+
+    async def _take_over(self, moved) -> list[tuple[int, object]]:
+        """The moved requests' client streams made again here and relayed under their cluster
+        keys; each request gets its id here (returned with its old one); their whole context
+        goes to the runner for their setups."""
+        eng, runner = self.engine, self.runner
         streams, recvs = {}, {}
-        for _, mv in msg.adopted:
+        for mv in moved:
             q = mv.request
             send, recv = anyio.create_memory_object_stream(math.inf)
             codec = eng.backend.codec
@@ -146,27 +192,16 @@ class InstanceGroups:
             recvs[q.id] = recv
         new_ids = await _ask(eng._frontend_send, lambda r: TakeOverStreams(
             streams=streams, reply=r)) if streams else {}
-        adopted, tokens, reqs = [], {}, []
-        for owner, mv in msg.adopted:
+        tokens, out = {}, []
+        for mv in moved:
             q = mv.request
             old, q.id = q.id, new_ids[q.id]
             self.server.relay(mv.cluster_key, q.id, recvs[old])
             if q.output_ids:  # the engine's setup carries the prompt only
                 tokens[q.id] = tuple(q.prompt_ids) + tuple(q.output_ids)
-            if q.computed_tokens and q.state != "swapped":
-                adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
-                                       kv_tokens=q.computed_tokens))
-            reqs.append(q)
+            out.append((old, q))
         runner.adopt_tokens(tokens)
-        runner.microbatch = msg.microbatch
-        # own: exactly the requests whose KV the runner exchanges (a request that ran its
-        # first step after the group opened has all of its KV in the group already)
-        pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
-        waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
-            adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
-        tg.start_soon(self._arrivals, {q.id for q in waiting})
-        return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
-                "exchanging": len(waiting)}
+        return out
 
     async def _arrivals(self, waiting: set[int]) -> None:
         """Each request's KV arrival on every member becomes a `SwapDone` for the scheduler."""

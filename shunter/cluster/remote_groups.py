@@ -30,8 +30,10 @@ from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore
 from engine.errors import EngineDeadError
 from shunter.cluster.group_wire import (
+    AdoptQueued,
     AskGroupStats,
     ExportGroup,
+    ExportQueued,
     GroupAnswer,
     HeadGroup,
     JoinDataPlane,
@@ -47,11 +49,12 @@ class GroupCommandError(RuntimeError):
 
 class RemoteGroups:
     def __init__(self, instances: list, *, coordinator, base_pools, num_layers: int,
-                 microbatch: str = "tokens") -> None:
+                 microbatch: str = "tokens", block_size: int = 16) -> None:
         self.instances = instances
+        """RemoteInstance handles (shunter/cluster/handles.py), by index."""
         self.microbatch = microbatch
         """The policy's `microbatch`: how the groups formed from now on cut their steps."""
-        """RemoteInstance handles (shunter/cluster/handles.py), by index."""
+        self.block_size = block_size
         self.coordinator = coordinator
         self.base_pools = list(base_pools)
         self.num_layers = num_layers
@@ -127,9 +130,18 @@ class RemoteGroups:
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())
             return
+        if action is None and self.groups:
+            await self._reschedule_queued(stats)
+            return
         if isinstance(action, Drop):
             self.counters.drops += 1
             for g in action.new_groups:
+                if any(set(g.members) & set(old.members) for old in self.groups.values()):
+                    # a running torch group does not grow: the queued requests move instead
+                    self.counters.events.append({"t": anyio.current_time(),
+                                                 "event": "grow refused",
+                                                 "members": list(g.members)})
+                    continue
                 try:
                     await self.form(g)
                 except (GroupCommandError, EngineDeadError) as exc:  # an instance went away
@@ -139,6 +151,7 @@ class RemoteGroups:
                                                  "members": list(g.members),
                                                  "error": str(exc)})
                     await self.coordinator.send(GroupsChanged(restored=g.head))
+            await self._reschedule_queued(stats)
         elif isinstance(action, Restore):
             self.busy = True
             self._tg.start_soon(self._restore_all, action.heads)
@@ -169,6 +182,44 @@ class RemoteGroups:
                          "members": list(g.members), **counts})
         log.info("group formed", members=g.members, **counts)
 
+    async def _reschedule_queued(self, stats) -> None:
+        """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
+        free memory go to the group head with the most free blocks, if it can hold them (§4.1:
+        queued requests are rescheduled onto the enlarged memory; shunter/cluster/groups.py
+        does the same for the simulator's instances)."""
+        bs = self.block_size
+        members = {m for g in self.groups.values() for m in g.members}
+        heads = [h for h in self.groups if stats[h] is not None and self.instances[h].alive]
+        for i, st in enumerate(stats):
+            if i in members or st is None or not self.instances[i].alive or not st.waiting:
+                continue
+            if st.queued_tokens <= st.free_blocks * bs:
+                continue
+            best = max(heads, key=lambda h: stats[h].free_blocks, default=None)
+            if best is None or stats[best].free_blocks * bs < st.queued_tokens:
+                continue
+            try:
+                n = await self._move_queued(i, best)
+            except (GroupCommandError, EngineDeadError) as exc:
+                log.error("queued requests not moved", src=i, head=best, error=str(exc))
+                continue
+            self.counters.rescheduled_requests += n
+            if n:
+                self.counters.events.append({"t": anyio.current_time(), "event": "rescheduled",
+                                             "from": i, "to": best, "requests": n})
+
+    async def _move_queued(self, src: int, head: int) -> int:
+        moved = await self._command(src, lambda key: ExportQueued(key=key))
+        if not moved:
+            return 0
+        a, b = self.instances[src], self.instances[head]
+        for mv in moved:  # their outputs come from the head's link from now on
+            live = a._live.pop(mv.cluster_key, None)
+            if live is not None:
+                b._live[mv.cluster_key] = live
+                a.moved_to[mv.cluster_key] = b
+        return await self._command(head, lambda key: AdoptQueued(key=key, moved=tuple(moved)))
+
     async def _restore_all(self, heads) -> None:
         try:
             for h in heads:
@@ -192,10 +243,10 @@ class RemoteGroups:
             await self.coordinator.send(GroupsChanged())
             return False
         del self.groups[head]
-        for m in g.members[1:]:
-            for key, to in list(self.instances[m].moved_to.items()):
+        for inst in self.instances:  # members, and instances whose queued requests moved
+            for key, to in list(inst.moved_to.items()):
                 if to is self.instances[head] and key not in to._live:
-                    del self.instances[m].moved_to[key]
+                    del inst.moved_to[key]
         await self.coordinator.send(GroupsChanged(restored=head))
         self.counters.restores += 1
         self.counters.events.append({"t": anyio.current_time(), "event": "restore",

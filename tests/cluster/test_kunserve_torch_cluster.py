@@ -3,11 +3,15 @@ burst that the instances' small pools cannot hold makes the global monitor drop 
 `overload drop` trigger), the instances form a pipeline group (the member hands its requests to
 the head, the KV of every request in flight is exchanged in chunks over the data plane), the
 group serves the burst, the restore trigger brings every layer back and both serve alone
-again. Requests whose generation spans drop -> exchange -> pipelined decoding -> restore give
-exactly transformers' greedy tokens (tests/reference.py's near-tie rule).
+again. The group cuts its steps by lookahead (§4.3: Eq. 1-3 fitted per stage, prefills cut
+between microbatches). Requests whose generation spans drop -> exchange -> pipelined decoding
+-> restore give exactly transformers' greedy tokens (tests/reference.py's near-tie rule).
 
-Planted bug checked by hand (see /work/notes/issue16_torch_cluster.md): a receiver that skips
-one exchanged KV chunk makes this test fail.
+Planted bugs checked by hand (see /work/notes/issue16_torch_cluster.md and
+issue16_torch_round3.md): a receiver that skips one exchanged KV chunk, a microbatch that drops
+a sequence, and pieces of a cut prefill that all start at its first token each make the first
+test fail. Other tests: a lost member, a lost head, queued requests of an instance alone
+moving to a head (three processes), and what loads where.
 """
 
 from __future__ import annotations
@@ -186,6 +190,62 @@ async def test_a_ray_cluster_refuses_overload_rules_at_load(anyio_backend, kunse
 
 
 @pytest.mark.anyio
+async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
+        anyio_backend, kunserve_config, kunserve_model, tmp_path):
+    """Three instance processes; instances 0 and 1 form a group (by the group manager's own
+    `form`, the cluster idle), so new requests go round robin to the head and to instance 2,
+    alone. Instance 2's 24-block pool cannot hold its share, so its queue grows; the planner's
+    drop would grow the running group (not done on torch), so its queued requests (no KV:
+    never run, or preempted by recompute) move to the head instead (§4.1), and every request
+    still gives transformers' tokens."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    from engine.cluster.drop_plan import GroupPlan
+    from policies import policy_path
+    from shunter.cluster.launch import LocalLauncher
+
+    policy = tmp_path / "kunserve_rr.policy"
+    policy.write_text(f'policy kunserve_rr extends "{policy_path("kunserve_lookahead")}" {{\n'
+                      f'  dispatch round_robin\n'
+                      f'  overload drop when head_tokens > free_tokens\n}}\n')
+    config = attrs.evolve(kunserve_config, policy=policy)
+    launcher = LocalLauncher("asyncio")
+    instances = [launcher.start_process(i, config) for i in range(3)]
+    rng = random.Random(5)
+    prompts = [_prompt(rng, 8) for _ in range(8)]  # 10 blocks each: 4 fill instance 2
+    got: dict[int, list[int]] = {}
+
+    async def one(cluster: Cluster, i: int) -> None:
+        got[i] = []
+        async with cluster.generate(prompts[i], shunter.SamplingParams(
+                max_tokens=32, temperature=0)) as stream:
+            async for chunk in stream:
+                got[i] += chunk.token_ids
+                assert chunk.error is None, (i, chunk.error)
+
+    try:
+        async with Cluster.start(config, attach=instances, monitor_interval_s=0.02) as cluster:
+            await cluster.groups.form(GroupPlan(group_id=1, members=(0, 1),
+                                                layers=(range(2), range(2, 4))))
+            with anyio.fail_after(180):
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, cluster, i)
+                snap = await cluster.wait_idle()
+            report = cluster.groups.report(0.0)
+    finally:
+        launcher.shutdown(timeout_s=0)
+    print(f"\nqueued moved: {report}")
+    assert report["rescheduled_requests"] >= 1, report
+    assert any(e["event"] == "rescheduled" and e["from"] == 2 and e["to"] == 0
+               for e in report["events"]), report
+    alone = snap.snapshots[2]
+    assert alone.idle and alone.scheduler.total_blocks == SOLO_BLOCKS, alone
+    for i, prompt in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(kunserve_model, prompt, 32), f"R{i}")
+
+
+@pytest.mark.anyio
 async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go_to_the_member(
         anyio_backend, kunserve_config, kunserve_model):
     """The head is SIGKILLed as soon as the group forms (its own two processes: it kills one).
@@ -204,15 +264,19 @@ async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go
     rng = random.Random(0)  # the first test's requests: their references are computed once
     prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
     prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
+    burst = len(prompts)
+    prompts += [(_prompt(rng, 12), 8) for _ in range(2)]  # sent to the head just before the kill
     got: dict[int, list[int]] = {}
     errors: dict[int, str] = {}
     before_kill: dict[int, int] = {}
+    streams = {}
 
     async def one(cluster: Cluster, i: int, started=None) -> None:
         got[i] = []
         prompt, n = prompts[i]
         async with cluster.generate(prompt, shunter.SamplingParams(
                 max_tokens=n, temperature=0)) as stream:
+            streams[i] = stream
             async for chunk in stream:
                 got[i] += chunk.token_ids
                 if chunk.error is not None:
@@ -230,11 +294,16 @@ async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go
                         tg.start_soon(one, cluster, i, started[i])
                     for ev in started:
                         await ev.wait()
-                    for i in range(2, len(prompts)):
+                    for i in range(2, burst):
                         tg.start_soon(one, cluster, i)
                     while not cluster.groups.groups:
                         await anyio.sleep(0.002)
                     (group,) = cluster.groups.groups.values()
+                    for i in range(burst, len(prompts)):  # admitted at the head, no token yet
+                        tg.start_soon(one, cluster, i)
+                    while any(streams.get(i) is None or streams[i].request_id is None
+                              for i in range(burst, len(prompts))):
+                        await anyio.sleep(0.0005)
                     before_kill.update({i: len(t) for i, t in got.items()})
                     instances[group.head].kill()
                 alone = _prompt(rng, 10)
