@@ -98,6 +98,7 @@ def _run_window(group, prompts, decodes: int, step_id: int, first_rid: int, deta
             seqs = tuple(SeqWork(request_id=r, start=len(p) + k - 1, num_tokens=1, sample=True)
                          for r, p in zip(rids, prompts))
         step_id += 1
+        n_err, n_tok = len(group.fits.errors), len(group.fits.token_errors)
         model = group.fits.model() if group.fits.fitted else None
         group.execute(ExecuteStep(step_id=step_id, release=(), setups=setups, blocks=blocks,
                                   seqs=seqs))
@@ -111,7 +112,7 @@ def _run_window(group, prompts, decodes: int, step_id: int, first_rid: int, deta
                                            for row in group.last_stage_s]})
         t, w = group.totals, group.wall
         out.append((k == 0, t.busy_s - before[0], t.stage_s - before[1], w[0] - before[2],
-                    w[1] - before[3]))
+                    w[1] - before[3], group.fits.errors[n_err:], group.fits.token_errors[n_tok:]))
     step_id += 1
     group.execute(ExecuteStep(step_id=step_id, release=tuple(rids), setups=(), blocks=(),
                               seqs=()))
@@ -123,6 +124,10 @@ def _ratio(rows, prefill_only: bool, wall: bool) -> float:
     busy = sum(r[3 if wall else 1] for r in rows)
     span = sum(r[4 if wall else 2] for r in rows)
     return 1 - busy / span if span else 0.0
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
 
 
 def main() -> None:
@@ -196,7 +201,12 @@ def main() -> None:
             "prediction_error_median": statistics.median(errors[mode]) if errors[mode] else None,
             "tokens_model_error_mean": (statistics.fmean(tok_errors[mode])
                                         if tok_errors[mode] else None),
-            "microbatches_measured": len(errors[mode])}
+            "microbatches_measured": len(errors[mode]),
+            "prediction_error_prefill_steps": _mean([e for r in mode_rows if r[0] for e in r[5]]),
+            "prediction_error_decode_steps": _mean([e for r in mode_rows if not r[0]
+                                                    for e in r[5]]),
+            "tokens_model_error_prefill_steps": _mean([e for r in mode_rows if r[0]
+                                                       for e in r[6]])}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for mode in rows:
@@ -204,7 +214,11 @@ def main() -> None:
         print(f"{mode:9s} bubble prefill {m['bubble_prefill']:.3f} all {m['bubble_all']:.3f} "
               f"(wall {m['wall_bubble_prefill']:.3f} / {m['wall_bubble_all']:.3f}); "
               f"Eq.1-3 error mean {m['prediction_error_mean']:.3f} median "
-              f"{m['prediction_error_median']:.3f}; token model {m['tokens_model_error_mean']:.3f}")
+              f"{m['prediction_error_median']:.3f} (prefill steps "
+              f"{m['prediction_error_prefill_steps']:.3f}, decode "
+              f"{m['prediction_error_decode_steps']:.3f}); token model "
+              f"{m['tokens_model_error_mean']:.3f} (prefill steps "
+              f"{m['tokens_model_error_prefill_steps']:.3f})")
     print(f"load average {result['load_average']}, {result['seconds']:.1f} s, wrote {args.out}")
 
 
