@@ -128,6 +128,10 @@ def _count_fit(mem: Any, phase: Any, args: Any, out: Any) -> Any:
     COUNTS["sum_be_only_empty_slots"] += sum(
         t.block_size - t._blocks[b].be_fill for b in t._be_only)
     COUNTS["iterations_no_free_block"] += t.num_free == 0
+    # the room BE could take in RT blocks (BROS's FindBlock lets a BE prefill start there; this
+    # table does not): empty slots of blocks with an RT owner and no BE one
+    COUNTS["sum_rt_only_empty_slots"] += sum(
+        t.block_size - x.rt_fill for x in t._blocks.values() if x.rt >= 0 and x.be < 0)
     COUNTS["sum_shared_blocks"] += len(t._blocks) - t.num_free - len(t._be_only) - sum(
         1 for b, x in t._blocks.items() if x.be < 0 and x.rt >= 0)
     return None
