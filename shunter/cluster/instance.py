@@ -92,6 +92,12 @@ class InstanceServer:
             await self._moved[key].wait()
             del self._moved[key]
 
+    def cancel_if_asked(self, key: int, request_id: int) -> None:
+        """A request that moved here, once this engine's scheduler holds it: a cancel its
+        client sent while it was moving (before this engine could apply it) applies now."""
+        if key in self._cancelled:
+            self._engine._cancel_nowait(request_id)
+
     def relay(self, key: int, request_id: int, recv) -> None:
         self._ids[key] = request_id
         self._tg.start_soon(self._relay, key, recv)

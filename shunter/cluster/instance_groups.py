@@ -162,6 +162,8 @@ class InstanceGroups:
         pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
+        for (_, mv), q in zip(msg.adopted, reqs, strict=True):
+            self.server.cancel_if_asked(mv.cluster_key, q.id)
         tg.start_soon(self._arrivals, {q.id for q in waiting})
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
@@ -173,6 +175,8 @@ class InstanceGroups:
         reqs = [q for _, q in await self._take_over(msg.moved)]
         if reqs:
             await _ask(self.engine._scheduler_send, lambda r: Regroup(adopt=tuple(reqs), reply=r))
+        for mv, q in zip(msg.moved, reqs, strict=True):
+            self.server.cancel_if_asked(mv.cluster_key, q.id)
         return len(reqs)
 
     async def _take_over(self, moved) -> list[tuple[int, object]]:
