@@ -20,21 +20,23 @@ from shunter.cluster.cluster import Cluster
 
 async def _long_prompts(n: int):
     # 2 x 300 blocks alone; a group of two: 8,258 blocks (132k tokens). 32 sequences of
-    # 3,000 + 400 tokens fit in it (109k); 64 would not (218k)
+    # 2,000 + 600 tokens fit in it (83k); 56 would not (146k). The queue (112k) fits the
+    # group's free blocks, so the planner forms it at once (a queue no grouping can hold gets
+    # no drop, §4.1's KV-centric fallback)
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300, max_num_seqs=32,
                           max_batched_tokens=1024, policy=policy_path("kunserve"))
     async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
         ends = []
 
         async def one(i: int) -> None:
-            await anyio.sleep(i * 0.002)
-            done = await cluster.complete([7 + i % 50] * 3000, shunter.SamplingParams(
-                max_tokens=400, ignore_eos=True))
+            await anyio.sleep(i * 0.001)
+            done = await cluster.complete([7 + i % 50] * 2000, shunter.SamplingParams(
+                max_tokens=600, ignore_eos=True))
             ends.append((done.finish_reason, len(done.token_ids)))
 
         async def at_group() -> None:  # the instances alone thrash on 300 blocks: not counted
             while not cluster.groups.counters.groups_formed:
-                await anyio.sleep(0.001)
+                await anyio.sleep(0.01)
             before.append(sum(s.scheduler.preemptions for s in
                               (await cluster.inspect()).snapshots))
 
@@ -50,9 +52,9 @@ async def _long_prompts(n: int):
 
 
 def test_a_group_runs_one_instance_s_sequences_so_long_prompts_are_not_recomputed():
-    ends, grouped_preemptions, counters = trio.run(_long_prompts, 48,
+    ends, grouped_preemptions, counters = trio.run(_long_prompts, 56,
                                     clock=trio.testing.MockClock(autojump_threshold=0))
-    assert sorted(set(ends)) == [("length", 400)] and len(ends) == 48
+    assert sorted(set(ends)) == [("length", 600)] and len(ends) == 56
     assert counters.groups_formed >= 1
     # the bad budget (64 sequences in the group) preempted by recompute here
     assert grouped_preemptions == 0
