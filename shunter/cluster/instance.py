@@ -15,7 +15,7 @@ from anyio.abc import SocketAttribute
 
 from engine.config import EngineConfig
 from engine.errors import EngineDeadError, PolicyError
-from engine.messages import Submit
+from engine.messages import AbortRequest, Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from shunter.cluster.group_wire import GroupCommand
 from shunter.cluster.instance_groups import InstanceGroups
@@ -92,11 +92,16 @@ class InstanceServer:
             await self._moved[key].wait()
             del self._moved[key]
 
-    def cancel_if_asked(self, key: int, request_id: int) -> None:
+    async def cancel_if_asked(self, key: int, request_id: int) -> None:
         """A request that moved here, once this engine's scheduler holds it: a cancel its
         client sent while it was moving (before this engine could apply it) applies now."""
         if key in self._cancelled:
-            self._engine._cancel_nowait(request_id)
+            self._engine._cancel_nowait(request_id)  # its stream is gone
+            # straight to the scheduler: a cancel that came while the request was moving may
+            # have marked its stream gone already, its abort lost (the scheduler did not hold
+            # it yet)
+            await self._engine._scheduler_send.send(
+                AbortRequest(request_id=request_id, reason="cancelled"))
 
     def relay(self, key: int, request_id: int, recv) -> None:
         self._ids[key] = request_id

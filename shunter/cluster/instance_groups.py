@@ -163,7 +163,7 @@ class InstanceGroups:
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
         for (_, mv), q in zip(msg.adopted, reqs, strict=True):
-            self.server.cancel_if_asked(mv.cluster_key, q.id)
+            await self.server.cancel_if_asked(mv.cluster_key, q.id)
         tg.start_soon(self._arrivals, {q.id for q in waiting})
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
@@ -176,7 +176,7 @@ class InstanceGroups:
         if reqs:
             await _ask(self.engine._scheduler_send, lambda r: Regroup(adopt=tuple(reqs), reply=r))
         for mv, q in zip(msg.moved, reqs, strict=True):
-            self.server.cancel_if_asked(mv.cluster_key, q.id)
+            await self.server.cancel_if_asked(mv.cluster_key, q.id)
         return len(reqs)
 
     async def _take_over(self, moved) -> list[tuple[int, object]]:
