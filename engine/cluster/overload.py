@@ -128,6 +128,9 @@ class OverloadMonitor:
         self.rounds = 0
         self.refused = 0
         """Drops the policy asked for that no grouping could fit (KV-centric fallback, §4.1)."""
+        self.head_only_plans = 0
+        """Drops planned for the units' oldest queued requests, the whole queues fitting no
+        grouping (see `_drop`)."""
         self.fired: list[int] = []
         """The units whose drop trigger fired in the last round (the bench's events)."""
 
@@ -216,6 +219,28 @@ class OverloadMonitor:
 
     def _drop(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool],
               out: set[int]) -> Drop | None:
+        groups = [g.members for g in self.groups.values() if not set(g.members) & out]
+        plan = None
+        for head_only in (False, True):
+            # Algorithm 6 plans for every queued request; when no grouping holds them all, it
+            # falls back to KV-centric handling and autoscaling (§4.1), which this cluster does
+            # not have: then plan for the oldest queued request of each unit (what the drop
+            # condition found blocked), so memory still grows where it blocks the queue
+            plan = plan_drop(self._capacities(stats, alive, out, head_only=head_only),
+                             num_layers=self.num_layers, weight_blocks=self.weight_blocks,
+                             groups=groups)
+            if plan is not None:
+                self.head_only_plans += head_only
+                break
+        if plan is None:
+            self.refused += 1
+            return None
+        running = set(groups)
+        new = tuple(g for g in plan.merged if g.members not in running)
+        return Drop(plan=plan, new_groups=new) if new else None
+
+    def _capacities(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool],
+                    out: set[int], *, head_only: bool) -> list[InstanceCapacity]:
         bs = self.block_size
         caps = []
         for i, st in enumerate(stats):
@@ -225,18 +250,11 @@ class OverloadMonitor:
             # a head's blocks live in its group's pool: the planner adds the members' pools
             # and the freed weights back, so its free blocks come out as the head's
             used = 0 if member else st.total_blocks - st.free_blocks
+            queued = st.head_tokens if head_only else st.queued_tokens
             caps.append(InstanceCapacity(
                 index=i, pool_blocks=self.base_pools[i], used_blocks=used,
-                queued_blocks=0 if member else -(-st.queued_tokens // bs)))
-        groups = [g.members for g in self.groups.values() if not set(g.members) & out]
-        plan = plan_drop(caps, num_layers=self.num_layers, weight_blocks=self.weight_blocks,
-                         groups=groups)
-        if plan is None:
-            self.refused += 1
-            return None
-        running = set(groups)
-        new = tuple(g for g in plan.merged if g.members not in running)
-        return Drop(plan=plan, new_groups=new) if new else None
+                queued_blocks=0 if member else -(-queued // bs)))
+        return caps
 
     def formed(self, group: GroupPlan) -> None:
         for head in [h for h, g in self.groups.items() if set(g.members) & set(group.members)]:

@@ -104,3 +104,16 @@ def test_a_replaced_policy_s_triggers_take_over():
     over = [_stats(used=10, total=600), None, _stats(used=100, queued_blocks=90, head_blocks=9),
             _stats(used=10)]
     assert [m.decide(over, ALIVE) for _ in range(3)] == [Restore(heads=(0,))] * 3
+
+
+def test_a_queue_no_grouping_holds_still_gets_memory_for_its_oldest_request():
+    """Every instance full, each queue far longer than any grouping can hold (4 x 100 blocks
+    plus 3 freed weight copies of 400 = 1,600 < 4 x 900 queued): Algorithm 6 finds no plan
+    (the paper falls back to KV-centric handling and autoscaling, which a cluster here does not
+    have). The monitor then plans for each unit's oldest queued request: pairs form."""
+    m = _monitor()
+    stats = [_stats(used=100, queued_blocks=900, head_blocks=30)] * 4
+    m.decide(stats, ALIVE)
+    action = m.decide(stats, ALIVE)
+    assert isinstance(action, Drop) and m.head_only_plans == 1 and m.refused == 0
+    assert sorted(g.members for g in action.new_groups) == [(0, 1), (2, 3)]
