@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import attrs
 
 from engine.cluster.stage_fits import StageFits
+from engine.cost_model import BatchShape
 from engine.messages import ExecuteStep, StepFinished
 from gpu.data_plane import GroupMemberLost
 from gpu.group_runner import GroupRunner
@@ -55,6 +56,9 @@ class KunServeTorchRunner(TorchRunner):
         """How a group this instance leads cuts its steps (the policy's `microbatch`)."""
         self.stage_fits: dict[tuple, object] = {}
         """Eq. 1-3 per stage, by the group's layer split: a later group goes on from them."""
+        self.cost_model = None
+        """The engine's fitted profile (`EngineConfig.cost_profile`), if any: a split's fits
+        start from it (offline profiling, §4.3) instead of from nothing."""
         self.holding = False
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
@@ -73,7 +77,15 @@ class KunServeTorchRunner(TorchRunner):
 
     def _group(self, plan, adopted: Sequence[Adopted]) -> GroupRunner:
         split = tuple((r.start, r.stop) for r in plan.layers)
-        fits = self.stage_fits.setdefault(split, StageFits(len(plan.members)))
+        fits = self.stage_fits.get(split)
+        if fits is None:
+            fits = self.stage_fits[split] = StageFits(len(plan.members))
+            cost = self.cost_model
+            if cost is not None:
+                layers = self._model_config.num_layers
+                fits.seed(lambda chunks: cost.predict_ms(BatchShape.of(chunks)),
+                          [len(r) / layers for r in plan.layers],
+                          max_context=self._model_config.max_position_embeddings)
         return GroupRunner(self, plan.members, plan.layers, adopted,
                            chunk_blocks=self.chunk_blocks, microbatch=self.microbatch, fits=fits)
 

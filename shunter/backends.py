@@ -121,6 +121,9 @@ def _torch_backend(config: EngineConfig) -> Backend:
         from gpu.kunserve_runner import KunServeTorchRunner
 
         runner = KunServeTorchRunner(config, model, num_blocks)
+    cost = _fitted_cost(config, model) if config.cost_profile else None
+    if hasattr(runner, "cost_model"):
+        runner.cost_model = cost  # KunServe's lookahead fits start from it
     return Backend(
         runner=runner,
         codec=TokenizerCodec(tokenizer),
@@ -128,7 +131,7 @@ def _torch_backend(config: EngineConfig) -> Backend:
         eos_token_ids=tuple(model.eos_token_ids),
         max_context=max_context,
         max_prompt_tokens=config.max_prompt_tokens or max_context - 1,
-        cost_model=_fitted_cost(config, model) if config.cost_profile else None,
+        cost_model=cost,
     )
 
 

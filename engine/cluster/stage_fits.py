@@ -9,6 +9,10 @@ predictions against the times then measured are the model's prediction error (he
 microbatch never predicts itself). The same is done for a token-count model (ms = a + b x
 tokens, least squares), the baseline the paper compares with (Figure 15).
 
+`seed` gives a stage its first samples from a profile's prediction for the whole model times the
+stage's share of the layers (offline profiling, as the paper fits its hyperparameters before
+serving; a torch engine with a `cost_profile`), so the first steps of a group are cut by a fit.
+
 `cut` cuts a step's work: `lookahead` balances the microbatches' predicted cost over the whole
 step (`lookahead_split`, with the stages' fits summed: a microbatch's trip through every
 stage), cutting prefill chunks where the balance falls; until every stage has
@@ -21,9 +25,10 @@ ends.
 
 from __future__ import annotations
 
+import random
 import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -123,6 +128,33 @@ class StageFits:
         else:
             raise ValueError(f"microbatch mode {mode!r}: expected 'tokens' or 'lookahead'")
         return tuple(tuple(mb) for mb in out)
+
+    def seed(self, whole_ms: Callable[[list[tuple[int, int]]], float],
+             shares: Sequence[float], *, max_context: int, samples: int = 64,
+             seed: int = 0) -> None:
+        """Offline profiling (§4.3: the hyperparameters are fitted before serving): random
+        microbatches (75% decodes, 25% prefill chunks, up to `max_context` tokens) timed by
+        `whole_ms` (a profile's prediction for the whole model, milliseconds) times each
+        stage's share of the layers, as each stage's first samples; measured microbatches
+        replace them as they come (the window keeps the most recent)."""
+        if len(shares) != self.stages:
+            raise ValueError(f"{len(shares)} shares for {self.stages} stages")
+        rng = random.Random(seed)
+        top = max(2, max_context - 1)
+        for _ in range(samples):
+            chunks = []
+            for _ in range(rng.randint(1, 32)):
+                if rng.random() < 0.75:
+                    chunks.append((rng.randint(1, top - 1), 1))
+                else:
+                    n = rng.randint(2, min(top, 2048))
+                    chunks.append((rng.choice([0, rng.randint(0, top - n)]), n))
+            ms = whole_ms(chunks)
+            for s, share in enumerate(shares):
+                self.samples[s].append((chunks, ms * share))
+        for s in range(self.stages):
+            self.fits[s] = fit_chunk_cost(list(self.samples[s]))
+            self.token_fits[s] = _token_fit(self.samples[s])
 
     def observe(self, cut: Cut, stage_ms: Sequence[Sequence[float]]) -> None:
         """The step's microbatches ran: stage s spent `stage_ms[s][m]` on microbatch m."""

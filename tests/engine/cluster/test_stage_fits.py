@@ -90,3 +90,21 @@ def test_fit_predicts_held_out_microbatches_and_lookahead_balances_them():
     assert rep["tokens_model_error"]["mean"] > 3 * rep["error"]["mean"], rep
     mean = {m: sum(b) / len(b) for m, b in bubbles.items()}
     assert mean["lookahead"] < mean["tokens"], mean
+
+
+def test_seeded_from_a_profile_the_first_cut_is_by_the_fit():
+    """Offline profiling: seeded from the whole model's cost times each stage's share, both
+    stages are fitted before any step ran, the first lookahead cut is made by the fit, and the
+    seeded fit predicts the stages' measured microbatches within a few percent."""
+    whole = ChunkCost(alpha=4e-4, beta=8e-4, gamma=0.045, delta=3.5)
+    fits = StageFits(2)
+    fits.seed(lambda chunks: whole.batch_ms(chunks), [0.5, 0.5], max_context=1024)
+    assert fits.fitted and [len(d) for d in fits.samples] == [64, 64]
+    rng = random.Random(3)
+    seqs = _step(rng)
+    cut = fits.cut(seqs, 4, "lookahead", min_tokens=8)
+    assert fits.cuts == 1
+    fits.observe(cut, [[whole.batch_ms([(s, n) for _, s, n in mb]) / 2 for mb in cut]] * 2)
+    assert max(fits.errors) < 0.02, fits.errors
+    with pytest.raises(ValueError, match="3 shares for 2 stages"):
+        fits.seed(lambda chunks: 1.0, [0.3, 0.3, 0.4], max_context=64)
