@@ -12,7 +12,9 @@ cut by tokens (whole sequences, about equal tokens: engine/cluster/plan.py) and 
 lookahead (Eq. 1-3 fitted per stage on the microbatches measured so far, prefills cut where
 the balance falls: engine/cluster/stage_fits.py), the order alternating. --warmup windows first
 (cut by tokens and by lookahead in turn) give the fits their samples, as the paper's offline
-profiling does. Both ways add their measured microbatches to the same fits.
+profiling does (with --cost-profile the fits start from that profile instead, as a torch
+engine's do: engine/cluster/stage_fits.py `seed`). Both ways add their measured microbatches to
+the same fits.
 
 Reported per way: the bubble ratio of the steps' GPipe schedule replayed with each stage's
 measured microbatch times (1 - busy / (stages x makespan); activation transfer not counted; a
@@ -140,6 +142,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--blocks", type=int, default=512)
+    ap.add_argument("--cost-profile", default=None,
+                    help="a profile fitted for this model's shapes (`shunter profile fit`): the "
+                         "fits start from it (offline profiling) instead of the warm-up alone")
     ap.add_argument("--out", default="bench/results/kunserve_lookahead_torch.json")
     args = ap.parse_args()
 
@@ -163,6 +168,18 @@ def main() -> None:
                      layers=(range(half), range(half, args.layers)))
     group = GroupRunner(runner, plan.members, plan.layers, microbatches=args.microbatches)
     group.open()
+    if args.cost_profile:
+        from engine.config import EngineConfig
+        from engine.cost_model import BatchShape
+        from shunter.backends import build_backend
+
+        backend = build_backend(EngineConfig(model=model_dir, backend="torch", device="cpu",
+                                             block_size=BLOCK, num_blocks=8,
+                                             cost_profile=args.cost_profile))
+        backend.runner.close()
+        cost = backend.cost_model
+        group.fits.seed(lambda chunks: cost.predict_ms(BatchShape.of(chunks)), [0.5, 0.5],
+                        max_context=1024)
     detail: list[dict] = []
     rng = random.Random(11)
     step_id, rid = 0, 1

@@ -89,6 +89,11 @@ class StageFits:
     window: int = 256
     """Most recent microbatches kept per stage (older ones age out of the fit)."""
     samples: list[deque] = attrs.field(init=False)
+    """Measured microbatches per stage: (chunks as (start, tokens), ms)."""
+    seeds: list[list] = attrs.field(init=False)
+    """Per stage, `seed`'s profile samples: fitted with the measured ones until a stage has
+    measured half a window, then left out (the profile times a whole engine step; measured
+    microbatches of a few steps, mostly decodes, do not pin the attention terms down)."""
     fits: list[ChunkCost | None] = attrs.field(init=False)
     token_fits: list[tuple[float, float] | None] = attrs.field(init=False)
     errors: list[float] = attrs.field(factory=list)
@@ -101,6 +106,7 @@ class StageFits:
 
     def __attrs_post_init__(self) -> None:
         self.samples = [deque(maxlen=self.window) for _ in range(self.stages)]
+        self.seeds = [[] for _ in range(self.stages)]
         self.fits = [None] * self.stages
         self.token_fits = [None] * self.stages
 
@@ -151,10 +157,9 @@ class StageFits:
                     chunks.append((rng.choice([0, rng.randint(0, top - n)]), n))
             ms = whole_ms(chunks)
             for s, share in enumerate(shares):
-                self.samples[s].append((chunks, ms * share))
+                self.seeds[s].append((chunks, ms * share))
         for s in range(self.stages):
-            self.fits[s] = fit_chunk_cost(list(self.samples[s]))
-            self.token_fits[s] = _token_fit(self.samples[s])
+            self._refit(s)
 
     def observe(self, cut: Cut, stage_ms: Sequence[Sequence[float]]) -> None:
         """The step's microbatches ran: stage s spent `stage_ms[s][m]` on microbatch m."""
@@ -172,9 +177,15 @@ class StageFits:
                     pred = tok[0] + tok[1] * sum(n for _, n in chunks)
                     self.token_errors.append(abs(pred - ms) / ms)
                 self.samples[s].append((chunks, ms))
-            if len(self.samples[s]) >= self.min_samples:
-                self.fits[s] = fit_chunk_cost(list(self.samples[s]))
-                self.token_fits[s] = _token_fit(self.samples[s])
+            self._refit(s)
+
+    def _refit(self, s: int) -> None:
+        data = list(self.samples[s])
+        if len(data) < self.window // 2:
+            data = self.seeds[s] + data
+        if len(data) >= self.min_samples:
+            self.fits[s] = fit_chunk_cost(data)
+            self.token_fits[s] = _token_fit(data)
 
     def report(self) -> dict:
         def stats(xs: list[float]) -> dict:

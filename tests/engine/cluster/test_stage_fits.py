@@ -99,7 +99,7 @@ def test_seeded_from_a_profile_the_first_cut_is_by_the_fit():
     whole = ChunkCost(alpha=4e-4, beta=8e-4, gamma=0.045, delta=3.5)
     fits = StageFits(2)
     fits.seed(lambda chunks: whole.batch_ms(chunks), [0.5, 0.5], max_context=1024)
-    assert fits.fitted and [len(d) for d in fits.samples] == [64, 64]
+    assert fits.fitted and [len(d) for d in fits.seeds] == [64, 64]
     rng = random.Random(3)
     seqs = _step(rng)
     cut = fits.cut(seqs, 4, "lookahead", min_tokens=8)
