@@ -77,6 +77,8 @@ class GroupRunner:
         """The stages' times are their threads' CPU times (gpu/group_stage.py `cpu_s`)."""
         self.last_cut: tuple = ()
         """The last step's microbatches (engine/cluster/stage_fits.py `Cut`)."""
+        self.last_stage_s: list = []
+        """The last step's stage times per microbatch (seconds, the clock `cpu_clock` says)."""
         self.wall = [0.0, 0.0]
         """[stage compute seconds, stages x step wall seconds] as they ran here."""
         self.ranks, self.layers = tuple(ranks), tuple(layers)
