@@ -197,7 +197,9 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     alone. Instance 2's 24-block pool cannot hold its share, so its queue grows; the planner's
     drop would grow the running group (not done on torch), so its queued requests (no KV:
     never run, or preempted by recompute) move to the head instead (§4.1), and every request
-    still gives transformers' tokens."""
+    still gives transformers' tokens; the client of the first moved request cancels as it
+    moves, and the head counts that cancel. Then the idle group restores at once (no step
+    would carry it: `dissolve_idle`) and every instance serves alone."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from engine.cluster.drop_plan import GroupPlan
@@ -249,6 +251,11 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
                         tg.start_soon(one, cluster, i)
                     tg.start_soon(cancel_one_moved, cluster)
                 snap = await cluster.wait_idle()
+                # no live request on the head: the restore is done at once (`dissolve_idle`)
+                assert await cluster.groups.restore(0)
+                after = await cluster.complete(prompts[0], shunter.SamplingParams(
+                    max_tokens=32, temperature=0))
+                solo = await cluster.wait_idle()
             report = cluster.groups.report(0.0)
     finally:
         launcher.shutdown(timeout_s=0)
@@ -261,6 +268,10 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     assert alone.idle and alone.scheduler.total_blocks == SOLO_BLOCKS, alone
     head = snap.snapshots[0]
     assert head.idle and sum(n for _, n in head.scheduler.cancelled_by_state) == 1, head
+    restored = [e for e in report["events"] if e["event"] == "restore"]
+    assert [e["restored_at_once"] for e in restored] == [True], report
+    assert [s.scheduler.total_blocks for s in solo.snapshots] == [SOLO_BLOCKS] * 3
+    assert_matches(after.token_ids, greedy_reference(kunserve_model, prompts[0], 32), "after")
     for i, prompt in enumerate(prompts):
         ref = greedy_reference(kunserve_model, prompt, 32)
         if i in cancelled:  # what it streamed before its client left is transformers'
