@@ -198,8 +198,9 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     drop would grow the running group (not done on torch), so its queued requests (no KV:
     never run, or preempted by recompute) move to the head instead (§4.1), and every request
     still gives transformers' tokens; the client of the first moved request cancels as it
-    moves, and the head counts that cancel. Then the idle group restores at once (no step
-    would carry it: `dissolve_idle`) and every instance serves alone."""
+    moves, and the head counts that cancel. A restore asked for while the head's requests hold
+    more than its own pool is postponed (`PoolTooSmall`); once idle, the group restores at once
+    (no step would carry it: `dissolve_idle`) and every instance serves alone."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from engine.cluster.drop_plan import GroupPlan
@@ -251,6 +252,16 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
                         tg.start_soon(one, cluster, i)
                     tg.start_soon(cancel_one_moved, cluster)
                 snap = await cluster.wait_idle()
+                # the head holds more blocks than its own pool: the restore must wait
+                longer = shunter.SamplingParams(max_tokens=60, temperature=0)
+                async with anyio.create_task_group() as tg:
+                    for p in prompts[:6]:
+                        tg.start_soon(cluster.complete, p, longer)
+                    while (await cluster.instances[0].snapshot()).allocator.allocated_blocks \
+                            <= SOLO_BLOCKS:
+                        await anyio.sleep(0.002)
+                    assert not await cluster.groups.restore(0)
+                await cluster.wait_idle()
                 # no live request on the head: the restore is done at once (`dissolve_idle`)
                 assert await cluster.groups.restore(0)
                 after = await cluster.complete(prompts[0], shunter.SamplingParams(
@@ -270,6 +281,7 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     assert head.idle and sum(n for _, n in head.scheduler.cancelled_by_state) == 1, head
     restored = [e for e in report["events"] if e["event"] == "restore"]
     assert [e["restored_at_once"] for e in restored] == [True], report
+    assert report["restore_retries"] == 1, report
     assert [s.scheduler.total_blocks for s in solo.snapshots] == [SOLO_BLOCKS] * 3
     assert_matches(after.token_ids, greedy_reference(kunserve_model, prompts[0], 32), "after")
     for i, prompt in enumerate(prompts):
