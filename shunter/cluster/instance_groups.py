@@ -236,7 +236,7 @@ class InstanceGroups:
 
     def _stats(self) -> dict:
         runner = self.runner
-        g = getattr(runner, "last_group", None) or getattr(runner, "group", None)
+        g = getattr(runner, "group", None) or getattr(runner, "last_group", None)
         head = None
         if g is not None:
             ex = g.exchange

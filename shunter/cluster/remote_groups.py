@@ -60,6 +60,9 @@ class RemoteGroups:
         self.num_layers = num_layers
         self.groups: dict[int, GroupPlan] = {}
         self.counters = ClusterCounters()
+        self.pipelines: list[dict] = []
+        """Each restored group's pipeline report (gpu/group_runner.py `pipeline_report`), as
+        its head gave it when the restore was asked."""
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
 
@@ -252,10 +255,33 @@ class RemoteGroups:
         self.counters.events.append({"t": anyio.current_time(), "event": "restore",
                                      "members": list(g.members), **value})
         log.info("group restored", members=g.members)
+        try:
+            head_stats = (await self.stats(head))["head"]
+        except (GroupCommandError, EngineDeadError) as exc:
+            log.warning("no group stats", head=head, error=str(exc))
+        else:  # what the head sent and received: all of a two-member group's KV traffic
+            self.counters.kv_exchanged_bytes += (head_stats["sent_bytes"]
+                                                 + head_stats["received_bytes"])
+            self.pipelines.append(dict(head_stats["pipeline"], stages=len(g.members)))
         return True
 
     def report(self, t0: float) -> dict:
-        return self.counters.block(t0)
+        """The bench JSON's `cluster` block: the counters, and over the restored groups the
+        bubble ratio of their replayed schedules and Eq. 1-3's held-out error."""
+        p = self.pipelines
+        busy = sum(x["busy_s"] for x in p)
+        span = sum(x["stages"] * x["makespan_s"] for x in p)
+        errors = [x["cost_model"]["error"] for x in p if x["cost_model"]["error"]["n"]]
+        tok = [x["cost_model"]["tokens_model_error"] for x in p
+               if x["cost_model"]["tokens_model_error"]["n"]]
+
+        def mean(stats: list[dict]) -> float | None:
+            n = sum(e["n"] for e in stats)
+            return sum(e["mean"] * e["n"] for e in stats) / n if n else None
+
+        return {**self.counters.block(t0), "bubble_ratio": 1 - busy / span if span else None,
+                "microbatch": self.microbatch, "pipeline_steps": sum(x["steps"] for x in p),
+                "cost_model_error": mean(errors), "token_model_error": mean(tok)}
 
 
 class _TooSmall(Exception):

@@ -123,6 +123,8 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     assert pipe["microbatch"] == "lookahead" and pipe["steps"] >= 1, pipe
     assert pipe["cost_model"]["split_chunks"] >= 1, pipe
     assert 0 <= pipe["bubble_ratio"] < 1, pipe
+    assert report["kv_exchanged_bytes"] >= head["received_bytes"] > 0, report
+    assert 0 <= report["bubble_ratio"] < 1 and report["pipeline_steps"] >= 1, report
     # both long requests were generating before the drop, during the group and after restore
     for i in range(2):
         t = times[f"L{i}"]
