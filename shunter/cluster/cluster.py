@@ -58,10 +58,10 @@ from shunter.policy_source import engine_capabilities, initial_policy, replaceme
 
 ClusterKind = Literal["local", "ray", "inprocess"]
 
-RAY_NO_GROUPS = ("KunServe's pipeline groups form on local clusters only (their data plane "
-                 "joins on this machine's loopback address, shunter/cluster/remote_groups.py); "
-                 "on a Ray cluster no layer would ever be dropped. Start the cluster with "
-                 "kind='local', or use a policy without `overload` rules")
+INPROCESS_TORCH_NO_GROUPS = (
+    "KunServe's pipeline groups form over torch instance processes (kind='local' or 'ray': each "
+    "joins the cluster's data plane); torch engines in one process would never drop a layer. "
+    "Start the cluster with kind='local', or use a policy without `overload` rules")
 
 
 @attrs.frozen(kw_only=True)
@@ -98,6 +98,8 @@ class Cluster:
         """Cluster request id -> (instance, demand tokens)."""
         self._coordinator = None
         self._closed = False
+        self._hosts: list[str] = []
+        """Where each instance process listens (the data plane's rendezvous is instance 0's)."""
         self.groups = None
         """KunServe's groups on in-process sim instances (shunter/cluster/groups.py)."""
 
@@ -117,8 +119,8 @@ class Cluster:
         close_runner = getattr(backend.runner, "close", None)
         if close_runner is not None:
             close_runner()  # built for its facts only (a TorchRunner has a device thread)
-        if kind == "ray" and not attach:
-            capabilities = attrs.evolve(capabilities, no_overload=RAY_NO_GROUPS)
+        if kind == "inprocess" and not attach and hasattr(backend.runner, "form"):
+            capabilities = attrs.evolve(capabilities, no_overload=INPROCESS_TORCH_NO_GROUPS)
         policy = initial_policy(config, None, capabilities)
         cluster = cls(config, policy, len(attach) or instances, monitor_interval_s,
                       attrs.evolve(backend, runner=None), capabilities.running(policy.settings))
@@ -139,7 +141,7 @@ class Cluster:
                     for _ in range(cluster._count)]
                 async with anyio.create_task_group() as tg:
                     overload = overload_monitor(policy, config, engines)
-                    if overload is None and launcher is not None and kind == "local":
+                    if overload is None and launcher is not None:  # torch instance processes
                         overload = torch_overload_monitor(policy, config, backend.runner,
                                                           cluster._count)
                     await tg.start(Coordinator(table=cluster.table,
@@ -154,7 +156,7 @@ class Cluster:
                             cluster.instances, coordinator=send, base_pools=overload.base_pools,
                             num_layers=overload.num_layers, block_size=config.block_size,
                             microbatch=policy.settings.memory.microbatch)
-                        await cluster.groups.join()
+                        await cluster.groups.join(host=cluster._hosts[0])
                         await tg.start(cluster.groups.run)
                     elif overload is not None:
                         cluster.groups = SimGroups(
@@ -183,6 +185,7 @@ class Cluster:
         async with anyio.create_task_group() as starting:
             for i in range(self._count):
                 starting.start_soon(one, i)
+        self._hosts = [up.host for up in launched]
         for i, up in enumerate(launched):
             stream = await anyio.connect_tcp(up.host, up.port)
             link = Link(stream)

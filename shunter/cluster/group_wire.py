@@ -24,6 +24,14 @@ class JoinDataPlane:
 
 
 @attrs.frozen(kw_only=True)
+class FreePort:
+    """Answer a TCP port free on this instance's machine now: instance 0 hosts the data
+    plane's rendezvous, on its own address (its peers may be on other machines)."""
+
+    key: int
+
+
+@attrs.frozen(kw_only=True)
 class Moved:
     """One request a member handed over: the scheduler's record (under the member's id), the
     cluster's key for it, and its client stream's state (text so far, stop strings; the stream
@@ -96,4 +104,4 @@ class GroupAnswer:
 
 
 GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, LeaveGroup, AskGroupStats, ExportQueued,
-                AdoptQueued)
+                AdoptQueued, FreePort)

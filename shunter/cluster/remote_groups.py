@@ -12,14 +12,12 @@ pool, and the KV exchange runs while it serves. Restoring: the head's pool shrin
 next step restores (`LeaveGroup`); when its requests do not fit its own pool yet, the restore
 waits for a later monitor round.
 
-Not done here (done for the simulator's instances): rescheduling queued requests of instances
-serving alone onto a head with room; instances on other machines (the data plane's address is
-this machine's loopback: local instances only).
+Queued requests of instances serving alone move to a head with room (§4.1), as the
+simulator's manager does. The data plane's rendezvous is at instance 0's address (a local
+process or a Ray actor; tested on one machine). Not done: growing a running group.
 """
 
 from __future__ import annotations
-
-import socket
 
 import anyio
 import structlog
@@ -34,6 +32,7 @@ from shunter.cluster.group_wire import (
     AskGroupStats,
     ExportGroup,
     ExportQueued,
+    FreePort,
     GroupAnswer,
     HeadGroup,
     JoinDataPlane,
@@ -71,11 +70,11 @@ class RemoteGroups:
         `microbatch`."""
         self.microbatch = settings.memory.microbatch
 
-    async def join(self, timeout_s: float = 120.0) -> None:
-        """Every instance joins one data plane (this machine's loopback)."""
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    async def join(self, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        """Every instance joins one data plane, its rendezvous at instance 0 (`host`: the
+        address the front door reaches instance 0 at), on a port free there."""
+        port = await self._command(0, lambda k: FreePort(key=k))
+        init = f"tcp://{host}:{port}"
         n = len(self.instances)
         with anyio.fail_after(timeout_s):
             async with anyio.create_task_group() as tg:

@@ -167,28 +167,81 @@ def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kuns
 
 
 @pytest.mark.anyio
-async def test_a_ray_cluster_refuses_overload_rules_at_load(anyio_backend, kunserve_config):
-    """Groups form on local clusters only (the data plane joins on loopback): a Ray cluster
-    would load a KunServe policy and never drop a layer, so its `overload` rule is refused at
-    load with its place in the file; a policy without one loads."""
+async def test_in_process_torch_engines_refuse_overload_rules_at_load(anyio_backend,
+                                                                      kunserve_config):
+    """Groups form over torch instance processes: in-process torch engines would load a
+    KunServe policy and never drop a layer, so its `overload` rule is refused at load with its
+    place in the file; a policy without one loads."""
     from engine.errors import PolicyError
     from policies import policy_path
-    from shunter.backends import build_backend
-    from shunter.cluster.cluster import RAY_NO_GROUPS
-    from shunter.policy_source import engine_capabilities, initial_policy
 
     if anyio_backend != "asyncio":
         pytest.skip("the refusal does not depend on the event loop")
-    with pytest.raises(PolicyError, match=r"kunserve_torch\.policy:2:\d+.*overload triggers "
-                                          r"cannot act here: KunServe's pipeline groups form on "
-                                          r"local clusters only"):
-        async with Cluster.start(kunserve_config, kind="ray"):
+    with pytest.raises(PolicyError, match=r"kunserve_torch\.policy:2:\d+: overload triggers "
+                                          r"cannot act here: KunServe's pipeline groups form "
+                                          r"over torch instance processes"):
+        async with Cluster.start(kunserve_config, kind="inprocess"):
             pass
-    backend = build_backend(kunserve_config)
-    caps = attrs.evolve(engine_capabilities(kunserve_config, backend), no_overload=RAY_NO_GROUPS)
-    backend.runner.close()
     fcfs = attrs.evolve(kunserve_config, policy=policy_path("fcfs"))
-    assert initial_policy(fcfs, None, caps).settings.name == "fcfs"
+    async with Cluster.start(fcfs, kind="inprocess", instances=1) as cluster:
+        assert cluster.policy.settings.name == "fcfs" and cluster.groups is None
+
+
+@pytest.mark.anyio
+async def test_a_ray_cluster_forms_groups_over_its_instances_addresses(
+        anyio_backend, kunserve_config, kunserve_model):
+    """Instances as Ray actors (on this machine's Ray: its node address, not loopback): the
+    data plane's rendezvous is at instance 0's address on a port free there, the burst forms a
+    group and restores it, and every request gives transformers' tokens. Slow (Ray's start-up),
+    so only with SHUNTER_SLOW=1 or SHUNTER_RAY=1, like tests/cluster/test_ray.py."""
+    import os
+
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    if not (os.environ.get("SHUNTER_SLOW") == "1" or os.environ.get("SHUNTER_RAY") == "1"):
+        pytest.skip("Ray cluster tests run with SHUNTER_SLOW=1 or SHUNTER_RAY=1")
+    ray = pytest.importorskip("ray", reason="Ray is the cluster extra")
+    mine = not ray.is_initialized()
+    if mine:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rng = random.Random(0)
+    longs = [_prompt(rng, 8) for _ in range(2)]
+    burst = [_prompt(rng, 16) for _ in range(12)]
+    got: dict[str, list[int]] = {}
+
+    async def one(cluster: Cluster, name: str, prompt, n: int, started=None) -> None:
+        got[name] = []
+        async with cluster.generate(prompt, shunter.SamplingParams(
+                max_tokens=n, temperature=0)) as stream:
+            async for chunk in stream:
+                got[name] += chunk.token_ids
+                assert chunk.error is None, (name, chunk.error)
+                if started is not None and len(got[name]) >= 2:
+                    started.set()
+
+    try:
+        async with Cluster.start(kunserve_config, kind="ray",
+                                 monitor_interval_s=0.02) as cluster:
+            assert cluster.groups is not None and cluster._hosts[0] != "127.0.0.1"
+            with anyio.fail_after(300):
+                async with anyio.create_task_group() as tg:
+                    started = [anyio.Event() for _ in longs]
+                    for i, p in enumerate(longs):
+                        tg.start_soon(one, cluster, f"L{i}", p, LONG_TOKENS, started[i])
+                    for ev in started:
+                        await ev.wait()
+                    for i, p in enumerate(burst):
+                        tg.start_soon(one, cluster, f"B{i}", p, 8)
+                await cluster.wait_idle()
+            report = cluster.groups.report(0.0)
+    finally:
+        if mine:
+            ray.shutdown()
+    print(f"\nray: hosts {cluster._hosts}; {report}")
+    assert report["groups_formed"] >= 1 and report["kv_exchanged_bytes"] > 0, report
+    for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
+                            *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
+        assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 
 @pytest.mark.anyio
