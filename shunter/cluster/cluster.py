@@ -163,6 +163,7 @@ class Cluster:
                             cluster.instances, model=engines[0].backend.runner._model,
                             link=LINKS[config.pipeline_link], block_size=config.block_size,
                             memory=policy.settings.memory, coordinator=send)
+                        cluster.groups.monitor = overload  # its plan counts, for the report
                         await tg.start(cluster.groups.run)
                     tg.start_soon(cluster._monitor)
                     try:

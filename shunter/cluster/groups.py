@@ -55,6 +55,8 @@ class SimGroups:
         self.groups: dict[int, GroupPlan] = {}
         self.faults: dict[int, int] = {}
         """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
+        self.monitor: OverloadMonitor | None = None
+        """The coordinator's monitor (read for its plan counts in the report)."""
         self.reloading: set[int] = set()
         """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
         self.counters = ClusterCounters()
@@ -329,7 +331,9 @@ class SimGroups:
                 "cost_model_error_in_run": sum(errs) / len(errs) if errs else None,
                 "token_model_error_in_run": sum(tok) / len(tok) if tok else None,
                 "paper_eq1_error_in_run": sum(paper) / len(paper) if paper else None,
-                "microbatches_predicted": len(errs)}
+                "microbatches_predicted": len(errs),
+                "plans_refused": self.monitor.refused if self.monitor else None,
+                "head_of_line_plans": self.monitor.head_only_plans if self.monitor else None}
 
 
     def report(self, t0: float) -> dict:
