@@ -311,8 +311,10 @@ class EngineCapabilities:
             value = getattr(m, name)
             if (name in written or value != getattr(default, name)) and (
                     value not in self.group_modes):
-                out.append((name, f"{name} {value} is not supported by this engine (its runner "
-                                  f"cannot run KunServe pipeline groups; the simulator's can)"))
+                modes = ", ".join(sorted(self.group_modes))
+                why = (f"its runner runs KunServe groups with: {modes}" if modes else
+                       "its runner cannot run KunServe pipeline groups; the simulator's can")
+                out.append((name, f"{name} {value} is not supported by this engine ({why})"))
         if m.prefix_cache and self.allocator == "groups":
             out.append(("prefix_cache", "prefix_cache on does not work with this engine's device "
                         "allocator, which runs block groups (it follows the policy the engine "
