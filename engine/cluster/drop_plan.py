@@ -15,6 +15,7 @@ larger than it has to be. Plain and synchronous: the coordinator decides when, t
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 
@@ -113,6 +114,32 @@ def plan_drop(instances: Sequence[InstanceCapacity], *, num_layers: int, weight_
                 for k, g in enumerate(plans))
     return DropPlan(groups=out, free_blocks=sum(free(g) for g in plans),
                     demand_blocks=sum(demand(g) for g in plans))
+
+
+class QueueStats(Protocol):
+    waiting: int
+    queued_tokens: int
+    free_blocks: int
+
+
+def queue_moves(stats: Sequence[QueueStats | None], *, block_size: int, grouped: set[int],
+                heads: Sequence[int], alive: Sequence[bool]) -> list[tuple[int, int]]:
+    """Where queued requests go while groups run (§4.1: queued requests are rescheduled onto
+    the enlarged memory): each live instance serving alone whose queued demand exceeds its
+    free memory sends its queue to the group head with the most free blocks, if that head can
+    hold it. Returns (instance, head) pairs; `stats[i]` is None for an instance that did not
+    answer. Both group managers (simulated and torch instances) move by this rule."""
+    live_heads = [h for h in heads if stats[h] is not None and alive[h]]
+    moves = []
+    for i, st in enumerate(stats):
+        if i in grouped or st is None or not alive[i] or not st.waiting:
+            continue
+        if st.queued_tokens <= st.free_blocks * block_size:
+            continue
+        best = max(live_heads, key=lambda h: stats[h].free_blocks, default=None)
+        if best is not None and stats[best].free_blocks * block_size >= st.queued_tokens:
+            moves.append((i, best))
+    return moves
 
 
 def _order(members: tuple[int, ...], by_index: dict[int, InstanceCapacity]) -> tuple[int, ...]:

@@ -21,7 +21,7 @@ import structlog
 
 from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.counters import ClusterCounters
-from engine.cluster.drop_plan import GroupPlan, group_pool
+from engine.cluster.drop_plan import GroupPlan, group_pool, queue_moves
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, TriggerFactory
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
@@ -191,18 +191,11 @@ class SimGroups:
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
         free memory go to the group head with the most free blocks, if it can hold them
-        (§4.1: queued requests are rescheduled onto the enlarged memory)."""
-        bs = self.instances[0].engine.config.block_size
-        members = {m for g in self.groups.values() for m in g.members}
-        heads = [h for h in self.groups if stats[h] is not None]
-        for i, st in enumerate(stats):
-            if i in members or st is None or not self.instances[i].alive or not st.waiting:
-                continue
-            if st.queued_tokens <= st.free_blocks * bs:
-                continue
-            best = max(heads, key=lambda h: stats[h].free_blocks, default=None)
-            if best is None or stats[best].free_blocks * bs < st.queued_tokens:
-                continue
+        (engine/cluster/drop_plan.py `queue_moves`)."""
+        for i, best in queue_moves(
+                stats, block_size=self.instances[0].engine.config.block_size,
+                grouped={m for g in self.groups.values() for m in g.members},
+                heads=list(self.groups), alive=[inst.alive for inst in self.instances]):
             moved = await self._move(i, best, queued_only=True)
             self.counters.rescheduled_requests += len(moved)
 

@@ -23,7 +23,7 @@ import anyio
 import structlog
 
 from engine.cluster.counters import ClusterCounters
-from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.drop_plan import GroupPlan, queue_moves
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore
 from engine.errors import EngineDeadError
@@ -187,19 +187,12 @@ class RemoteGroups:
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
         free memory go to the group head with the most free blocks, if it can hold them (§4.1:
-        queued requests are rescheduled onto the enlarged memory; shunter/cluster/groups.py
-        does the same for the simulator's instances)."""
-        bs = self.block_size
-        members = {m for g in self.groups.values() for m in g.members}
-        heads = [h for h in self.groups if stats[h] is not None and self.instances[h].alive]
-        for i, st in enumerate(stats):
-            if i in members or st is None or not self.instances[i].alive or not st.waiting:
-                continue
-            if st.queued_tokens <= st.free_blocks * bs:
-                continue
-            best = max(heads, key=lambda h: stats[h].free_blocks, default=None)
-            if best is None or stats[best].free_blocks * bs < st.queued_tokens:
-                continue
+        queued requests are rescheduled onto the enlarged memory; the rule is
+        engine/cluster/drop_plan.py `queue_moves`, shared with the simulator's instances)."""
+        for i, best in queue_moves(
+                stats, block_size=self.block_size,
+                grouped={m for g in self.groups.values() for m in g.members},
+                heads=list(self.groups), alive=[inst.alive for inst in self.instances]):
             try:
                 n = await self._move_queued(i, best)
             except (GroupCommandError, EngineDeadError) as exc:

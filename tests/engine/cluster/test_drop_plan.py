@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.cluster.drop_plan import InstanceCapacity, group_pool, plan_drop
+from engine.cluster.drop_plan import InstanceCapacity, group_pool, plan_drop, queue_moves
 
 
 def _cluster(draw_pools, used, queued):
@@ -119,3 +119,28 @@ def test_refused_when_even_one_group_cannot_hold_it():
     inst = [InstanceCapacity(index=i, pool_blocks=100, used_blocks=100, queued_blocks=1000)
             for i in range(2)]
     assert plan_drop(inst, num_layers=32, weight_blocks=400) is None
+
+
+class _Stats:
+    def __init__(self, waiting: int, queued_tokens: int, free_blocks: int) -> None:
+        self.waiting, self.queued_tokens, self.free_blocks = waiting, queued_tokens, free_blocks
+
+
+def test_queued_requests_move_to_the_head_with_most_room_only_when_they_do_not_fit_at_home():
+    stats = [
+        _Stats(0, 0, 10),        # 0: head of group (0, 1), 10 blocks free
+        _Stats(3, 999, 0),       # 1: a member: never moves its queue
+        _Stats(2, 64, 2),        # 2: alone, 64 tokens queued, 32 fit at home -> moves
+        _Stats(1, 16, 1),        # 3: alone, fits at home -> stays
+        None,                    # 4: did not answer
+        _Stats(0, 0, 30),        # 5: head of group (5, 6), most room
+        _Stats(0, 0, 0),         # 6: member
+        _Stats(4, 600, 0),       # 7: alone, more than any head holds -> stays
+        _Stats(2, 40, 0),        # 8: alone but dead -> stays
+    ]
+    alive = [True] * 8 + [False]
+    moves = queue_moves(stats, block_size=16, grouped={0, 1, 5, 6}, heads=[0, 5], alive=alive)
+    assert moves == [(2, 5)]
+    alive[5] = False  # a dead head takes nothing: the next best is 0 (160 tokens free)
+    assert queue_moves(stats, block_size=16, grouped={0, 1, 5, 6}, heads=[0, 5],
+                       alive=alive) == [(2, 0)]
