@@ -70,6 +70,33 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 320) for _ in range(n)]
 
 
+async def _long_then_burst(cluster: Cluster, longs, burst, got: dict[str, list[int]],
+                           times: dict[str, list[float]]) -> None:
+    """Start the long requests `L<i>` (LONG_TOKENS each); once each streamed 2 tokens, the
+    burst `B<i>` (8 tokens each) arrives; return when every one ended, its tokens in `got`
+    and their arrival times in `times`. A chunk with an error fails the test."""
+
+    async def one(name: str, prompt, max_tokens: int, started=None) -> None:
+        got[name], times[name] = [], []
+        async with cluster.generate(prompt, shunter.SamplingParams(
+                max_tokens=max_tokens, temperature=0)) as stream:
+            async for chunk in stream:
+                got[name] += chunk.token_ids
+                times[name] += [anyio.current_time()] * len(chunk.token_ids)
+                assert chunk.error is None, (name, chunk.error)
+                if started is not None and len(got[name]) >= 2:
+                    started.set()
+
+    async with anyio.create_task_group() as tg:
+        started = [anyio.Event() for _ in longs]
+        for i, p in enumerate(longs):
+            tg.start_soon(one, f"L{i}", p, LONG_TOKENS, started[i])
+        for ev in started:
+            await ev.wait()
+        for i, p in enumerate(burst):
+            tg.start_soon(one, f"B{i}", p, 8)
+
+
 @pytest.mark.anyio
 async def test_burst_drops_groups_and_restores_with_transformers_outputs(
         anyio_backend, kunserve_config, kunserve_instances, kunserve_model):
@@ -82,29 +109,11 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     got: dict[str, list[int]] = {}
     times: dict[str, list[float]] = {}
 
-    async def one(cluster: Cluster, name: str, prompt, max_tokens: int, started=None) -> None:
-        got[name], times[name] = [], []
-        async with cluster.generate(prompt, shunter.SamplingParams(
-                max_tokens=max_tokens, temperature=0)) as stream:
-            async for chunk in stream:
-                got[name] += chunk.token_ids
-                times[name] += [anyio.current_time()] * len(chunk.token_ids)
-                assert chunk.error is None, (name, chunk.error)
-                if started is not None and len(got[name]) >= 2:
-                    started.set()
-
     async with Cluster.start(kunserve_config, attach=kunserve_instances,
                              monitor_interval_s=0.02) as cluster:
         assert cluster.groups is not None, "no KunServe monitor on the torch instances"
         with anyio.fail_after(180):
-            async with anyio.create_task_group() as tg:
-                started = [anyio.Event() for _ in longs]
-                for i, p in enumerate(longs):
-                    tg.start_soon(one, cluster, f"L{i}", p, LONG_TOKENS, started[i])
-                for ev in started:
-                    await ev.wait()
-                for i, p in enumerate(burst):
-                    tg.start_soon(one, cluster, f"B{i}", p, 8)
+            await _long_then_burst(cluster, longs, burst, got, times)
             snap = await cluster.wait_idle()
             head_stats = [await cluster.groups.stats(i) for i in range(2)]
         report = cluster.groups.report(0.0)
@@ -209,29 +218,12 @@ async def test_a_ray_cluster_forms_groups_over_its_instances_addresses(
     burst = [_prompt(rng, 16) for _ in range(12)]
     got: dict[str, list[int]] = {}
 
-    async def one(cluster: Cluster, name: str, prompt, n: int, started=None) -> None:
-        got[name] = []
-        async with cluster.generate(prompt, shunter.SamplingParams(
-                max_tokens=n, temperature=0)) as stream:
-            async for chunk in stream:
-                got[name] += chunk.token_ids
-                assert chunk.error is None, (name, chunk.error)
-                if started is not None and len(got[name]) >= 2:
-                    started.set()
-
     try:
         async with Cluster.start(kunserve_config, kind="ray",
                                  monitor_interval_s=0.02) as cluster:
             assert cluster.groups is not None and cluster._hosts[0] != "127.0.0.1"
             with anyio.fail_after(300):
-                async with anyio.create_task_group() as tg:
-                    started = [anyio.Event() for _ in longs]
-                    for i, p in enumerate(longs):
-                        tg.start_soon(one, cluster, f"L{i}", p, LONG_TOKENS, started[i])
-                    for ev in started:
-                        await ev.wait()
-                    for i, p in enumerate(burst):
-                        tg.start_soon(one, cluster, f"B{i}", p, 8)
+                await _long_then_burst(cluster, longs, burst, got, {})
                 await cluster.wait_idle()
             report = cluster.groups.report(0.0)
     finally:
