@@ -25,16 +25,20 @@ import anyio
 import attrs
 
 from engine.cluster.drop_plan import GroupPlan
-from engine.cluster.lookahead import ChunkCost, fit_chunk_cost, lookahead_split
+from engine.cluster.lookahead import (
+    TOKEN_COUNT,
+    ChunkCost,
+    TokenLine,
+    fit_chunk_cost,
+    fit_token_line,
+    lookahead_split,
+)
 from engine.cluster.plan import PipelineTotals
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from sim.exchange import SimExchange, group_wait
 from sim.network import NetworkLink
 from sim.profile import ModelShape
-
-TOKEN_COUNT = ChunkCost(alpha=0.0, beta=0.0, gamma=1.0, delta=0.0)
-"""The token-count model: a chunk costs its tokens (what `microbatch tokens` balances)."""
 
 MIN_CHUNK_TOKENS = 32
 """Lookahead never cuts a prefill into a piece smaller than this (§4.3, Figure 11 line 4-5:
@@ -86,8 +90,7 @@ class StageFit:
     mean_error: float
     max_error: float
     tokens_error: float
-    tokens_line: tuple[float, float]
-    """The token-count model: (ms intercept, ms per token)."""
+    tokens_line: TokenLine
     paper_fit: ChunkCost
     """Eq. 1 as published, fitted on the same samples."""
 
@@ -115,17 +118,10 @@ def fit_stage(cost: CostModel, share: float, *, seed: int, samples: int = 96,
     test = [(b, truth(b)) for b in (batch() for _ in range(samples))]
     fit = fit_chunk_cost(train, decode_term=decode_term)
     errs = [abs(fit.batch_ms(b) - t) / t for b, t in test]
-    # the token-count baseline: ms = a + b * tokens
-    n = len(train)
-    xs = [sum(k for _, k in b) for b, _ in train]
-    ys = [t for _, t in train]
-    sx, sy = sum(xs), sum(ys)
-    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
-    slope = (n * sxy - sx * sy) / (n * sxx - sx * sx)
-    icpt = (sy - slope * sx) / n
-    tok_errs = [abs(icpt + slope * sum(k for _, k in b) - t) / t for b, t in test]
+    tokens = fit_token_line(train)
+    tok_errs = [abs(tokens.batch_ms(b) - t) / t for b, t in test]
     return StageFit(fit=fit, mean_error=sum(errs) / len(errs), max_error=max(errs),
-                    tokens_error=sum(tok_errs) / len(tok_errs), tokens_line=(icpt, slope),
+                    tokens_error=sum(tok_errs) / len(tok_errs), tokens_line=tokens,
                     paper_fit=fit_chunk_cost(train) if decode_term else fit)
 
 
@@ -141,7 +137,7 @@ class SimGroup:
         self._token_bytes = net.model.hidden_size * net.model.dtype_bytes
         self.fit: ChunkCost | None = None
         self._paper_fit: ChunkCost | None = None
-        self._tokens_fit = (0.0, 0.0)
+        self._tokens_fit = TokenLine(intercept=0.0, per_token=0.0)
         if net.microbatch == "lookahead":
             fits = [fit_stage(cost, share, seed=s, decode_term=net.decode_term)
                     for s, share in enumerate(self.shares)]
@@ -199,12 +195,10 @@ class SimGroup:
 
 
     def _note_errors(self, micro: list[list[tuple[int, int]]], costs: list[float]) -> None:
-        icpt, slope = self._tokens_fit
         for mb, c in zip(micro, costs):
             truth = c * 1e3 * self.shares[0]
             self.net.errors.append(abs(self.fit.batch_ms(mb) - truth) / truth)
-            tokens = icpt + slope * sum(n for _, n in mb)
-            self.net.token_errors.append(abs(tokens - truth) / truth)
+            self.net.token_errors.append(abs(self._tokens_fit.batch_ms(mb) - truth) / truth)
             if self._paper_fit is not None:
                 self.net.paper_errors.append(abs(self._paper_fit.batch_ms(mb) - truth) / truth)
 

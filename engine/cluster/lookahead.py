@@ -81,6 +81,36 @@ def fit_chunk_cost(samples: Sequence[tuple[Sequence[tuple[int, int]], float]], *
                      delta=float(coef[3]))
 
 
+TOKEN_COUNT = ChunkCost(alpha=0.0, beta=0.0, gamma=1.0, delta=0.0)
+"""A chunk costs its tokens: what `microbatch tokens` balances, and what lookahead balances
+before it has a fit."""
+
+
+@attrs.frozen
+class TokenLine:
+    """The token-count model the paper compares Eq. 1-3 with (Figure 15):
+    ms = intercept + per_token x tokens."""
+
+    intercept: float
+    per_token: float
+
+    def batch_ms(self, chunks: Sequence[tuple[int, int]]) -> float:
+        return self.intercept + self.per_token * sum(n for _, n in chunks)
+
+
+def fit_token_line(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> TokenLine:
+    """Least squares over measured microbatches, as `fit_chunk_cost` (a flat line when every
+    microbatch has the same tokens)."""
+    xs = [float(sum(n for _, n in c)) for c, _ in samples]
+    ys = [ms for _, ms in samples]
+    k = len(xs)
+    sx, sy = sum(xs), sum(ys)
+    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
+    den = k * sxx - sx * sx
+    slope = (k * sxy - sx * sy) / den if den else 0.0
+    return TokenLine(intercept=(sy - slope * sx) / k, per_token=slope)
+
+
 def lookahead_split(chunks: Sequence[Chunk], parts: int, cost: ChunkCost, *,
                     min_tokens: int = 1) -> list[list[Chunk]]:
     """Cut `chunks` into at most `parts` microbatches of balanced predicted cost, in order,

@@ -32,12 +32,17 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from engine.cluster.lookahead import Chunk, ChunkCost, fit_chunk_cost, lookahead_split
+from engine.cluster.lookahead import (
+    TOKEN_COUNT,
+    Chunk,
+    ChunkCost,
+    TokenLine,
+    fit_chunk_cost,
+    fit_token_line,
+    lookahead_split,
+)
 from engine.cluster.plan import split_microbatches
 from engine.messages import SeqWork
-
-TOKEN_COUNT = ChunkCost(alpha=0.0, beta=0.0, gamma=1.0, delta=0.0)
-"""A chunk costs its tokens (what lookahead balances before the stages are fitted)."""
 
 Cut = tuple[tuple[Chunk, ...], ...]
 """Microbatches in order, each a tuple of (index in the step's seqs, start, tokens)."""
@@ -95,7 +100,7 @@ class StageFits:
     measured half a window, then left out (the profile times a whole engine step; measured
     microbatches of a few steps, mostly decodes, do not pin the attention terms down)."""
     fits: list[ChunkCost | None] = attrs.field(init=False)
-    token_fits: list[tuple[float, float] | None] = attrs.field(init=False)
+    token_fits: list[TokenLine | None] = attrs.field(init=False)
     errors: list[float] = attrs.field(factory=list)
     """|predicted - measured| / measured, per stage and microbatch, with the fit of the time."""
     token_errors: list[float] = attrs.field(factory=list)
@@ -174,8 +179,7 @@ class StageFits:
                 if fit is not None:
                     self.errors.append(abs(fit.batch_ms(chunks) - ms) / ms)
                 if tok is not None:
-                    pred = tok[0] + tok[1] * sum(n for _, n in chunks)
-                    self.token_errors.append(abs(pred - ms) / ms)
+                    self.token_errors.append(abs(tok.batch_ms(chunks) - ms) / ms)
                 self.samples[s].append((chunks, ms))
             self._refit(s)
 
@@ -185,7 +189,7 @@ class StageFits:
             data = self.seeds[s] + data
         if len(data) >= self.min_samples:
             self.fits[s] = fit_chunk_cost(data)
-            self.token_fits[s] = _token_fit(data)
+            self.token_fits[s] = fit_token_line(data)
 
     def report(self) -> dict:
         def stats(xs: list[float]) -> dict:
@@ -199,14 +203,3 @@ class StageFits:
                 "error": stats(self.errors), "tokens_model_error": stats(self.token_errors),
                 "fit": None if not self.fitted else attrs.asdict(self.model())}
 
-
-def _token_fit(samples) -> tuple[float, float]:
-    """ms = a + b x tokens by least squares."""
-    xs = [float(sum(n for _, n in c)) for c, _ in samples]
-    ys = [ms for _, ms in samples]
-    k = len(xs)
-    sx, sy = sum(xs), sum(ys)
-    sxx, sxy = sum(x * x for x in xs), sum(x * y for x, y in zip(xs, ys))
-    den = k * sxx - sx * sx
-    slope = (k * sxy - sx * sy) / den if den else 0.0
-    return (sy - slope * sx) / k, slope
