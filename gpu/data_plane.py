@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import pickle
+import socket
 from typing import Any
 
 import attrs
@@ -47,6 +48,14 @@ class DataPlane:
 
 
 _plane: DataPlane | None = None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now, for a rendezvous there (`host` "": every interface of
+    this machine, where peers on other machines reach it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def join_data_plane(init_method: str, rank: int, world_size: int, *,

@@ -12,7 +12,6 @@ group. A group outlives the engine that uses it when the caller owns it (tests s
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import time
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.messages import ExecuteStep, SampledToken, StepFinished
 from gpu.config import ModelConfig
+from gpu.data_plane import free_port
 from gpu.pipeline_stage import (
     StageDone,
     StageFailed,
@@ -38,12 +38,6 @@ from gpu.pipeline_stage import (
 
 class PipelineError(RuntimeError):
     """A stage failed or its process died."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @attrs.define(eq=False)
@@ -76,7 +70,7 @@ class PipelineGroup:
     def start(self) -> None:
         """Spawn the stages and wait until each has loaded its layers (blocking)."""
         ctx = mp.get_context("spawn")
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = f"tcp://127.0.0.1:{free_port()}"
         c = self._config
         for s, layers in enumerate(self.layers):
             spec = StageSpec(

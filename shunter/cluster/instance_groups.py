@@ -25,7 +25,6 @@ shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_gro
 from __future__ import annotations
 
 import math
-import socket
 
 import anyio
 import structlog
@@ -85,7 +84,9 @@ class InstanceGroups:
                 case AskGroupStats():
                     value = self._stats()
                 case FreePort():
-                    value = _free_port()
+                    from gpu.data_plane import free_port
+
+                    value = free_port("")
                 case ExportQueued():
                     value = await self._hand_over(await _ask(
                         self.engine._scheduler_send,
@@ -256,12 +257,6 @@ def _arrived(runner, group, poll: bool) -> list[int]:
     if runner.group is not group:
         return []
     return group.poll(0) if poll else group.arrived()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _join(msg: JoinDataPlane) -> int:
