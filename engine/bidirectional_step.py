@@ -6,8 +6,11 @@ which a best-effort (BE) block still counts as room for a real-time (RT) request
 (`planning_free`). This fits that choice to the slots, RT requests first, then BE:
 - RT requests grow left to right into free blocks, then into BE blocks with the most empty slots,
   overwriting BE slots only after lazily checkpointing them to the host (block preemption);
-- a BE request (a request with no TTFT or TPOT goal) grows right to left in free blocks; one whose
-  slots were overwritten first swaps back exactly its checkpointed slots, or waits;
+- a BE request (a request with no TTFT or TPOT goal) grows right to left in free blocks, its
+  last, partly filled block in the empty right side of the RT block with the most empty slots
+  when none is free (a guest, which RT's growth there checkpoints slot by slot like any BE
+  slot); one whose slots were overwritten first swaps back exactly its checkpointed slots, or
+  waits;
 - when an RT request still finds no room (§5.2's extreme case), requests outside the step are
   swapped out whole, BE first, then RT, the one with the most time left first;
 - a request that cannot be placed leaves the step (it keeps its KV and tries again next time).
@@ -47,7 +50,9 @@ class BidirectionalMemory:
         return self.table.rt_room()
 
     def reverse_free(self) -> int:
-        """Blocks a BE request may take: only free ones (it never starts in an RT block)."""
+        """Blocks packing lets a BE request take: free ones. Its last block may also go to an
+        RT block's empty side (`BidirectionalBlocks.guest_block`) when the fit finds none free;
+        packing does not count that room."""
         return self.table.num_free
 
     def fit(self, plan: IterationPlan, requests: Mapping[int, Request],

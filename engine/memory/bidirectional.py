@@ -11,10 +11,12 @@ checkpoint space), which the caller must run in the order given and before the s
   (the paper keeps one, §6). Logical offset i of a reversed entry is slot `block_size - 1 - i`.
 - Per block (the *preemption table* of §5.2): its RT owner and fill, its BE owner and fill, and
   the BE slots RT has overwritten (`lost`), each checkpointed to a host slot first.
-- Placement (§5.2 FindBlock/FindPreemptBlock): BE takes a free block (the most empty slots); RT
-  a free block, else the BE block with the most empty slots (engine/memory/preemption_order.py),
-  filling those first, then overwriting BE slots (block preemption), each copied to the host
-  just before (lazy checkpointing).
+- Placement (§5.2 FindBlock/FindPreemptBlock): BE takes free blocks (the most empty slots);
+  when none is left, its last, partly filled block may be the empty right side of an RT block
+  (the RT-only block with the most empty slots: a *guest*). RT takes a free block, else the BE
+  block with the most empty slots (engine/memory/preemption_order.py). In a shared block,
+  whichever came first, RT fills the empty slots first, then overwrites BE slots (block
+  preemption), each copied to the host just before (lazy checkpointing).
 - A BE request with overwritten slots is *displaced*: it cannot run until `restore` swaps back
   exactly its checkpointed slots (in place when the RT owner has left the block, else merged
   with its surviving slots into a fresh block). A BE request whose next slot is taken by an RT
@@ -27,9 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import attrs
-
 from engine.memory.preemption_order import preemption_order
+from engine.memory.slot_owners import Block as _Block
+from engine.memory.slot_owners import Seq as _Seq
+from engine.memory.slot_owners import guest_block
 from engine.memory.slot_runs import NO_COPIES, SlotCopies, decode, encode, physical_slot
 
 __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
@@ -38,27 +41,6 @@ __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", 
 
 class BidirectionalError(Exception):
     """The caller asked for something the table cannot do (a bug, not a user error)."""
-
-
-@attrs.define(slots=True)
-class _Block:
-    rt: int = -1
-    rt_fill: int = 0
-    be: int = -1
-    be_fill: int = 0
-    lost: set[int] = attrs.field(factory=set)
-    """Physical offsets of BE slots an RT write overwrote (each checkpointed first)."""
-
-
-@attrs.define(slots=True)
-class _Seq:
-    reverse: bool
-    tokens: int = 0
-    table: list[int] = attrs.field(factory=list)
-    host: dict[int, int] = attrs.field(factory=dict)
-    """Logical position -> host slot, for positions whose KV is only on the host."""
-    swapped: bool = False
-    """Swapped out whole: `host` holds every position, `table` is empty."""
 
 
 class BidirectionalBlocks:
@@ -75,6 +57,10 @@ class BidirectionalBlocks:
         self._seqs: dict[int, _Seq] = {}
         self.checkpointed_slots_total = 0
         """Slots copied to the host by lazy checkpointing since the start."""
+        self.guest_blocks_total = 0
+        """BE blocks placed in the empty right side of an RT block since the start."""
+        self.guest_checkpointed_total = 0
+        """Of `checkpointed_slots_total`, slots of such a guest its RT host overwrote."""
 
     # ------------------------------------------------------------------------ queries
 
@@ -161,25 +147,33 @@ class BidirectionalBlocks:
         owners = [(s.table, bool(s.host)) for s in self._seqs.values() if s.reverse and s.table]
         return preemption_order(k, self._be_only, self._holed, owners, self._preempt_key)
 
-    def _pick_be_block(self) -> int | None:
-        """A free block: of the blocks without a BE owner, those have the most empty slots.
-        BE never starts in an RT block's right side: RT's next writes would overwrite it."""
-        return self._free.pop() if self._free else None
+    def guest_block(self, slots: int) -> int | None:
+        """Where a BE request's last block may go when no block is free (slot_owners.py)."""
+        return guest_block(slots, self.block_size, self._seqs.values(), self._blocks)
+
+    def _be_picks(self, rid: int, s: _Seq, tokens: int) -> tuple[int, int]:
+        """(blocks a BE extension to `tokens` takes, slots of the last of them: 0 when full).
+        The blocks are its last block moved away from an RT owner (if it must), then its new
+        ones; all must be free but the last, which may be a guest block when it is partial."""
+        return (-(-tokens // self.block_size) - len(s.table) + self._be_collides(rid, s, tokens),
+                tokens % self.block_size)
 
     def can_extend(self, rid: int, tokens: int) -> bool:
         """Whether `extend(rid, tokens)` would find its blocks (and host slots to checkpoint)."""
         s = self._seqs[rid]
         if s.swapped or s.host:  # swapped, or displaced
             return False
-        new = -(-tokens // self.block_size) - len(s.table)
         if s.reverse:
-            return new + self._be_collides(rid, s, tokens) <= len(self._free)
+            blocks, tail = self._be_picks(rid, s, tokens)
+            return blocks <= len(self._free) or (
+                blocks == len(self._free) + 1 and tail > 0 and self.guest_block(tail) is not None)
         # each new token overwrites at most one BE slot, which needs a host slot first
+        new = -(-tokens // self.block_size) - len(s.table)
         return new <= self.rt_room() and tokens - s.tokens <= len(self._free_host)
 
     def _be_collides(self, rid: int, s: _Seq, tokens: int) -> int:
-        """1 when the BE request's last block must move because an RT guest holds a slot it
-        is about to write."""
+        """1 when the BE request's last block must move because its RT owner (a guest, or the
+        host of a BE guest) holds a slot it is about to write."""
         if not s.table or s.tokens % self.block_size == 0 or tokens <= s.tokens:
             return 0
         block, _ = decode(s.table[-1])
@@ -195,12 +189,18 @@ class BidirectionalBlocks:
         s = self._seqs[rid]
         if not checked and not self.can_extend(rid, tokens):
             raise BidirectionalError(f"request {rid} cannot grow to {tokens} tokens")
-        copies = NO_COPIES
-        if s.reverse and self._be_collides(rid, s, tokens):
-            copies = self._move_last_block(rid, s)
-        new = -(-tokens // self.block_size) - len(s.table)
-        for b in ([self._free.pop() for _ in range(new)] if s.reverse  # FindBlock: free ones
-                  else self._pick_rt_blocks(new) if new > 0 else ()):
+        copies, picks = NO_COPIES, ()
+        if s.reverse:  # FindBlock: free ones, the last a guest block if none is left for it
+            blocks, tail = self._be_picks(rid, s, tokens)
+            picks = [self._free.pop() for _ in range(min(blocks, len(self._free)))]
+            if len(picks) < blocks:
+                picks.append(self.guest_block(tail))
+                self.guest_blocks_total += 1
+            if self._be_collides(rid, s, tokens):
+                copies = self._move_last_block(rid, s, picks.pop(0))
+        elif (new := -(-tokens // self.block_size) - len(s.table)) > 0:
+            picks = self._pick_rt_blocks(new)
+        for b in picks:
             self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
         out, bs, pos = [], self.block_size, s.tokens
@@ -231,15 +231,15 @@ class BidirectionalBlocks:
                 self._holed.add(block)
                 out.append((block * bs + offset, host))
         self.checkpointed_slots_total += len(out)
+        self.guest_checkpointed_total += len(out) if x.guest else 0
         return out
 
-    def _move_last_block(self, rid: int, s: _Seq) -> SlotCopies:
-        """Move the BE request's last block's live slots to another block (an RT guest holds
-        the slot it would write next)."""
+    def _move_last_block(self, rid: int, s: _Seq, new: int) -> SlotCopies:
+        """Move the BE request's last block's live slots to block `new` (an RT owner holds the
+        slot it would write next)."""
         old, _ = decode(s.table[-1])
-        self._release_be(old)
-        new = self._pick_be_block()
         assert new is not None and new != old
+        self._release_be(old)
         self._own(new, rid, True)
         bs = self.block_size
         used = s.tokens - (len(s.table) - 1) * bs
@@ -361,7 +361,7 @@ class BidirectionalBlocks:
     def _own(self, block: int, rid: int, reverse: bool) -> None:
         x = self._blocks[block]
         if reverse:
-            x.be, x.be_fill = rid, 0
+            x.be, x.be_fill, x.guest = rid, 0, x.rt >= 0
             if x.rt < 0:
                 self._be_only.add(block)
         else:
@@ -379,7 +379,7 @@ class BidirectionalBlocks:
 
     def _release_rt(self, block: int) -> None:
         x = self._blocks[block]
-        x.rt, x.rt_fill = -1, 0
+        x.rt, x.rt_fill, x.guest = -1, 0, False
         if x.be < 0:
             self._free.append(block)
         else:

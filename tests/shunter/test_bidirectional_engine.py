@@ -20,6 +20,7 @@ import pytest
 
 from actors.swap_pool import SwapPool
 from engine.bidirectional_step import BidirectionalMemory
+from engine.memory.bidirectional import BidirectionalBlocks
 from engine.request import Request
 from policies import policy_dir
 from policy_lang import compile_policy
@@ -166,6 +167,43 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
     table = tables[0].table  # once idle: every block and host slot back, nothing held
     assert table.requests() == [] and table.num_free == 8 and table.free_host_slots == 40 * 8
     assert table.checkpointed_slots_total > 0
+    # both ways: RT grew into BE blocks (above), and BE requests were guests in RT blocks
+    assert table.guest_blocks_total > 0, "no BE request used an RT block's empty slots"
+
+
+@contextlib.contextmanager
+def guests_overwritten_unchecked() -> Iterator[list[int]]:
+    """A planted bug in the table's other direction: RT growing into the slots of a BE guest
+    in its block overwrites them without checkpointing them (nor marking them overwritten, so
+    the guest runs on with RT's KV in its slots). Yields the count of slots so lost."""
+    lost, checkpoint = [0], BidirectionalBlocks._checkpoint
+
+    def planted(self, block, x, offsets):
+        if x.guest:
+            lost[0] += sum(1 for o in offsets if o >= self.block_size - x.be_fill)
+            return []
+        return checkpoint(self, block, x, offsets)
+
+    BidirectionalBlocks._checkpoint = planted
+    try:
+        yield lost
+    finally:
+        BidirectionalBlocks._checkpoint = checkpoint
+
+
+@pytest.mark.parametrize("anyio_backend", ["trio"])
+async def test_overwriting_a_guest_unchecked_corrupts_outputs(tiny_llama_dir):
+    """RT overwriting a BE guest's slots without a checkpoint must show in the outputs (the
+    guest reads RT's KV). Where it did not happen in a run (timing decides), the seed changes."""
+    for seed in range(4):
+        with guests_overwritten_unchecked() as lost:
+            run = await serve(tiny_llama_dir, seed=seed)
+        if lost[0] == 0:
+            continue
+        wrong = mismatches(tiny_llama_dir, run.outputs)
+        assert any(m.startswith("be ") for m in wrong), f"{lost[0]} guest slots lost unnoticed"
+        return
+    pytest.fail("in four runs RT never grew into a guest's slots")
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])

@@ -161,18 +161,67 @@ def test_be_moves_its_block_away_from_a_guest():
     t.add(1, reverse=True)
     m.extend(1, 1)
     t.add(2, reverse=False)
-    m.extend(2, 1)  # a free block first
+    m.extend(2, 4)  # a free block first (full: no room for a BE guest)
     t.add(3, reverse=False)
-    m.extend(3, 2)
+    m.extend(3, 4)
     t.add(4, reverse=False)
     m.extend(4, 3)  # no free block left: a guest in BE's block, slots 0..2
     assert decode(t.table(4)[0])[0] == decode(t.table(1)[0])[0]
-    assert not t.can_extend(1, 2), "BE's next slot is the guest's and no block is free"
+    assert not t.can_extend(1, 2), "BE's next slot is the guest's and no block has room"
     t.free(2)
     c = t.extend(1, 2)
     assert len(c.move) == 1 and not c.out
     m.apply(c)
     m.device[physical_slot(t.table(1)[0], 1, BS)] = (1, 1)
+    m.check()
+
+
+def test_be_takes_the_emptiest_rt_block_when_none_is_free():
+    """The other direction (§5.2 FindBlock, issue 14 item 4): with no block free, a BE request's
+    last block goes to the right side of the RT block with the most empty slots; RT growing
+    into it checkpoints exactly the guest's slots it overwrites first."""
+    t = BidirectionalBlocks(range(3), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=False)
+    m.extend(1, 5)  # blocks 0 (full) and 1 (one slot: three empty)
+    t.add(2, reverse=False)
+    m.extend(2, 2)  # block 2 (two empty)
+    assert t.num_free == 0 and t.guest_block(1) == 1 and t.guest_block(4) is None
+    t.add(3, reverse=True)
+    assert not t.can_extend(3, 4), "a whole block needs a free one"
+    m.extend(3, 2)  # a guest in block 1, slots 3 and 2
+    assert t.table(3) == [encode(1, True)] and t.block(1) == (1, 1, 3, 2, frozenset())
+    assert t.guest_blocks_total == 1 and t.shared_blocks() == 1
+    m.check()
+    assert not t.can_extend(3, 4), "its next slot is RT's and no block has room"
+    m.extend(1, 6)  # RT takes the empty slot 1: nothing to checkpoint
+    assert t.checkpointed_slots(3) == 0 and not t.displaced(3)
+    m.extend(1, 7)  # RT reaches slot 2, the guest's first: checkpointed first
+    assert t.checkpointed_slots(3) == 1 and t.displaced(3) and t.block(1)[4] == {2}
+    assert t.guest_checkpointed_total == t.checkpointed_slots_total == 1
+    m.check()
+    t.free(1)  # block 1 is the BE request's alone now: swapped back in place
+    assert t.can_restore(3) and t.restore_blocks_needed(3) == 0
+    m.apply(t.restore(3))
+    m.check()
+    m.extend(3, 4)  # and it fills the block from the right
+    m.check()
+
+
+def test_be_prompt_puts_only_its_partial_last_block_in_an_rt_block():
+    t = BidirectionalBlocks(range(3), BS, host_slots=8)
+    m = SlotModel(t)
+    t.add(1, reverse=False)
+    m.extend(1, 1)
+    t.add(2, reverse=False)
+    m.extend(2, 3)  # two free blocks left... one after this
+    t.add(3, reverse=True)
+    assert not t.can_extend(3, 8), "two whole blocks, one free"
+    m.extend(3, 6)  # one free block (full), the last two slots a guest in RT 1's block
+    assert t.table(3) == [encode(2, True), encode(0, True)] and t.guest_blocks_total == 1
+    m.check()
+    m.extend(3, 7)  # still room on the guest's side
+    assert not t.can_extend(3, 8), "its last slot is RT's: the block must move, none has room"
     m.check()
 
 
@@ -194,13 +243,24 @@ ops = st.lists(st.tuples(st.sampled_from(["add_rt", "add_be", "grow", "grow", "g
 
 
 @settings(max_examples=slow_scale(300, 60), deadline=None)
-@given(blocks=st.integers(1, 8), host=st.integers(0, 24), program=ops)
-def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, program):
+@given(blocks=st.integers(1, 8), host=st.integers(0, 24), program=ops,
+       rt_first=st.booleans())
+def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, program, rt_first):
     t = BidirectionalBlocks(range(blocks), BS, host_slots=host)
     m = SlotModel(t)
-    t.add(0, reverse=True)  # BE KV in every block first, so RT growth must preempt it
-    m.extend(0, blocks * BS - 1)
-    next_id = 1
+    if rt_first:  # RT KV in every block first, partly filled: BE requests become its guests
+        for b in range(blocks):
+            t.add(b, reverse=False)
+            if t.can_extend(b, 1 + b % (BS - 1)):  # RT growth needs host slots in reserve
+                m.extend(b, 1 + b % (BS - 1))
+        for rid in (blocks, blocks + 1):
+            t.add(rid, reverse=True)
+            if t.can_extend(rid, 1):
+                m.extend(rid, 1)
+    else:  # BE KV in every block first, so RT growth must preempt it
+        t.add(0, reverse=True)
+        m.extend(0, blocks * BS - 1)
+    next_id = blocks + 2
     for op, pick, n in program:
         live = t.requests()
         rid = live[pick % len(live)] if live else None
