@@ -11,7 +11,13 @@ the ablation whose RT requests wait for memory), counting per run:
 - every policy, in the planner (engine/planner.py): requests preempted by recompute, by class of
   the victim, and the computed tokens they lost;
 - the pool as the table saw it each iteration: free blocks, BE-only blocks and their empty slots
-  (the room block preemption can give without overwriting anything).
+  (the room block preemption can give without overwriting anything);
+- the other direction: BE blocks placed as guests in RT blocks' empty right side (when no block
+  is free) and the guest slots their RT hosts then overwrote (checkpointed first).
+
+A policy named `bros:noguests` is bros with that other direction turned off (the table's
+`guest_block` answers none, which is what the table did before it was built), for an A/B in
+one run of this script.
 
     python bench/bros_bicache_counts.py --rates 5,8 --num-blocks 1200 [--block-size 16]
 
@@ -128,8 +134,10 @@ def _count_fit(mem: Any, phase: Any, args: Any, out: Any) -> Any:
     COUNTS["sum_be_only_empty_slots"] += sum(
         t.block_size - t._blocks[b].be_fill for b in t._be_only)
     COUNTS["iterations_no_free_block"] += t.num_free == 0
-    # the room BE could take in RT blocks (BROS's FindBlock lets a BE prefill start there; this
-    # table does not): empty slots of blocks with an RT owner and no BE one
+    COUNTS["be_guest_blocks"] = t.guest_blocks_total  # running totals of this run's table
+    COUNTS["be_guest_slots_checkpointed"] = t.guest_checkpointed_total
+    # the room BE could still take in RT blocks: empty slots of blocks with an RT owner and no
+    # BE one
     COUNTS["sum_rt_only_empty_slots"] += sum(
         t.block_size - x.rt_fill for x in t._blocks.values() if x.rt >= 0 and x.be < 0)
     COUNTS["sum_shared_blocks"] += len(t._blocks) - t.num_free - len(t._be_only) - sum(
@@ -158,8 +166,15 @@ def install() -> None:
 def run(policy: str, spec: str, config: EngineConfig) -> dict[str, Any]:
     COUNTS.clear()
     workload = load_workload(spec)
-    o = run_one(parse_policy(policy), workload, config, progress=False,
-                clock_limit_s=20 * workload.duration_s)
+    name, _, variant = policy.partition(":")
+    t, guest_block = bidirectional.BidirectionalBlocks, bidirectional.BidirectionalBlocks.guest_block
+    if variant == "noguests":
+        t.guest_block = lambda self, slots: None  # type: ignore[method-assign]
+    try:
+        o = run_one(parse_policy(name), workload, config, progress=False,
+                    clock_limit_s=20 * workload.duration_s)
+    finally:
+        t.guest_block = guest_block  # type: ignore[method-assign]
     if o.metrics is None:
         return {"policy": policy, "error": o.error}
     m = o.metrics
@@ -183,7 +198,8 @@ def report(paths: list[Path]) -> str:
            "recompute preemptions RT / BE (BE tokens lost) | iterations with no free block | "
            "BE-only blocks, their empty slots (mean) | RT blocks taken from BE (of displaced "
            "BE) | RT slots written in BE blocks: empty / overwritten | restores | "
-           "swapped out whole BE / RT |"), "|---" * 13 + "|"]
+           "swapped out whole BE / RT | BE guest blocks in RT blocks (guest slots RT "
+           "overwrote) |"), "|---" * 14 + "|"]
     for path in paths:
         for r in json.loads(path.read_text()):
             c, pool = r["counts"], r["pool"]
@@ -192,7 +208,8 @@ def report(paths: list[Path]) -> str:
             bros = "fit_iterations" in c
             guest = c.get("rt_slots_in_shared_blocks", 0) - c.get("slots_checkpointed", 0)
             out.append(" | ".join([
-                f"| {setting}", f"{r['rate']:g}", r["policy"].split("/")[-1].replace(".policy", ""),
+                f"| {setting}", f"{r['rate']:g}",
+                r["policy"].split("/")[-1].replace(".policy", "").replace(":", " "),
                 f"{100 * r['rt_ttft_ok']:.1f}%", f"{100 * r['rt_tpot_ok_per_token']:.1f}%",
                 f"{r['be_requests_per_s']:.2f}",
                 (f"{c.get('recompute_preempt_rt', 0)} / {c.get('recompute_preempt_be', 0)} "
@@ -204,7 +221,9 @@ def report(paths: list[Path]) -> str:
                 if bros else "-",
                 f"{guest:,} / {c.get('slots_checkpointed', 0):,}" if bros else "-",
                 f"{c.get('restores', 0):,}" if bros else "-",
-                f"{c.get('swap_out_be', 0)} / {c.get('swap_out_rt', 0)}" if bros else "-"]) + " |")
+                f"{c.get('swap_out_be', 0)} / {c.get('swap_out_rt', 0)}" if bros else "-",
+                (f"{c['be_guest_blocks']:,} ({c['be_guest_slots_checkpointed']:,})"
+                 if "be_guest_blocks" in c else "-")]) + " |")
     return "\n".join(out) + "\n"
 
 

@@ -84,12 +84,15 @@ class BidirectionalMemory:
                 self._sent[rid] = table
                 blocks.append(BlockUpdate(request_id=rid, reset=True, append=tuple(table)))
         for rid, held, slots in t.holdings():
-            if (r := requests.get(rid)) is not None:
-                # len(table(rid)) without copying it: a table covers its tokens unless swapped
+            # held: len(table(rid)) without copying it (a table covers its tokens unless
+            # swapped); a request's set of host slots only grows or empties within one fit, so
+            # an equal count is an equal set. Views are dropped only where these changed (the
+            # step's own requests are rescheduled, which drops theirs): tests/sim/test_view_cache.py
+            if (r := requests.get(rid)) is not None and (
+                    held != r.blocks or slots != r.checkpointed_slots):
                 r.blocks = held
-                if slots != r.checkpointed_slots:  # a set of host slots only grows or empties
-                    r.checkpointed_slots = slots
-                    r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
+                r.checkpointed_slots = slots
+                r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
                 r.changed()
         return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
 
