@@ -63,7 +63,7 @@ def _load(model_dir: str, rank: int, init: str, blocks: int):
 
 
 def _member(model_dir: str, init: str, blocks: int) -> None:
-    from gpu.group_runner import serve_member
+    from gpu.group_member import serve_member
 
     serve_member(_load(model_dir, 1, init, blocks), 0)
 

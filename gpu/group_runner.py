@@ -8,7 +8,8 @@ member, runs the head's layers (the first stage) and collects the members' answe
 one's sampled tokens included; `restore(tables)` brings every member's dropped layers back
 (from the members keeping them, or from each one's host copy), moves the KV of the head's
 requests for the layers it had dropped back to the head, and leaves everyone serving alone.
-A member serves with `serve_member(runner, head_rank)` until the head restores or goes away.
+A member serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until the head
+restores or goes away.
 
 Faults: any send or receive with a lost member raises `GroupMemberLost` naming it; the head then
 `recover_from_host()`s: its dropped layers come back from its host copy, and every request
@@ -49,9 +50,8 @@ from gpu.group_stage import (
     restored_generator,
     start_transfers,
 )
-from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
+from gpu.kv_exchange import KvReceiver, KvTransfer
 from gpu.pipeline import StepRecord
-from gpu.pipeline_stage import StageStep
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
 MIN_CHUNK_TOKENS = 4
@@ -64,9 +64,14 @@ class GroupRunner:
     def __init__(self, solo, ranks: Sequence[int], layers: Sequence[range],
                  adopted: Sequence[Adopted] = (), *, chunk_blocks: int = 4,
                  microbatches: int | None = None, microbatch: str = "tokens",
-                 fits: StageFits | None = None) -> None:
+                 fits: StageFits | None = None, kv_exchange: str = "coordinated") -> None:
         """`microbatch`: how each step is cut (`tokens` or `lookahead`, the policy's setting);
-        `fits`: the stages' Eq. 1-3 fits to go on from (a previous group of the same split)."""
+        `fits`: the stages' Eq. 1-3 fits to go on from (a previous group of the same split);
+        `kv_exchange`: `coordinated` (KV chunks behind activations) or `fifo` (one queue)."""
+        check_plan(ranks, layers, solo._model.config.num_layers)
+        if kv_exchange not in ("coordinated", "fifo"):
+            raise ValueError(f"kv_exchange must be 'coordinated' or 'fifo', got {kv_exchange!r}")
+        self.kv_exchange = kv_exchange
         self.solo = solo
         self.microbatch = microbatch
         self.fits = fits if fits is not None else StageFits(len(ranks))
@@ -109,11 +114,22 @@ class GroupRunner:
                      for rid, s in self.solo._seqs.items())
         start = GroupStart(ranks=self.ranks, layers=self.layers, group=self.pool, seqs=seqs,
                            adopted=self.adopted, chunk_blocks=self.chunk_blocks,
-                           microbatches=self.microbatches)
-        for rank in self.ranks[1:]:
-            send_obj(start, rank, CONTROL_TAG, "the group was formed")
+                           microbatches=self.microbatches, kv_exchange=self.kv_exchange)
+        for k, rank in enumerate(self.ranks[1:], start=1):
+            try:
+                send_obj(start, rank, CONTROL_TAG, "the group was being formed")
+            except GroupMemberLost as exc:  # the others are told; nothing was dropped here
+                abandon_members(self.ranks[1:], lost=rank, why=str(exc))
+                raise
         gens = {rid: s.generator for rid, s in self.solo._seqs.items()}
-        self.stage = GroupStage(self.solo._model, plane, start, 0, {}, gens)
+        try:
+            self.stage = GroupStage(self.solo._model, plane, start, 0, {}, gens)
+        except Exception as exc:  # re-raised; the head's own requests keep their KV
+            abandon_members(self.ranks[1:], lost=-1, why=f"the head could not join: {exc}")
+            if getattr(self.solo._model, "drop_state", None) is not None:
+                restore_layers(self.solo._model)
+            plane.renew_queue()
+            raise
         self.exchange = self.stage.stats
         """The head's exchange counters (bytes, chunks, per-request arrival times)."""
         self.solo._seqs.clear()
@@ -262,6 +278,8 @@ class GroupRunner:
                     seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
                               "kv_bytes": float(stage.stats.received_bytes)}
+        stage.plane.queue.flush()
+        stage.plane.queue.fifo = False
         self.stage = None
 
     def recover_from_host(self, lost: int) -> list[int]:
@@ -270,12 +288,7 @@ class GroupRunner:
         request keeps its tokens but no KV (an empty table): the engine must recompute them.
         Returns their ids."""
         stage = self.stage
-        for rank in self.ranks[1:]:
-            if rank != lost:
-                try:
-                    send_obj(GroupAbandon(lost=lost), rank, CONTROL_TAG, "the group was abandoned")
-                except GroupMemberLost:
-                    pass  # lost as well: nothing to tell it
+        abandon_members(self.ranks[1:], lost=lost, why=f"member instance {lost} lost")
         for t in self._fed_back:
             if t.request_id in stage.seqs:
                 stage.seqs[t.request_id].tokens.append(t.token_id)
@@ -293,6 +306,35 @@ class GroupRunner:
 
     async def step(self, step: ExecuteStep) -> StepFinished:
         return await self.solo._thread.run(self.execute, step)
+
+
+def check_plan(ranks: Sequence[int], layers: Sequence[range], num_layers: int) -> None:
+    """A group's plan must give each of its distinct members a contiguous layer range, in
+    order, covering the model's layers exactly once."""
+    covered = 0
+    for r in layers:
+        if r.step != 1 or r.start != covered or r.stop <= r.start:
+            break
+        covered = r.stop
+    else:
+        if covered == num_layers and len(layers) == len(ranks) == len(set(ranks)) >= 2:
+            return
+    raise ValueError(f"pipeline group plan: members {tuple(ranks)} with layers "
+                     f"{[(r.start, r.stop) for r in layers]} do not split the model's "
+                     f"{num_layers} layers into one contiguous range per member")
+
+
+def abandon_members(ranks: Sequence[int], *, lost: int, why: str) -> None:
+    """Tell every member in `ranks` but `lost` that the group is over (`GroupAbandon`; a member
+    that had not started yet serves alone at once). Members that cannot be reached are
+    skipped."""
+    for rank in ranks:
+        if rank != lost:
+            try:
+                send_obj(GroupAbandon(lost=lost, why=why), rank, CONTROL_TAG,
+                         "the group was abandoned")
+            except GroupMemberLost:
+                pass  # lost as well: nothing to tell it
 
 
 def restore_transfers(stage: GroupStage, layers: Sequence[range]) -> list[KvTransfer]:
@@ -341,59 +383,3 @@ def _restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[r
     restore_layers(stage.model, fill)
     plane.queue.flush()
     return time.perf_counter() - began
-
-
-def serve_member(solo, head_rank: int) -> dict:
-    """A member instance's part in a group (blocking; on its device thread): join when the
-    head's `GroupStart` comes, run its steps, restore when told. Returns the exchange counters.
-    Its runner's own sequences are handed to the group (their KV becomes the adopted
-    requests'); afterwards it is solo with no sequences."""
-    plane = data_plane()
-    start: GroupStart = recv_obj(head_rank, CONTROL_TAG, "the group was formed")
-    me = start.ranks.index(plane.rank)
-    stage = GroupStage(solo._model, plane, start, me, solo._seqs)
-    solo._seqs.clear()
-    while True:
-        try:
-            msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
-        except GroupMemberLost as exc:  # the head went away: its requests end with it there
-            return _abandon(stage, f"head lost: {exc}")
-        if isinstance(msg, GroupAbandon):
-            return _abandon(stage, f"member instance {msg.lost} lost")
-        if isinstance(msg, StageStep):
-            try:
-                reply = stage.run(msg)
-            except GroupMemberLost as exc:
-                reply = MemberReply(step_id=msg.step.step_id, error=str(exc), lost=exc.rank)
-            except Exception as exc:  # reported to the head, which fails the step
-                reply = MemberReply(step_id=msg.step.step_id,
-                                    error=f"{type(exc).__name__}: {exc}")
-            try:
-                send_obj(reply, head_rank, REPLY_TAG, "answering a step")
-            except GroupMemberLost as exc:
-                return _abandon(stage, f"head lost: {exc}")
-            continue
-        assert isinstance(msg, GroupRestore), msg
-        for rid in msg.release:
-            stage.seqs.pop(rid, None)
-        transfers = restore_transfers(stage, start.layers)
-        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 1,
-                       lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
-                       stage.stats)
-        _restore_weights(stage, start.ranks, start.layers, msg.source)
-        plane.queue.flush()
-        states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
-                   if q.generator is not None} if stage.model.last_stage else None)
-        send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,
-                 "its layers were restored")
-        stats = stage.stats
-        return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
-                "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
-                "copied_blocks": stage.map.copied_blocks}
-
-
-def _abandon(stage: GroupStage, why: str) -> dict:
-    """A member leaves a broken group: its dropped layers from its host copy, no sequences."""
-    restore_layers(stage.model)
-    data_plane().renew_queue()
-    return {"abandoned": why}

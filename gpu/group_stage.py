@@ -83,6 +83,9 @@ class GroupStart:
     adopted: tuple[Adopted, ...]
     chunk_blocks: int
     microbatches: int
+    kv_exchange: str = "coordinated"
+    """The policy's `kv_exchange`: `fifo` sends every member's KV chunks and activations in
+    one queue, in order (gpu/transfer.py `TransferQueue.fifo`), for the group's life."""
 
 
 @attrs.frozen(kw_only=True)
@@ -123,10 +126,13 @@ class MemberReply:
 
 @attrs.frozen(kw_only=True)
 class GroupAbandon:
-    """A member was lost: every survivor restores its dropped layers from its host copy and
-    serves alone, empty (the head recomputes the requests)."""
+    """A member was lost, or the group could not be formed: every survivor restores its
+    dropped layers from its host copy (a member still waiting for `GroupStart` has dropped
+    nothing) and serves alone, empty (the head recomputes the requests)."""
 
     lost: int
+    """The lost member's rank; -1: none was lost (the head gave up forming the group)."""
+    why: str = ""
 
 
 @attrs.define(slots=True, eq=False)
@@ -172,6 +178,7 @@ class GroupStage:
             idx = torch.tensor(old[t.request_id][:t.blocks], device=arena.device)
             return arena.kv[idx][:, t.layers.start:t.layers.stop].to("cpu")
 
+        plane.queue.fifo = start.kv_exchange == "fifo"
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 0, gather,
                        self.stats)
         self.drop = drop_layers(model, self.keep)

@@ -30,10 +30,10 @@ from gpu.runner import TorchRunner
 
 
 class KunServeTorchRunner(TorchRunner):
-    GROUP_MODES = ("coordinated", "tokens", "lookahead")
+    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead")
     """KunServe group settings it honours: the exchanged KV goes in chunks behind activations
-    (gpu/transfer.py's two lanes: `kv_exchange coordinated`; one FIFO queue is not built);
-    microbatches are cut by tokens or by lookahead (the head cuts each step with Eq. 1-3 fitted
+    (gpu/transfer.py's two lanes: `kv_exchange coordinated`) or in one queue with them, in
+    order (`fifo`, the ablation without coordination); microbatches are cut by tokens or by lookahead (the head cuts each step with Eq. 1-3 fitted
     per stage on the microbatches the group ran: engine/cluster/stage_fits.py). Groups form on
     local clusters of instance processes (shunter/cluster/remote_groups.py)."""
 
@@ -54,6 +54,11 @@ class KunServeTorchRunner(TorchRunner):
         until their setup comes."""
         self.microbatch = "tokens"
         """How a group this instance leads cuts its steps (the policy's `microbatch`)."""
+        self.kv_exchange = "coordinated"
+        """How a group this instance leads sends its KV (the policy's `kv_exchange`)."""
+        self._lost_ranks: tuple[int, ...] = ()
+        """The members of the last group lost: a step still carrying its plan (scheduled
+        before the engine learnt of the loss) does not open it again."""
         self.stage_fits: dict[tuple, object] = {}
         """Eq. 1-3 per stage, by the group's layer split: a later group goes on from them."""
         self.cost_model = None
@@ -66,8 +71,8 @@ class KunServeTorchRunner(TorchRunner):
 
     def serve_group(self, head: int) -> dict:
         """A member's part in the group led by instance `head`, on the device thread, until the
-        head restores (gpu/group_runner.py `serve_member`); its sequences go to the group."""
-        from gpu.group_runner import serve_member
+        head restores (gpu/group_member.py `serve_member`); its sequences go to the group."""
+        from gpu.group_member import serve_member
 
         self.holding = False
         return serve_member(self, head)
@@ -87,18 +92,29 @@ class KunServeTorchRunner(TorchRunner):
                           [len(r) / layers for r in plan.layers],
                           max_context=self._model_config.max_position_embeddings)
         return GroupRunner(self, plan.members, plan.layers, adopted,
-                           chunk_blocks=self.chunk_blocks, microbatch=self.microbatch, fits=fits)
+                           chunk_blocks=self.chunk_blocks, microbatch=self.microbatch, fits=fits,
+                           kv_exchange=self.kv_exchange)
 
     def form(self, plan, adopted: Sequence[Adopted]) -> tuple[range, tuple[int, ...]]:
         """Open the group `plan` (members in pipeline order, this instance first) now, with the
         requests `adopted` from members; returns the group's block ids and this instance's
         own requests whose KV is exchanged (exactly those: each gets its arrival). Runs on the
-        device thread (`_thread.run`)."""
+        device thread (`_thread.run`). When the group cannot be opened (a plan it cannot run,
+        a member lost before it started) this instance is left serving alone as it was, its
+        own requests' KV in place, and every member is told (gpu/group_member.py)."""
         if self.group is not None:
             raise RuntimeError(f"already leading group {self.group.ranks}")
         own = tuple(rid for rid, s in self._seqs.items() if s.table)
-        self.group = self._group(plan, adopted)
-        return self.group.open(), own
+        try:
+            group = self._group(plan, adopted)
+        except Exception as exc:  # re-raised: the members waiting to start are let go
+            from gpu.group_runner import abandon_members
+
+            abandon_members(plan.members[1:], lost=-1, why=f"the head refused the plan: {exc}")
+            raise
+        pool = group.open()
+        self.group = group
+        return pool, own
 
     def dissolve_idle(self) -> bool:
         """Restore now when no request is live on this engine (none will step to carry the
@@ -130,6 +146,10 @@ class KunServeTorchRunner(TorchRunner):
             for rid in step.release:  # ended (a request set up again is not released here)
                 if rid not in set_up and rid not in self._again:
                     self._tokens.pop(rid, None)
+        if (plan is not None and self.group is None and self.lost is not None
+                and tuple(plan.members) == self._lost_ranks):  # lost before this step came
+            step = attrs.evolve(step, group=None, pool_blocks=None)
+            plan = None
         if (plan is not None and len(plan.members) > 1 and self.group is not None
                 and self.group.ranks == tuple(plan.members)):  # opened by form()
             if step.pool_blocks is not None and step.pool_blocks > len(self.group.pool):
@@ -170,16 +190,23 @@ class KunServeTorchRunner(TorchRunner):
         its host copy (the other survivors do the same); every request's KV is lost with the
         member's layers. Raises `GroupLost`: the engine recomputes every request (each is
         released and set up again with its whole context, kept here) and shrinks its pool to
-        this runner's own; until then a step naming a request whose KV is gone fails."""
+        this runner's own; until then a step naming a request whose KV is gone fails the same
+        way (`GroupLost`: recomputed, never failed)."""
+        self.lose_group(exc)
+        raise GroupLost(f"{exc}; this instance serves alone again from its host copy and "
+                        f"recomputes its requests", self.num_blocks) from exc
+
+    def lose_group(self, exc: GroupMemberLost) -> None:
+        """`_group_lost` without raising: for a loss found outside a step (an empty step that
+        asked the members for arrivals); the caller tells the engine to recompute."""
         group, self.group = self.group, None
         self.last_group = group
         self.lost = str(exc)
+        self._lost_ranks = group.ranks
         group.recover_from_host(exc.rank)
         self._kv_lost = set(self._seqs)
         self._tokens.update({rid: tuple(s.tokens) for rid, s in self._seqs.items()})
         self._again = set(self._tokens)  # released by the engine, set up again later
-        raise GroupLost(f"{exc}; this instance serves alone again from its host copy and "
-                        f"recomputes its requests", self.num_blocks) from exc
 
     def _refuse_lost(self, step: ExecuteStep) -> None:
         for rid in step.release:
@@ -189,9 +216,9 @@ class KunServeTorchRunner(TorchRunner):
                 self._kv_lost.discard(u.request_id)
         solo = self._model.arena.kv_block_ids
         for w in step.seqs:
-            if w.request_id in self._kv_lost:
-                raise RuntimeError(f"request {w.request_id} lost its KV with its pipeline group "
-                                   f"({self.lost})")
+            if w.request_id in self._kv_lost:  # scheduled before the engine learnt of it
+                raise GroupLost(f"request {w.request_id} lost its KV with its pipeline group "
+                                f"({self.lost}): recomputed", self.num_blocks)
         for u in step.blocks:
             if any(b not in solo for b in u.append):
                 raise RuntimeError(f"block ids beyond this instance's own pool {solo} while its "

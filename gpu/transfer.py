@@ -10,6 +10,15 @@ activation is queued (the paper's "after a chunk, let a pending activation go fi
 most `yield_s`: a receiver that needs a KV chunk before it takes the next activation would
 otherwise never let the activations drain (the group's scheduler waits for a request's KV
 before running it, so this bound is a safety net, not the common path).
+
+`fifo` (a group whose policy says `kv_exchange fifo`, the ablation without coordination):
+every tensor goes through the activation lane's one thread, in the order it was queued, so an
+activation queued behind KV chunks waits for all of them. This cannot deadlock the group: a
+gloo send waits for its receiver to post the receive, and each member posts the receives of its
+KV chunks from threads of their own (gpu/kv_exchange.py `KvReceiver`), in the order they are
+sent, and never waits for an activation to do so; the chunks a group exchanges are queued when
+it forms (and restores), before any activation, so no activation's receiver waits on a chunk
+queued behind that activation.
 """
 
 from __future__ import annotations
@@ -49,6 +58,8 @@ class TransferQueue:
         """Bytes sent so far, by kind."""
         self.kv_yields = 0
         """Times a KV chunk waited for queued activations to go first."""
+        self.fifo = False
+        """One lane for both kinds, in queue order (no priority for activations)."""
         self._threads = [threading.Thread(target=self._loop, args=(kind,), daemon=True,
                                           name=f"shunter-transfer-{kind}")
                          for kind in ("activation", "kv")]
@@ -62,7 +73,7 @@ class TransferQueue:
         with self._cond:
             if self._error is not None:
                 raise RuntimeError(f"the transfer thread failed: {self._error}")
-            self._lanes[kind].append((tensor, dst, tag))
+            self._lanes["activation" if self.fifo else kind].append((tensor, dst, tag, kind))
             self._pending[kind] += 1
             self._cond.notify_all()
 
@@ -95,15 +106,15 @@ class TransferQueue:
                         self._cond.wait(until - time.monotonic())
                 if self._closed or self._error is not None:
                     return
-                tensor, dst, tag = lane.popleft()
+                tensor, dst, tag, sort = lane.popleft()
             try:
                 self._send(tensor, dst, tag)
-            except BaseException as exc:  # reported to the compute thread at its next put/flush
+            except BaseException as exc:  # noqa: BLE001 (reported at the next put/flush)
                 with self._cond:
                     self._error = exc
                     self._cond.notify_all()
                 return
             with self._cond:
-                self.sent_bytes[kind] += tensor.numel() * tensor.element_size()
-                self._pending[kind] -= 1
+                self.sent_bytes[sort] += tensor.numel() * tensor.element_size()
+                self._pending[sort] -= 1
                 self._cond.notify_all()

@@ -155,7 +155,8 @@ class Cluster:
                         cluster.groups = RemoteGroups(
                             cluster.instances, coordinator=send, base_pools=overload.base_pools,
                             num_layers=overload.num_layers, block_size=config.block_size,
-                            microbatch=policy.settings.memory.microbatch)
+                            microbatch=policy.settings.memory.microbatch,
+                            kv_exchange=policy.settings.memory.kv_exchange)
                         await cluster.groups.join(host=cluster._hosts[0])
                         await tg.start(cluster.groups.run)
                     elif overload is not None:

@@ -64,6 +64,8 @@ class HeadGroup:
     adopted: tuple[tuple[int, Moved], ...]
     microbatch: str = "tokens"
     """How the group cuts its steps (the policy's `microbatch`: `tokens` or `lookahead`)."""
+    kv_exchange: str = "coordinated"
+    """How the group sends its KV (the policy's `kv_exchange`: `coordinated` or `fifo`)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -6,7 +6,7 @@ shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_gro
 - `ExportGroup` (a member): the scheduler hands every live request over (`Regroup(export)`);
   their client streams leave the frontend, each request's relay to the front door drains what
   was already produced and ends without a last chunk (the head goes on with it); then the
-  runner serves the head's group on its device thread (`gpu.group_runner.serve_member`) until
+  runner serves the head's group on its device thread (`gpu.group_member.serve_member`) until
   the head restores. The runner still holds the exported requests' sequences then (their
   release goes with the engine's next step, which queues behind the group on the device
   thread): their KV is what the group reserves and exchanges, kept in place.
@@ -16,7 +16,12 @@ shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_gro
   adopted request's owner and old id; then the scheduler adopts them, grows the pool to the
   group's and marks its own requests as waiting for their KV. A task turns the runner's
   per-request arrivals into the scheduler's `SwapDone` (an empty pipelined step asks the
-  members when no step runs).
+  members when no step runs; a member found lost there: the head recovers as after a failed
+  step and its scheduler recomputes every request). A group that cannot be opened (a plan the
+  runner refuses, a member lost before the group started) leaves the head serving alone as it
+  was, the members told to serve alone (gpu/group_member.py), and the requests handed over
+  adopted here to be recomputed (their KV stays on, or died with, their member): the answer
+  is the error, and no request waits for a group that never came.
 - `LeaveGroup` (the head): the pool shrinks back (`PoolTooSmall` when the requests do not fit
   yet: the front door retries) and the next step restores; with no live request, the runner
   restores at once.
@@ -161,10 +166,16 @@ class InstanceGroups:
                 adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
                                        kv_tokens=q.computed_tokens))
             reqs.append(q)
-        runner.microbatch = msg.microbatch
+        runner.microbatch, runner.kv_exchange = msg.microbatch, msg.kv_exchange
         # own: exactly the requests whose KV the runner exchanges (a request that ran its
         # first step after the group opened has all of its KV in the group already)
-        pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
+        try:
+            pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
+        except Exception as exc:  # re-raised: nothing waits for this group
+            n = await self._recompute_here(msg.adopted, reqs)
+            raise RuntimeError(f"group {plan.members} not formed ({type(exc).__name__}: "
+                               f"{exc}); the {n} requests handed over are recomputed at "
+                               f"instance {plan.members[0]}") from exc
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
         for (_, mv), q in zip(msg.adopted, reqs, strict=True):
@@ -172,6 +183,22 @@ class InstanceGroups:
         tg.start_soon(self._arrivals, {q.id for q in waiting})
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
+
+    async def _recompute_here(self, adopted, reqs) -> int:
+        """Requests handed over for a group that was not formed: adopted by this instance's
+        scheduler with no KV (prefilled again from their whole context, which the runner
+        holds since `_take_over`)."""
+        for q in reqs:
+            if q.computed_tokens or q.state != "waiting":
+                q.recompute()
+                q.swapped_blocks = 0  # a host copy, if any, stayed with its member
+                q.preemptions += 1
+        if reqs:
+            await _ask(self.engine._scheduler_send, lambda r: Regroup(adopt=tuple(reqs),
+                                                                      reply=r))
+        for (_, mv), q in zip(adopted, reqs, strict=True):
+            await self.server.cancel_if_asked(mv.cluster_key, q.id)
+        return len(reqs)
 
     async def _adopt_queued(self, msg: AdoptQueued) -> int:
         """Requests with no KV from an instance serving alone: set up here like new ones."""
@@ -217,8 +244,15 @@ class InstanceGroups:
         runner, idle = self.runner, 0
         group = runner.group
         while waiting and runner.group is group and group is not None:
-            got = [r for r in await runner._thread.run(_arrived, runner, group, idle >= 3)
-                   if r in waiting]
+            got = await runner._thread.run(_arrived, runner, group, idle >= 3)
+            if got is None:  # a member was lost: every request is recomputed, solo again
+                me = group.ranks[0]
+                solo = GroupPlan(group_id=-1, members=(me,), layers=(
+                    range(runner._model_config.num_layers),))
+                await _ask(self.engine._scheduler_send, lambda r, solo=solo: Regroup(
+                    recompute=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
+                return
+            got = [r for r in got if r in waiting]
             idle = 0 if got else idle + 1
             if got:
                 waiting.difference_update(got)
@@ -247,16 +281,26 @@ class InstanceGroups:
             ex = g.exchange
             head = {"sent_bytes": ex.sent_bytes, "received_bytes": ex.received_bytes,
                     "chunks_received": ex.chunks_received, "restore": dict(g.restore_stats),
-                    "leading": runner.group is not None, "pipeline": g.pipeline_report()}
+                    "leading": runner.group is not None, "pipeline": g.pipeline_report(),
+                    "kv_exchange": g.kv_exchange}
         return {"head": head, "member": self.member_stats}
 
 
-def _arrived(runner, group, poll: bool) -> list[int]:
+def _arrived(runner, group, poll: bool) -> list[int] | None:
     """On the device thread: the requests whose KV is complete on every member; with `poll`,
-    an empty pipelined step first asks the members (no step has run for a while)."""
+    an empty pipelined step first asks the members (no step has run for a while). None: that
+    step found a member lost (the runner serves alone again, every request's KV gone)."""
+    from gpu.data_plane import GroupMemberLost
+
     if runner.group is not group:
         return []
-    return group.poll(0) if poll else group.arrived()
+    if not poll:
+        return group.arrived()
+    try:
+        return group.poll(0)
+    except GroupMemberLost as exc:
+        runner.lose_group(exc)
+        return None
 
 
 def _join(msg: JoinDataPlane) -> int:

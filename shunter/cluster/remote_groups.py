@@ -48,11 +48,14 @@ class GroupCommandError(RuntimeError):
 
 class RemoteGroups:
     def __init__(self, instances: list, *, coordinator, base_pools, num_layers: int,
-                 microbatch: str = "tokens", block_size: int = 16) -> None:
+                 microbatch: str = "tokens", block_size: int = 16,
+                 kv_exchange: str = "coordinated") -> None:
         self.instances = instances
         """RemoteInstance handles (shunter/cluster/handles.py), by index."""
         self.microbatch = microbatch
         """The policy's `microbatch`: how the groups formed from now on cut their steps."""
+        self.kv_exchange = kv_exchange
+        """The policy's `kv_exchange`: how the groups formed from now on send their KV."""
         self.block_size = block_size
         self.coordinator = coordinator
         self.base_pools = list(base_pools)
@@ -67,8 +70,9 @@ class RemoteGroups:
 
     def follow(self, settings) -> None:
         """A replaced policy's memory settings: groups formed from now on use its
-        `microbatch`."""
+        `microbatch` and `kv_exchange`."""
         self.microbatch = settings.memory.microbatch
+        self.kv_exchange = settings.memory.kv_exchange
 
     async def join(self, host: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
         """Every instance joins one data plane, its rendezvous at instance 0 (`host`: the
@@ -102,7 +106,7 @@ class RemoteGroups:
     async def instance_down(self, index: int) -> None:
         """Instance `index` went away (before its requests are ended or dispatched again). A
         lost head's group is over: each member restores its dropped layers from its host copy
-        (gpu/group_runner.py `serve_member` sees the head gone) and serves alone, so the
+        (gpu/group_member.py `serve_member` sees the head gone) and serves alone, so the
         coordinator stops sending its requests to the head now, and a request dispatched again
         can go to a member. (A lost member's group is ended by the head's engine and `act`.)"""
         g = self.groups.pop(index, None)
@@ -174,7 +178,8 @@ class RemoteGroups:
                     member.moved_to[mv.cluster_key] = head
                 adopted.append((k, mv))
         counts = await self._command(g.head, lambda key: HeadGroup(
-            key=key, plan=g, adopted=tuple(adopted), microbatch=self.microbatch))
+            key=key, plan=g, adopted=tuple(adopted), microbatch=self.microbatch,
+            kv_exchange=self.kv_exchange))
         self.groups[g.head] = g
         await self.coordinator.send(GroupsChanged(formed=g))
         c = self.counters

@@ -11,7 +11,7 @@ Planted bugs checked by hand (see /work/notes/issue16_torch_cluster.md and
 issue16_torch_round3.md): a receiver that skips one exchanged KV chunk, a microbatch that drops
 a sequence, and pieces of a cut prefill that all start at its first token each make the first
 test fail. Other tests: a lost member, a lost head, queued requests of an instance alone
-moving to a head (three processes), and what loads where.
+moving to a head (three processes), and that every policy of the ladder loads.
 """
 
 from __future__ import annotations
@@ -147,13 +147,10 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 
-def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kunserve_config,
-                                                                            tmp_path):
-    """The torch runner claims the group settings it runs (`kv_exchange coordinated`,
-    `microbatch tokens` and `lookahead`): the whole ablation ladder loads. A FIFO exchange
-    (KV in the activations' queue) is not built on torch: a policy that writes it is refused at
-    load with the setting's place in the file."""
-    from engine.errors import PolicyError
+def test_torch_engines_run_every_kunserve_policy(kunserve_config):
+    """The torch runner claims every group setting (`kv_exchange fifo` and `coordinated`,
+    `microbatch tokens` and `lookahead`): the whole ablation ladder loads, each with its own
+    settings (the FIFO exchange runs in tests/cluster/test_kunserve_torch_faults.py)."""
     from policies import policy_path
     from shunter.backends import build_backend
     from shunter.policy_source import engine_capabilities, initial_policy
@@ -161,18 +158,13 @@ def test_torch_engines_run_every_kunserve_policy_and_refuse_a_fifo_exchange(kuns
     backend = build_backend(kunserve_config)
     caps = engine_capabilities(kunserve_config, backend)
     backend.runner.close()
-    assert caps.group_modes == {"coordinated", "tokens", "lookahead"}
-    for name in ("kunserve_exchange", "kunserve_lookahead", "kunserve"):
+    assert caps.group_modes == {"fifo", "coordinated", "tokens", "lookahead"}
+    for name in ("kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"):
         loaded = initial_policy(attrs.evolve(kunserve_config, policy=policy_path(name)), None,
                                 caps).settings.memory
-        assert loaded.kv_exchange == "coordinated", name
-        assert loaded.microbatch == ("tokens" if name == "kunserve_exchange" else "lookahead")
-    fifo = tmp_path / "fifo.policy"
-    fifo.write_text(f'policy fifo_exchange extends "{policy_path("kunserve")}" {{\n'
-                    f'  memory {{ kv_exchange fifo }}\n}}\n')
-    with pytest.raises(PolicyError, match=r"fifo\.policy:2:\d+.*kv_exchange fifo is not "
-                                          r"supported"):
-        initial_policy(attrs.evolve(kunserve_config, policy=fifo), None, caps)
+        assert loaded.kv_exchange == ("fifo" if name == "kunserve_drop" else "coordinated")
+        assert loaded.microbatch == ("lookahead" if name in ("kunserve_lookahead", "kunserve")
+                                     else "tokens"), name
 
 
 @pytest.mark.anyio

@@ -18,7 +18,7 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
     from engine.config import EngineConfig
     from gpu.config import ModelConfig
     from gpu.data_plane import GroupMemberLost, data_plane, join_data_plane
-    from gpu.group_runner import serve_member
+    from gpu.group_member import serve_member
     from gpu.kunserve_runner import GroupLost, KunServeTorchRunner
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)

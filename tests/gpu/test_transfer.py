@@ -97,3 +97,36 @@ def test_the_yield_is_bounded_so_a_stuck_activation_cannot_hold_kv_forever():
         assert sent == [0, 10, 11]
     finally:
         q.close()
+
+
+def test_fifo_sends_everything_in_queue_order_activations_behind_kv():
+    """`kv_exchange fifo` (the ablation without coordination): one lane, queue order, so an
+    activation queued behind KV chunks waits for all of them (the first test's queue, which
+    lets the activations overtake, sends [3, 4, 0, 1, 2])."""
+    sent: list[int] = []
+    first_started, release = threading.Event(), threading.Event()
+
+    def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
+        if tag == 0:
+            first_started.set()
+            release.wait(5)
+        sent.append(tag)
+
+    q = TransferQueue(send)
+    q.fifo = True
+    try:
+        q.put(torch.zeros(4), dst=1, tag=0, kind="kv")
+        assert first_started.wait(5)
+        q.put(torch.zeros(4), dst=1, tag=1, kind="kv")
+        q.put_activation(torch.zeros(2), dst=1, tag=3)
+        q.put(torch.zeros(4), dst=1, tag=2, kind="kv")
+        threading.Event().wait(0.1)
+        assert sent == []  # the activation waits behind the chunk on the wire
+        release.set()
+        q.flush("activation")
+        assert sent[:3] == [0, 1, 3]
+        q.flush()
+        assert sent == [0, 1, 3, 2]
+        assert q.sent_bytes == {"activation": 8, "kv": 48} and q.kv_yields == 0
+    finally:
+        q.close()

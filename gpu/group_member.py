@@ -1,0 +1,92 @@
+"""A member instance's part in a pipeline group led by another instance (KunServe §4.1-4.4):
+`serve_member` runs on the member's device thread from the moment it handed its requests over
+until the head restores, abandons the group, or goes away. The head's side:
+gpu/group_runner.py.
+
+Before the group serves, the head may give up on forming it (a plan it cannot run, another
+member lost while the group was being started): the member then gets `GroupAbandon` in place of
+`GroupStart` and serves alone again at once, with nothing dropped; the requests it handed over
+stay with the head (recomputed there, shunter/cluster/instance_groups.py). A head lost before
+its `GroupStart` came ends the member's wait the same way.
+"""
+
+from __future__ import annotations
+
+from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
+from gpu.group_runner import _restore_weights, restore_transfers
+from gpu.group_stage import (
+    GroupAbandon,
+    GroupRestore,
+    GroupStage,
+    GroupStart,
+    MemberReply,
+    generator_state,
+)
+from gpu.kv_exchange import send_transfers
+from gpu.pipeline_stage import StageStep
+from gpu.stage_view import restore_layers
+
+
+def serve_member(solo, head_rank: int) -> dict:
+    """A member instance's part in a group (blocking; on its device thread): join when the
+    head's `GroupStart` comes, run its steps, restore when told. Returns the exchange counters.
+    Its runner's own sequences are handed to the group (their KV becomes the adopted
+    requests'); afterwards it is solo with no sequences."""
+    plane = data_plane()
+    try:
+        start = recv_obj(head_rank, CONTROL_TAG, "the group was formed")
+    except GroupMemberLost as exc:  # the head went away before the group served
+        solo._seqs.clear()  # the requests handed over went with it (the front door ends them)
+        return {"abandoned": f"head lost before the group formed: {exc}", "formed": False}
+    if isinstance(start, GroupAbandon):  # the head could not form it: nothing was dropped
+        solo._seqs.clear()  # the requests handed over are the head's now
+        return {"abandoned": f"the group was not formed: {start.why}", "formed": False}
+    assert isinstance(start, GroupStart), start
+    me = start.ranks.index(plane.rank)
+    stage = GroupStage(solo._model, plane, start, me, solo._seqs)
+    solo._seqs.clear()
+    while True:
+        try:
+            msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
+        except GroupMemberLost as exc:  # the head went away: its requests end with it there
+            return _abandon(stage, f"head lost: {exc}")
+        if isinstance(msg, GroupAbandon):
+            return _abandon(stage, msg.why or f"member instance {msg.lost} lost")
+        if isinstance(msg, StageStep):
+            try:
+                reply = stage.run(msg)
+            except GroupMemberLost as exc:
+                reply = MemberReply(step_id=msg.step.step_id, error=str(exc), lost=exc.rank)
+            except Exception as exc:  # noqa: BLE001 (reported to the head, which fails the step)
+                reply = MemberReply(step_id=msg.step.step_id,
+                                    error=f"{type(exc).__name__}: {exc}")
+            try:
+                send_obj(reply, head_rank, REPLY_TAG, "answering a step")
+            except GroupMemberLost as exc:
+                return _abandon(stage, f"head lost: {exc}")
+            continue
+        assert isinstance(msg, GroupRestore), msg
+        for rid in msg.release:
+            stage.seqs.pop(rid, None)
+        transfers = restore_transfers(stage, start.layers)
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 1,
+                       lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
+                       stage.stats)
+        _restore_weights(stage, start.ranks, start.layers, msg.source)
+        plane.queue.flush()
+        plane.queue.fifo = False
+        states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
+                   if q.generator is not None} if stage.model.last_stage else None)
+        send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,
+                 "its layers were restored")
+        stats = stage.stats
+        return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
+                "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
+                "copied_blocks": stage.map.copied_blocks}
+
+
+def _abandon(stage: GroupStage, why: str) -> dict:
+    """A member leaves a broken group: its dropped layers from its host copy, no sequences."""
+    restore_layers(stage.model)
+    data_plane().renew_queue()
+    return {"abandoned": why}

@@ -1,0 +1,216 @@
+"""KunServe on two torch instance processes (gloo), with the ablation's first step, `kv_exchange
+fifo` (KV chunks and activations in one queue, in order), and faults while a group forms.
+
+1. A burst drops, groups (FIFO exchange), restores: every output is transformers'.
+2. The head refuses the plan after the member handed its requests over: the member is told and
+   serves alone with nothing dropped, the requests it handed over are recomputed at the head,
+   every one ends with transformers' tokens.
+3. The member dies after handing its requests over, before the head starts the group: the
+   head's `GroupStart` finds it gone, it serves alone as it was, and recomputes the requests.
+
+Planted bugs checked by hand (/work/notes/issue16_torch_round4.md): a receiver that skips one
+exchanged KV chunk fails 1; the head not adopting the handed-over requests when the group is not
+formed hangs 2 and 3 (their `fail_after`); a member that takes `GroupAbandon` for `GroupStart`
+fails 2.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import attrs
+import pytest
+
+import shunter
+from shunter.cluster.cluster import Cluster
+from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _long_then_burst, _prompt
+from tests.conftest import slow_scale
+from tests.reference import assert_matches, greedy_reference
+
+SOLO_BLOCKS = 24
+BAD_PLAN_LAYERS = (range(2), range(2, 5))
+"""Five layers for a four-layer model: the head's runner refuses the plan."""
+
+
+@pytest.fixture(scope="module")
+def fifo_config(kunserve_config, tmp_path_factory):
+    from policies import policy_path
+
+    policy = tmp_path_factory.mktemp("kunserve-fifo") / "kunserve_fifo.policy"
+    policy.write_text(f'policy kunserve_fifo extends "{policy_path("kunserve_drop")}" {{\n'
+                      f'  dispatch round_robin\n'
+                      f'  overload drop when head_tokens > free_tokens\n'
+                      f'  overload restore when kv_usage < 60%\n}}\n')
+    return attrs.evolve(kunserve_config, policy=policy)
+
+
+@pytest.fixture(scope="module")
+def kunserve_model(tmp_path_factory):
+    from gpu.make_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("kunserve-faults-4l"), arch="llama",
+                              layers=4, hidden=64, heads=4, kv_heads=2, vocab=320, seed=7)
+
+
+@pytest.fixture(scope="module")
+def kunserve_config(kunserve_model):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=kunserve_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
+                        block_size=4, cpu_swap_blocks=0, max_num_seqs=32)
+
+
+@pytest.fixture(scope="module")
+def fifo_instances(fifo_config):
+    from shunter.cluster.launch import LocalLauncher
+
+    launcher = LocalLauncher("asyncio")
+    yield [launcher.start_process(i, fifo_config) for i in range(2)]
+    launcher.shutdown(timeout_s=0)
+
+
+def _one_event_loop(anyio_backend) -> None:
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+
+
+@pytest.mark.anyio
+async def test_a_fifo_exchange_burst_gives_transformers_outputs(
+        anyio_backend, fifo_config, fifo_instances, kunserve_model):
+    _one_event_loop(anyio_backend)
+    rng = random.Random(0)
+    longs = [_prompt(rng, 8) for _ in range(2)]
+    burst = [_prompt(rng, 16) for _ in range(slow_scale(20, 12))]
+    got: dict[str, list[int]] = {}
+    async with Cluster.start(fifo_config, attach=fifo_instances,
+                             monitor_interval_s=0.02) as cluster:
+        with anyio.fail_after(180):
+            await _long_then_burst(cluster, longs, burst, got, {})
+            snap = await cluster.wait_idle()
+            stats = [await cluster.groups.stats(i) for i in range(2)]
+        report = cluster.groups.report(0.0)
+    print(f"\nfifo exchange: {report}; {stats}")
+    assert report["groups_formed"] >= 1 and report["restores"] >= 1, report
+    formed = next(e for e in report["events"] if e["event"] == "group")
+    head = stats[formed["members"][0]]["head"]
+    assert head["kv_exchange"] == "fifo" and head["received_bytes"] > 0, head
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
+    for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
+                            *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
+        assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
+
+
+async def _four_running(cluster: Cluster, prompts, got: dict[int, list[int]], tg) -> None:
+    """Start the requests (round robin: two on each instance) and return once each streamed
+    two tokens (each holds KV)."""
+    started = [anyio.Event() for _ in prompts]
+
+    async def one(i: int) -> None:
+        got[i] = []
+        async with cluster.generate(prompts[i], shunter.SamplingParams(
+                max_tokens=14, temperature=0)) as stream:
+            async for chunk in stream:
+                got[i] += chunk.token_ids
+                assert chunk.error is None, (i, chunk.error)
+                if len(got[i]) >= 2:
+                    started[i].set()
+
+    for i in range(len(prompts)):
+        tg.start_soon(one, i)
+    for ev in started:
+        await ev.wait()
+
+
+@pytest.mark.anyio
+async def test_a_plan_the_head_refuses_leaves_both_serving_and_no_request_waiting(
+        anyio_backend, fifo_config, fifo_instances, kunserve_model):
+    """The member hands its two requests over (`ExportGroup`), then the head's runner refuses
+    the plan: the member gets `GroupAbandon` instead of `GroupStart` and serves alone again
+    with every layer, the head recomputes the two requests, and the front door gets the error.
+    Every request ends with transformers' tokens; each instance then serves a new one."""
+    from engine.cluster.drop_plan import GroupPlan
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    _one_event_loop(anyio_backend)
+    rng = random.Random(11)
+    prompts = [_prompt(rng, 6) for _ in range(4)]
+    got: dict[int, list[int]] = {}
+    async with Cluster.start(fifo_config, attach=fifo_instances,
+                             monitor_interval_s=0.02) as cluster:
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await _four_running(cluster, prompts, got, tg)
+                with pytest.raises(GroupCommandError, match=r"instance 0: .*not formed .*do not "
+                                   r"split the model's 4 layers.*the 2 requests handed over "
+                                   r"are recomputed at instance 0"):
+                    await cluster.groups.form(GroupPlan(group_id=7, members=(0, 1),
+                                                        layers=BAD_PLAN_LAYERS))
+            while (await cluster.groups.stats(1))["member"] is None:
+                await anyio.sleep(0.01)
+            member = (await cluster.groups.stats(1))["member"]
+            after = [_prompt(rng, 7) for _ in range(2)]
+            outs = [None, None]
+
+            async def one(k: int) -> None:
+                outs[k] = await cluster.complete(after[k], shunter.SamplingParams(
+                    max_tokens=10, temperature=0))
+
+            async with anyio.create_task_group() as tg:
+                for k in range(2):
+                    tg.start_soon(one, k)
+            snap = await cluster.wait_idle()
+    assert "not formed" in member["abandoned"] and member["formed"] is False, member
+    assert not cluster.groups.groups
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
+    for i, p in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+    for k in range(2):
+        assert_matches(outs[k].token_ids, greedy_reference(kunserve_model, after[k], 10),
+                       f"after {k}")
+
+
+@pytest.mark.anyio
+async def test_a_member_lost_before_the_group_starts_its_requests_are_recomputed_at_the_head(
+        anyio_backend, fifo_config, fifo_instances, kunserve_model):
+    """Runs last: it kills instance 1. The member hands its two requests over and dies before
+    the head opens the group (SIGKILLed as the front door sends `HeadGroup`): the head finds
+    it gone when it sends `GroupStart`, has dropped nothing, recomputes the two requests (their
+    KV died with the member) and serves all four; a new request is served by it alone."""
+    from engine.cluster.drop_plan import GroupPlan
+    from shunter.cluster.group_wire import HeadGroup
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    _one_event_loop(anyio_backend)
+    rng = random.Random(12)
+    prompts = [_prompt(rng, 6) for _ in range(4)]
+    got: dict[int, list[int]] = {}
+    async with Cluster.start(fifo_config, attach=fifo_instances,
+                             monitor_interval_s=0.02) as cluster:
+        groups = cluster.groups
+        command = groups._command
+
+        async def kill_member_first(index: int, make):
+            if isinstance(make(-1), HeadGroup):
+                fifo_instances[1].kill()
+                while cluster.instances[1].alive:
+                    await anyio.sleep(0.005)
+            return await command(index, make)
+
+        groups._command = kill_member_first
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await _four_running(cluster, prompts, got, tg)
+                with pytest.raises(GroupCommandError, match=r"not formed .*instance 1 was lost "
+                                   r"while the group was being formed.*the 2 requests handed "
+                                   r"over are recomputed at instance 0"):
+                    await groups.form(GroupPlan(group_id=8, members=(0, 1),
+                                                layers=(range(2), range(2, 4))))
+            alone = _prompt(rng, 7)
+            after = await cluster.complete(alone, shunter.SamplingParams(max_tokens=10,
+                                                                         temperature=0))
+            head = (await cluster.instances[0].snapshot()).scheduler
+    assert head.total_blocks == SOLO_BLOCKS and not head.live_requests, head
+    for i, p in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+    assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 10), "after")
