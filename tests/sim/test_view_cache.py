@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 
+from engine.memory import device_prefixes
 from engine.request import Request
 from shunter import EngineConfig
 from shunter.benchmark.policies import parse_policy
@@ -24,7 +25,10 @@ SIM = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=300, cpu_
 
 @pytest.fixture
 def stale_views(monkeypatch) -> list[tuple[int, object, object]]:
-    """Every view read is rebuilt; a kept one that differs is recorded (id, kept, fresh)."""
+    """Every view read is rebuilt; a kept one that differs is recorded (id, kept, fresh). The
+    scheduler reads kept views without calling `view` (`views_of`), so that read is checked too:
+    without it, no kept view the scheduler read was ever checked (a planted stale view in the
+    bidirectional fit went unnoticed)."""
     build, stale = Request.view, []
 
     def checked(self: Request):
@@ -34,6 +38,7 @@ def stale_views(monkeypatch) -> list[tuple[int, object, object]]:
             stale.append((self.id, kept, fresh))
         return fresh
     monkeypatch.setattr(Request, "view", checked)
+    monkeypatch.setattr(device_prefixes, "views_of", lambda requests: [r.view() for r in requests])
     return stale
 
 
