@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kunserve_lookahead_torch import BLOCK, _load  # noqa: E402
+from bench.kunserve_lookahead_torch import BLOCK, _load
 
 
 def _member(model_dir: str, init: str, blocks: int) -> None:
