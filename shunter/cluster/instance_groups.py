@@ -283,7 +283,7 @@ class InstanceGroups:
                     "chunks_received": ex.chunks_received, "restore": dict(g.restore_stats),
                     "leading": runner.group is not None, "pipeline": g.pipeline_report(),
                     "kv_exchange": g.kv_exchange}
-        return {"head": head, "member": self.member_stats}
+        return {"head": head, "member": self.member_stats, "lost": getattr(runner, "lost", None)}
 
 
 def _arrived(runner, group, poll: bool) -> list[int] | None:

@@ -7,11 +7,12 @@ fifo` (KV chunks and activations in one queue, in order), and faults while a gro
    every one ends with transformers' tokens.
 3. The member dies after handing its requests over, before the head starts the group: the
    head's `GroupStart` finds it gone, it serves alone as it was, and recomputes the requests.
+4. (stand-ins) A member loss found by the arrivals' empty step: every request recomputed.
 
 Planted bugs checked by hand (/work/notes/issue16_torch_round4.md): a receiver that skips one
 exchanged KV chunk fails 1; the head not adopting the handed-over requests when the group is not
 formed hangs 2 and 3 (their `fail_after`); a member that takes `GroupAbandon` for `GroupStart`
-fails 2.
+fails 2; an arrivals' step that does not catch the loss fails 4.
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ async def test_a_fifo_exchange_burst_gives_transformers_outputs(
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 
-async def _four_running(cluster: Cluster, prompts, got: dict[int, list[int]], tg) -> None:
+async def _four_running(cluster: Cluster, prompts, got: dict[int, list[int]], tg, *,
+                        max_tokens=None) -> None:
     """Start the requests (round robin: two on each instance) and return once each streamed
     two tokens (each holds KV)."""
     started = [anyio.Event() for _ in prompts]
@@ -109,7 +111,7 @@ async def _four_running(cluster: Cluster, prompts, got: dict[int, list[int]], tg
     async def one(i: int) -> None:
         got[i] = []
         async with cluster.generate(prompts[i], shunter.SamplingParams(
-                max_tokens=14, temperature=0)) as stream:
+                max_tokens=max_tokens[i] if max_tokens else 14, temperature=0)) as stream:
             async for chunk in stream:
                 got[i] += chunk.token_ids
                 assert chunk.error is None, (i, chunk.error)
@@ -214,3 +216,57 @@ async def test_a_member_lost_before_the_group_starts_its_requests_are_recomputed
     for i, p in enumerate(prompts):
         assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
     assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 10), "after")
+
+
+@pytest.mark.anyio
+async def test_a_member_lost_found_by_the_arrivals_poll_recomputes_instead_of_crashing(
+        anyio_backend):
+    """While requests wait for their KV and no step runs, the head's arrivals task asks the
+    members with an empty step (`GroupRunner.poll`); when that step finds a member lost, the
+    runner recovers (`lose_group`: its layers from its host copy, every request's KV gone) and
+    the scheduler is told to recompute every request, its pool its own and the runner solo
+    again (`Regroup(recompute, pool_blocks, group=plan of one)`), instead of the exception
+    ending the instance's task group (and with it every request there). Stand-ins for the
+    runner and the scheduler: the process-level paths are the tests above."""
+    from engine.messages import Regroup
+    from gpu.data_plane import GroupMemberLost
+    from shunter.cluster.instance_groups import InstanceGroups
+
+    _one_event_loop(anyio_backend)
+
+    class Group:
+        ranks = (3, 5)
+
+        def poll(self, step_id):
+            raise GroupMemberLost(5, f"step {step_id} was sent", RuntimeError("reset by peer"))
+
+        def arrived(self):
+            return []
+
+    class Thread:
+        async def run(self, fn, *args):
+            return fn(*args)
+
+    class Runner:
+        num_blocks = SOLO_BLOCKS
+        _thread = Thread()
+        _model_config = attrs.make_class("M", {"num_layers": attrs.field(default=4)})()
+        lost_with = None
+
+        def lose_group(self, exc):
+            self.group, self.lost_with = None, exc
+
+    runner = Runner()
+    runner.group = Group()
+    send, recv = anyio.create_memory_object_stream(8)
+    engine = attrs.make_class("E", ["backend", "_scheduler_send"])(
+        attrs.make_class("B", ["runner"])(runner), send)
+    groups = InstanceGroups(engine, server=None)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(groups._arrivals, {7})
+            msg = await recv.receive()
+            msg.reply.send(())
+    assert isinstance(msg, Regroup) and msg.recompute and msg.pool_blocks == SOLO_BLOCKS, msg
+    assert msg.group.members == (3,) and msg.group.layers == (range(4),), msg.group
+    assert runner.group is None and "instance 5 was lost while step 0" in str(runner.lost_with)
