@@ -37,6 +37,7 @@ from shunter.benchmark.driver import Driver, DriveResult
 from shunter.benchmark.policies import PolicyChoice
 from shunter.calibrate import profile_for
 from shunter.contention import CopySpans, fit_contention
+from shunter.copier_timing import copy_pickup_ms, fit_swapped_in, stall_wake_ms
 from shunter.engine import Engine
 from shunter.workloads import Workload
 from sim.fit import Fit, fit_recorded_steps
@@ -57,6 +58,8 @@ class StepRecord:
     stall_s: float
     """Of ended - began, time spent waiting for swap copies (modelled apart by the sim)."""
     request_ids: frozenset[int] = frozenset()
+    waited: int = 0
+    """Swap tickets the step waited for (its synchronous swap-ins)."""
 
     @property
     def compute_ms(self) -> float:
@@ -108,7 +111,8 @@ def _record_steps(runner: Any, into: list[StepRecord]) -> None:
             shape = BatchShape.of((w.start, w.num_tokens) for w in step.seqs)
             into.append(StepRecord(shape=shape, seqs=len(step.seqs), sampled=len(done.sampled),
                                    began=began, ended=ended, stall_s=done.stall_s,
-                                   request_ids=frozenset(w.request_id for w in step.seqs)))
+                                   request_ids=frozenset(w.request_id for w in step.seqs),
+                                   waited=len(step.wait_tickets)))
         return done
 
     runner.execute = recorded
@@ -266,7 +270,8 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
     cost = fit_engine_cost(runs, source=f"gaps between the recorded steps of {source}",
                            skip_copying=contended, net_of_scheduler=net_of_scheduler)
     if any(r.copy_spans for r in runs):
-        cost = attrs.evolve(cost, copy_start_ms=copy_start_ms(runs, net_of_scheduler=net_of_scheduler))
+        cost = attrs.evolve(cost, copy_start_ms=copy_start_ms(runs, net_of_scheduler=net_of_scheduler),
+                            copy_pickup_ms=copy_pickup_ms(runs), wake_ms=stall_wake_ms(runs))
         cost = fit_swap_dispatch(runs, cost)
     profile = profile_for(config, name=name, fit=fit, kv_cache_mib=kv_cache_mib,
                           gb_per_s=gb_per_s, dispatch_us=copy_dispatch_us(runs, gb_per_s, dispatch_us))
@@ -274,6 +279,7 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
     if contended:
         contention = fit_contention(*contention_rows(runs, fit.cost, cost),
                                     source=f"copies of {source} beside steps and gaps")
+        contention = attrs.evolve(contention, swapped_in_ms=fit_swapped_in(runs, fit.cost))
     return attrs.evolve(profile, engine_cost=cost, copy_contention=contention), fit
 
 
@@ -281,7 +287,8 @@ def copy_start_ms(runs: Sequence[RecordedRun], *, net_of_scheduler: bool = False
     """Median ms from a plan to the moment a swap it issued was handed to the copier (the swap
     pool's hop), over the runs that copied; with `net_of_scheduler`, from the end of the
     planning (the simulator charging its own planning submits the swaps after it). What
-    happens after, the copier's queue, the sim's copy engine models itself."""
+    happens after: the copier's wake-up is `shunter.copier_timing.copy_pickup_ms`, its queue
+    the sim's copy engine models itself."""
     lags = []
     for r in runs:
         if not r.copy_spans:

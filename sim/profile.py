@@ -106,6 +106,14 @@ class EngineCost:
     per_transfer_ms: float = 0.0
     """... and per transfer it issued; the copies start meanwhile, as on the real engine,
     which waits for them only when the step begins (`shunter.fidelity.fit_swap_dispatch`)."""
+    copy_pickup_ms: float = 0.0
+    """From a transfer's submission to its copy's start when the copier had nothing to do:
+    its worker thread's wake-up (on the CPU backend it waits for the interpreter while the
+    engine's thread carries on). Copies submitted while others run or wait to start start when
+    the copier can (`shunter.copier_timing.copy_pickup_ms`)."""
+    wake_ms: float = 0.0
+    """From the end of the copies a step waited for to the step's start: the device thread's
+    wake-up, added to every stall (`shunter.copier_timing.stall_wake_ms`)."""
 
     def swap_ms(self, transfers: int) -> float:
         """Engine time before a step for the `transfers` swaps its iteration issued."""
@@ -127,6 +135,10 @@ class CopyContention:
     """Engine time added per second of copying that overlaps the engine's own work."""
     step: float = 0.0
     """Step time added per second of copying that overlaps a step's compute."""
+    swapped_in_ms: float = 0.0
+    """Step time added per swap ticket the step waited for (its synchronous swap-ins): it reads
+    KV the copier's thread has just written from another core
+    (`shunter.copier_timing.fit_swapped_in`)."""
     source: str = ""
 
 

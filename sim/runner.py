@@ -61,7 +61,9 @@ class SimRunner:
                                   num_layers=self._model.num_layers, block_size=self._block_size,
                                   track_busy=self.contention is not None,
                                   start_lag_s=(self.engine_cost.copy_start_ms / 1000.0
-                                               if self.engine_cost is not None else 0.0))
+                                               if self.engine_cost is not None else 0.0),
+                                  pickup_s=(self.engine_cost.copy_pickup_ms / 1000.0
+                                            if self.engine_cost is not None else 0.0))
         return self.swapper
 
     async def step(self, step: ExecuteStep) -> StepFinished:
@@ -113,6 +115,8 @@ class SimRunner:
                     self.engine_s += dispatch
                     await anyio.sleep(dispatch)
             stall = await self._wait_for_swaps(step)
+        if seconds > 0 and contend is not None and step.wait_tickets:  # reads KV just copied
+            seconds += contend.swapped_in_ms * len(step.wait_tickets) / 1000.0
         if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out
             wait_in = self._own_copy_wait("in", 0.0)
             seconds += wait_in + self._own_copy_wait("out", wait_in + seconds)
@@ -162,6 +166,8 @@ class SimRunner:
         now = anyio.current_time()
         self._overlap_end = self.swapper.overlapped_until(step.wait_tickets, written)
         stall = max(0.0, self.swapper.ready_at(step.wait_tickets, written) - now)
+        if stall > 0 and self.engine_cost is not None:  # the device thread wakes after them
+            stall += self.engine_cost.wake_ms / 1000.0
         if stall > 0:
             self.swapper.add_stall(stall)
             await anyio.sleep(stall)

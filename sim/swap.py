@@ -33,7 +33,7 @@ class SimSwapper:
     def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
                  yield_every: int | None = YIELD_EVERY, block_size: int = 16,
                  yield_ms: float | None = YIELD_MS, track_busy: bool = False,
-                 start_lag_s: float = 0.0) -> None:
+                 start_lag_s: float = 0.0, pickup_s: float = 0.0) -> None:
         yield_bytes = None if yield_ms is None else int(
             link.bandwidth_gb_per_s * 1e9 * yield_ms / 1000.0)
         self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes,
@@ -43,6 +43,12 @@ class SimSwapper:
         self.start_lag_s = start_lag_s
         """A transfer's copies start no sooner than this after it is submitted (the engine's
         hop from the plan to its copier: `EngineCost.copy_start_ms`)."""
+        self.pickup_s = pickup_s
+        """A transfer that finds the copier with nothing to do starts no sooner than this after
+        it could (its worker's wake-up: `EngineCost.copy_pickup_ms`); so do the transfers
+        submitted before that wake-up."""
+        self._quiet_at = 0.0  # when every transfer submitted so far has ended
+        self._wake_at = 0.0  # when the copier's last wake-up ends
         self.num_layers = num_layers
         self.transfers = 0
         """Transfers submitted so far (the runner charges the engine's dispatch of each)."""
@@ -61,7 +67,7 @@ class SimSwapper:
         if granularity == "slots":
             self._submit_slots(ticket_id, direction, pairs)
             return
-        now = anyio.current_time() + self.start_lag_s
+        now = self._earliest()
         after = max([self._device_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._slot_busy.get(g, 0.0) for g, _ in pairs]
                     + [self._host_busy.get(c, 0.0) for _, c in pairs] + [now])
@@ -75,6 +81,7 @@ class SimSwapper:
         else:
             c.blocks_in += len(pairs)
         self._end[ticket_id] = t.end
+        self._quiet_at = max(self._quiet_at, t.end)
         for g, h in pairs:
             self._device_busy[g] = max(self._device_busy.get(g, 0.0), t.end)
             self._host_busy[h] = max(self._host_busy.get(h, 0.0), t.end)
@@ -89,18 +96,27 @@ class SimSwapper:
         after = max([self._device_busy.get(g, 0.0) for g in devices]
                     + [self._slot_busy.get(g, 0.0) for g in devices]
                     + [self._host_busy.get(h, 0.0) for h in hosts]
-                    + [anyio.current_time() + self.start_lag_s])
+                    + [self._earliest()])
         calls = len(slot_runs(pairs, bs))
         engine = "out" if direction == "out" else "in"
         t = self.engine.submit(after, engine, calls, len(pairs) * self.block_nbytes // bs)
         self.engine.counters.runs += calls
         self.slots[direction] = self.slots.get(direction, 0) + len(pairs)
         self._end[ticket_id] = t.end
+        self._quiet_at = max(self._quiet_at, t.end)
         self._overlapped.add(ticket_id)
         for g in devices:
             self._slot_busy[g] = max(self._slot_busy.get(g, 0.0), t.end)
         for h in hosts:
             self._host_busy[h] = max(self._host_busy.get(h, 0.0), t.end)
+
+    def _earliest(self) -> float:
+        """When a transfer submitted now may start copying: after the engine's hop to the
+        copier, and after the copier's wake-up when it had nothing to do."""
+        now = anyio.current_time() + self.start_lag_s
+        if self.pickup_s and now >= self._quiet_at:
+            self._wake_at = now + self.pickup_s
+        return max(now, self._wake_at)
 
     def poll(self) -> list[int]:
         now = anyio.current_time()
