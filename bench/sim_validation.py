@@ -55,6 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import attrs
 
 from bench.sim_validation_md import markdown
+from bench.sim_validation_parts import breakdown, planning_ratio, scaled_steps, without_hops
 from engine.config import EngineConfig
 from gpu.make_model import write_random_model
 from gpu.profiler import measure, measure_copy
@@ -63,7 +64,6 @@ from shunter.benchmark.run import run_one
 from shunter.calibrate import calibrate_in_engine, calibrated, profile_for
 from shunter.fidelity import (
     RecordedRun,
-    engine_gaps,
     fit_rows,
     planning_scale,
     profile_from_runs,
@@ -90,8 +90,6 @@ CASES = (
 )
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "output_tokens_per_s")
 TOLERANCE = 0.20
-CONTEXT_BINS = ((0, 64), (64, 128), (128, 256), (256, 512), (512, 1 << 30))
-SEQ_BINS = ((1, 2), (2, 3), (3, 5), (5, 9), (9, 1 << 30))
 """Issue 18: within 20% of the torch median, or within the torch runs' own spread if wider."""
 
 
@@ -105,48 +103,6 @@ def metrics_of(m: Any) -> dict[str, float]:
             "duration_s": m.duration_s, "iterations": m.iterations, "completed": m.completed,
             "failed": m.failed, "preemptions": m.preemptions, "swap_stall_s": m.swap.stall_s,
             "swap_blocks": m.swap.blocks_out + m.swap.blocks_in, "copy_ops": m.swap.copy_ops}
-
-
-def kind(shape: Any) -> str:
-    if shape.prefill_tokens and shape.decode_seqs:
-        return "mixed"
-    return "prefill" if shape.prefill_tokens else "decode"
-
-
-def breakdown(runs: list[RecordedRun], profiles: dict[str, Any]) -> dict[str, Any]:
-    """Where the clocks part on the validation runs' steps: per step kind, its share of the
-    measured step time and each profile's predicted/measured total; the engine's own time
-    between back-to-back steps against the step time."""
-    rows = fit_rows(runs)
-    out: dict[str, Any] = {}
-    for k in ("prefill", "mixed", "decode"):
-        part = [(s, ms) for s, ms in rows if kind(s) == k]
-        if part:
-            out[k] = {"steps": len(part), "share_of_step_time": sum(ms for _, ms in part)
-                      / sum(ms for _, ms in rows),
-                      **{f"{name}_predicted_over_measured": total_ratio(p.cost, part)
-                         for name, p in profiles.items()}}
-    decode = [(s, ms) for s, ms in rows if kind(s) == "decode"]
-    per_seq = [s.decode_context / s.decode_seqs for s, _ in decode]
-    out["decode_by_context"] = []
-    for lo, hi in CONTEXT_BINS:  # a long-context term the linear model lacks would show here
-        part = [row for row, c in zip(decode, per_seq) if lo <= c < hi]
-        if part:
-            out["decode_by_context"].append({
-                "bin": f"{lo}-{hi}" if hi < 1 << 30 else f"{lo}+", "steps": len(part),
-                "predicted_over_measured": total_ratio(profiles["recorded"].cost, part)})
-    out["decode_by_seqs"] = []
-    for lo, hi in SEQ_BINS:  # a batch-size curve the linear model lacks would show here
-        part = [(s, ms) for s, ms in decode if lo <= s.decode_seqs < hi]
-        if part:
-            out["decode_by_seqs"].append({
-                "bin": f"{lo}" if hi == lo + 1 else f"{lo}-{hi - 1}" if hi < 1 << 30 else f"{lo}+",
-                "steps": len(part), "predicted_over_measured": total_ratio(profiles["recorded"].cost, part)})
-    gaps = [(s, g) for r in runs for s, g, _ in engine_gaps(r)]
-    out["engine_gap_ms_median"] = statistics.median(g for _, g in gaps) if gaps else 0.0
-    out["engine_gap_over_step_time"] = (sum(g for _, g in gaps) / sum(s.compute_ms for s, _ in gaps)
-                                        if gaps else 0.0)
-    return out
 
 
 def torch_run(choice: Any, spec: str, cfg: EngineConfig, seed: int) -> tuple[RecordedRun, dict]:
@@ -236,20 +192,23 @@ def sim_errors(choice: Any, spec: str, cfg: EngineConfig, verdict: dict) -> dict
     return {k: (m[k] - v["torch_median"]) / v["torch_median"] for k, v in verdict.items()}
 
 
-def with_planning_scale(profile: Profile, calib: list, cases: list, path: Path) -> Profile:
+def with_planning_scale(profile: Profile, calib: list, cases: list, path: Path
+                        ) -> tuple[Profile, dict[str, float]]:
     """The profile (fitted net of torch's planning) with `planning_scale`: torch's planning of
-    the first calibration round's workloads over the sim's own planning of the same."""
+    the first calibration round's workloads over the sim's own planning of the same; and that
+    ratio per workload (`planning_ratio`)."""
     save_profile(profile, path)
     cfg = EngineConfig(backend="sim", profile=str(path))
-    runs, sim_s = [], 0.0
+    runs, sim_s, ratios = [], 0.0, {}
     for run, info, seed in calib:
         if seed == 1:
             _, spec, choice = next(c for c in cases if c[0] == info["case"])
             p = run_one(choice, load_workload(spec, seed=seed), cfg, progress=False).metrics
             sim_s += p.scheduler_ms_per_iteration.mean * p.scheduler_ms_per_iteration.count / 1e3
+            ratios[info["case"]] = planning_ratio(run, p.scheduler_ms_per_iteration.mean)
             runs.append(run)
     scale = planning_scale(runs, sim_s)
-    return attrs.evolve(profile, engine_cost=attrs.evolve(profile.engine_cost, planning_scale=scale))
+    return attrs.evolve(profile, engine_cost=attrs.evolve(profile.engine_cost, planning_scale=scale)), ratios
 
 
 def held_out(cost: Any, rows: list) -> dict[str, float]:
@@ -278,7 +237,7 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
             torch_cfg, runs, name=f"{name}-cpu", kv_cache_mib=torch_cfg.kv_cache_mib, gb_per_s=gbps,
             dispatch_us=dispatch, source=f"{len(runs)} runs of {len(cases)} workloads",
             net_of_scheduler=net)
-    profile = with_planning_scale(profiles["all"][0], calib, cases, tmp / f"{name}-scale.json")
+    profile, ratios = with_planning_scale(profiles["all"][0], calib, cases, tmp / f"{name}-scale.json")
     fit = profiles["all"][1]
     scale = profile.engine_cost.planning_scale
     one = profiles["one_round"][0]
@@ -286,7 +245,8 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     for variant, p in (("main", profile), ("no_contention", attrs.evolve(profile, copy_contention=None)),
                        ("one_round", attrs.evolve(one, engine_cost=attrs.evolve(
                            one.engine_cost, planning_scale=scale))),
-                       ("gross_planning", profiles["gross"][0])):
+                       ("gross_planning", profiles["gross"][0]), ("round3", without_hops(profile)),
+                       ("steps_x1.05", scaled_steps(profile, 1.05))):
         save_profile(p, tmp / f"{name}-cpu-{variant}.json")
         cfgs[variant] = EngineConfig(backend="sim", profile=str(tmp / f"{name}-cpu-{variant}.json"))
     fit_s = time.perf_counter() - began
@@ -315,6 +275,8 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
             variants["one_round_error"] = sim_errors(choice, spec, cfgs["one_round"], verdict)
         if profile.copy_contention is not None and any(t["copy_calls"] for t in torch_runs[label]):
             variants["no_contention_error"] = sim_errors(choice, spec, cfgs["no_contention"], verdict)
+            variants["round3_mechanics_error"] = sim_errors(choice, spec, cfgs["round3"], verdict)
+        variants["steps_x1.05_error"] = sim_errors(choice, spec, cfgs["steps_x1.05"], verdict)
         replay = in_sample(choice, spec, torch_cfg, recorded[label][0], torch_runs[label][0],
                            tmp / f"{name}-{len(results)}-replay.json", gbps, dispatch, scale)
         rows_out = fit_rows(recorded[label])
@@ -338,6 +300,7 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
     all_out = fit_rows([r for rs in recorded.values() for r in rs])
     one_cost = profiles["one_round"][0].cost
     return {"model": arch, "rate_scale": rate_scale, "profile": profile.to_json(),
+            "planning_ratio_by_case": ratios,
             "fit": {"rows": fit.rows, "train_median_relative_error": fit.median_relative_error,
                     "calibration_runs": len(calib), "held_out_rows": len(all_out),
                     **held_out(profile.cost, all_out), "seconds": fit_s,

@@ -57,12 +57,22 @@ def _fit_line(m: dict[str, Any]) -> str:
                 f"over the sim's on the first calibration round)"
                 if e.get("planning_scale") else "")
              + (f"; swaps reach the copier {e['copy_start_ms']:.2f} ms after their plan"
-                + (" ends." if e.get("planning_scale") else ".") if e.get("copy_start_ms") else "."))
+                + (" ends" if e.get("planning_scale") else "") if e.get("copy_start_ms") else "")
+             + (f"; an idle copier starts copying {e['copy_pickup_ms']:.3f} ms after a swap reaches "
+                f"it (its worker's wake-up), and a step that waited for a copy resumes "
+                f"{e.get('wake_ms', 0.0):.3f} ms after it ends" if e.get("copy_pickup_ms") else "")
+             + ".")
     c = m["profile"].get("copy_contention")
     if c:
         line += (f" Copies beside the engine (fitted on the calibration runs' copies): "
                  f"+{c['engine']:.2f} ms of engine time and +{c['step']:.2f} ms of step time per "
-                 f"ms of copying beside them ({c['source'].split('; ', 1)[-1]}).")
+                 f"ms of copying beside them ({c['source'].split('; ', 1)[-1]})"
+                 + (f"; +{c['swapped_in_ms']:.3f} ms of step time per swap-in the step waited for"
+                    if c.get("swapped_in_ms") else "") + ".")
+    ratios = m.get("planning_ratio_by_case")
+    if ratios:
+        line += (" Torch's planning over the sim's, per workload (first calibration round): "
+                 + ", ".join(f"{k} x{v:.2f}" for k, v in ratios.items()) + ".")
     return line
 
 
@@ -98,14 +108,18 @@ def _variants(m: dict[str, Any]) -> list[str]:
                   "TPOT p50 / tok/s): the profile above; fitted on the first calibration round "
                   "alone; the profile above with copies overlapping for free (no contention "
                   "charge); the scheduler's planning left inside the fitted engine cost and not "
-                  "charged apart (round 2's method):"), "",
+                  "charged apart (round 2's method); without the copier's pickup, wake-up and "
+                  "swapped-in charge (round 3's mechanics); every step 5% longer (how far a small "
+                  "step-model error moves each metric):"), "",
              ("| workload | profile | one calibration round | copies free | planning in the "
-              "engine cost |"), "|---|---|---|---|---|"]
+              "engine cost | round 3's mechanics | steps x1.05 |"), "|---|---|---|---|---|---|---|"]
     for r in m["results"]:
         main = {k: r["judged"][k]["error"] for k in METRICS}
         lines.append(f"| {r['case']} | {_errors(main)} | {_errors(r.get('one_round_error'))} | "
                      f"{_errors(r.get('no_contention_error'))} | "
-                     f"{_errors(r.get('gross_planning_error'))} |")
+                     f"{_errors(r.get('gross_planning_error'))} | "
+                     f"{_errors(r.get('round3_mechanics_error'))} | "
+                     f"{_errors(r.get('steps_x1.05_error'))} |")
     return lines
 
 
