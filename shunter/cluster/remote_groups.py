@@ -124,7 +124,16 @@ class RemoteGroups:
 
     # ------------------------------------------------------------------ the monitor's round
 
+    def _forget_moved(self) -> None:
+        """Cancel redirects (`moved_to`) of requests that ended where they moved (a restored
+        group's, and those a group that was not formed recomputed at its head)."""
+        for inst in self.instances:
+            for key, to in list(inst.moved_to.items()):
+                if key not in to._live:
+                    del inst.moved_to[key]
+
     async def act(self, action, stats) -> None:
+        self._forget_moved()
         for h, g in list(self.groups.items()):  # a member went away: its head serves alone
             if not all(self.instances[m].alive for m in g.members):
                 del self.groups[h]
@@ -243,10 +252,7 @@ class RemoteGroups:
             await self.coordinator.send(GroupsChanged())
             return False
         del self.groups[head]
-        for inst in self.instances:  # members, and instances whose queued requests moved
-            for key, to in list(inst.moved_to.items()):
-                if to is self.instances[head] and key not in to._live:
-                    del inst.moved_to[key]
+        self._forget_moved()  # members', and instances' whose queued requests moved
         await self.coordinator.send(GroupsChanged(restored=head))
         self.counters.restores += 1
         self.counters.events.append({"t": anyio.current_time(), "event": "restore",
