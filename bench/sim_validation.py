@@ -291,6 +291,8 @@ def validate_model(name: str, args: argparse.Namespace, tmp: Path) -> dict[str, 
                         "copies": {"torch_s": [t["copy_s"] for t in torch_runs[label]],
                                    "model_s": [profile.link.copy_s(t["copy_calls"], t["copy_bytes"])
                                                for t in torch_runs[label]]},
+                        "predicted_over_measured_by_run": [total_ratio(profile.cost, fit_rows([r]))
+                                                           for r in recorded[label]],
                         "held_out_steps": {"rows": len(rows_out),
                                            "median_relative_error": float(statistics.median(err)),
                                            "predicted_over_measured_total": total_ratio(profile.cost, rows_out)}})
