@@ -66,6 +66,11 @@ class HeadGroup:
     """How the group cuts its steps (the policy's `microbatch`: `tokens` or `lookahead`)."""
     kv_exchange: str = "coordinated"
     """How the group sends its KV (the policy's `kv_exchange`: `coordinated` or `fifo`)."""
+    not_formed: str | None = None
+    """The group will not form (why: another member could not join after these handed their
+    requests over): take the `adopted` requests to recompute them, and let the members in
+    `exported` (waiting for `GroupStart`) serve alone. The answer: the counts."""
+    exported: tuple[int, ...] = ()
 
 
 @attrs.frozen(kw_only=True)

@@ -166,6 +166,12 @@ class InstanceGroups:
                 adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
                                        kv_tokens=q.computed_tokens))
             reqs.append(q)
+        if msg.not_formed is not None:  # another member could not join
+            from gpu.group_runner import abandon_members
+
+            await runner._thread.run(lambda: abandon_members(msg.exported, lost=-1,
+                                                             why=msg.not_formed))
+            return {"adopted": await self._recompute_here(msg.adopted, reqs), "formed": False}
         runner.microbatch, runner.kv_exchange = msg.microbatch, msg.kv_exchange
         # own: exactly the requests whose KV the runner exchanges (a request that ran its
         # first step after the group opened has all of its KV in the group already)

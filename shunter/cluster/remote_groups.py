@@ -172,20 +172,24 @@ class RemoteGroups:
             self._tg.start_soon(self._restore_all, action.heads)
 
     async def form(self, g: GroupPlan) -> None:
-        head = self.instances[g.head]
-        adopted = []
-        for k, m in enumerate(g.members[1:], start=1):
+        """Each member hands its requests over, then the head leads. A member that cannot
+        (gone, or refusing) after others did: the head is told the group will not form
+        (`HeadGroup.not_formed`), recomputes the requests handed over and lets those members
+        go; the error is raised."""
+        for m in g.members[1:]:
             if any(m in old.members for old in self.groups.values()):
                 raise GroupCommandError(f"instance {m} is in a group already; growing a running "
                                         f"group is not done on torch instances")
-            member = self.instances[m]
-            moved = await self._command(m, lambda key, h=g.head: ExportGroup(key=key, head=h))
-            for mv in moved:  # its outputs come from the head's link from now on
-                live = member._live.pop(mv.cluster_key, None)
-                if live is not None:
-                    head._live[mv.cluster_key] = live
-                    member.moved_to[mv.cluster_key] = head
-                adopted.append((k, mv))
+        adopted, exported = [], []
+        for k, m in enumerate(g.members[1:], start=1):
+            try:
+                adopted += [(k, mv) for mv in await self._export(g.head, m)]
+            except (GroupCommandError, EngineDeadError) as exc:
+                if exported:
+                    await self._give_up(g, adopted, exported, f"instance {m} could not join "
+                                        f"({exc})")
+                raise
+            exported.append(m)
         counts = await self._command(g.head, lambda key: HeadGroup(
             key=key, plan=g, adopted=tuple(adopted), microbatch=self.microbatch,
             kv_exchange=self.kv_exchange))
@@ -197,6 +201,31 @@ class RemoteGroups:
         c.events.append({"t": anyio.current_time(), "event": "group",
                          "members": list(g.members), **counts})
         log.info("group formed", members=g.members, **counts)
+
+    async def _export(self, head: int, m: int) -> tuple:
+        """Member `m` hands its requests over to `head`; their outputs come from the head's
+        link from now on (and their cancels go there)."""
+        moved = await self._command(m, lambda key: ExportGroup(key=key, head=head))
+        member, to = self.instances[m], self.instances[head]
+        for mv in moved:
+            live = member._live.pop(mv.cluster_key, None)
+            if live is not None:
+                to._live[mv.cluster_key] = live
+                member.moved_to[mv.cluster_key] = to
+        return moved
+
+    async def _give_up(self, g: GroupPlan, adopted, exported, why: str) -> None:
+        """The group will not form after `exported` members handed `adopted` over: the head
+        recomputes those requests and tells those members to serve alone. (A head gone: its
+        link's end settles the requests; the members see it gone.)"""
+        log.error("group not formed; the requests handed over go to its head", why=why,
+                  members=g.members)
+        try:
+            await self._command(g.head, lambda key: HeadGroup(
+                key=key, plan=g, adopted=tuple(adopted), not_formed=why,
+                exported=tuple(exported)))
+        except (GroupCommandError, EngineDeadError) as exc:
+            log.error("the head could not take them", head=g.head, error=str(exc))
 
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its

@@ -7,7 +7,10 @@ fifo` (KV chunks and activations in one queue, in order), and faults while a gro
    every one ends with transformers' tokens.
 3. The member dies after handing its requests over, before the head starts the group: the
    head's `GroupStart` finds it gone, it serves alone as it was, and recomputes the requests.
-4. (stand-ins) A member loss found by the arrivals' empty step: every request recomputed.
+4. A three-member group given up after one member handed its requests over (another could
+   not join): the head recomputes them, the member serves alone; `form`'s trigger for it
+   (stand-ins).
+5. (stand-ins) A member loss found by the arrivals' empty step: every request recomputed.
 
 Planted bugs checked by hand (/work/notes/issue16_torch_round4.md): a receiver that skips one
 exchanged KV chunk fails 1; the head not adopting the handed-over requests when the group is not
@@ -173,6 +176,91 @@ async def test_a_plan_the_head_refuses_leaves_both_serving_and_no_request_waitin
     for k in range(2):
         assert_matches(outs[k].token_ids, greedy_reference(kunserve_model, after[k], 10),
                        f"after {k}")
+
+
+@pytest.mark.anyio
+async def test_a_group_given_up_after_a_member_handed_over_recomputes_at_the_head(
+        anyio_backend, fifo_config, fifo_instances, kunserve_model):
+    """A group of three where the third member cannot join after the second handed its two
+    running requests over (here the front door's give-up is called directly; its trigger in
+    `form` is tested with stand-ins below): the head is told (`HeadGroup.not_formed`), adopts
+    the two to recompute them and lets the member go; every request ends with transformers'
+    tokens and the member serves a new one alone."""
+    from engine.cluster.drop_plan import GroupPlan
+
+    _one_event_loop(anyio_backend)
+    rng = random.Random(14)
+    prompts = [_prompt(rng, 6) for _ in range(4)]
+    got: dict[int, list[int]] = {}
+    plan = GroupPlan(group_id=10, members=(0, 1, 2), layers=(range(1), range(1, 2),
+                                                            range(2, 4)))
+    async with Cluster.start(fifo_config, attach=fifo_instances,
+                             monitor_interval_s=0.02) as cluster:
+        groups = cluster.groups
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await _four_running(cluster, prompts, got, tg)
+                moved = await groups._export(0, 1)
+                assert len(moved) == 2, moved
+                await groups._give_up(plan, [(1, mv) for mv in moved], [1],
+                                      "instance 2 could not join (test)")
+            while (await groups.stats(1))["member"] is None:
+                await anyio.sleep(0.01)
+            member = (await groups.stats(1))["member"]
+            alone = _prompt(rng, 7)
+            outs = [await cluster.complete(alone, shunter.SamplingParams(
+                max_tokens=10, temperature=0)) for _ in range(2)]  # round robin: one each
+            snap = await cluster.wait_idle()
+    assert member["abandoned"] == "the group was not formed: instance 2 could not join (test)"
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
+    for i, p in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+    for k in range(2):
+        assert_matches(outs[k].token_ids, greedy_reference(kunserve_model, alone, 10),
+                       f"after {k}")
+
+
+@pytest.mark.anyio
+async def test_form_gives_up_when_a_later_member_cannot_join(anyio_backend):
+    """Stand-ins for the instances: in a plan of three, member 1 hands its request over and
+    member 2's export fails (its instance went away): `form` raises, but first sends the head
+    `HeadGroup(not_formed=..., exported=(1,))` with member 1's request (none is left
+    unadopted)."""
+    from engine.cluster.drop_plan import GroupPlan
+    from engine.errors import EngineDeadError
+    from shunter.cluster.group_wire import ExportGroup, GroupAnswer, HeadGroup, Moved
+    from shunter.cluster.remote_groups import RemoteGroups
+
+    _one_event_loop(anyio_backend)
+    asked = []
+
+    class Instance:
+        def __init__(self, index):
+            self.index, self.alive, self._live, self.moved_to = index, True, {}, {}
+
+        async def _ask(self, make):
+            msg = make(0)
+            asked.append((self.index, msg))
+            if isinstance(msg, ExportGroup) and self.index == 2:
+                raise EngineDeadError("instance 2 went away")
+            if isinstance(msg, ExportGroup):
+                return GroupAnswer(key=0, value=(Moved(cluster_key=41, request=None,
+                                                       stream={}),))
+            return GroupAnswer(key=0, value={})
+
+    instances = [Instance(i) for i in range(3)]
+    instances[1]._live[41] = "relay"
+    groups = RemoteGroups(instances, coordinator=None, base_pools=[24] * 3, num_layers=4)
+    plan = GroupPlan(group_id=3, members=(0, 1, 2), layers=(range(1), range(1, 2),
+                                                           range(2, 4)))
+    with pytest.raises(EngineDeadError):
+        await groups.form(plan)
+    head = [m for i, m in asked if i == 0]
+    assert len(head) == 1 and isinstance(head[0], HeadGroup), asked
+    assert head[0].exported == (1,) and "instance 2 could not join" in head[0].not_formed
+    assert [(k, mv.cluster_key) for k, mv in head[0].adopted] == [(1, 41)]
+    assert instances[0]._live == {41: "relay"} and instances[1].moved_to == {41: instances[0]}
+    assert not groups.groups
 
 
 @pytest.mark.anyio
