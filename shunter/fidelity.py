@@ -284,19 +284,21 @@ def profile_from_runs(config: EngineConfig, runs: Sequence[RecordedRun], *, name
 
 
 def copy_start_ms(runs: Sequence[RecordedRun], *, net_of_scheduler: bool = False) -> float:
-    """Median ms from a plan to the moment a swap it issued was handed to the copier (the swap
-    pool's hop), over the runs that copied; with `net_of_scheduler`, from the end of the
-    planning (the simulator charging its own planning submits the swaps after it). What
-    happens after: the copier's wake-up is `shunter.copier_timing.copy_pickup_ms`, its queue
-    the sim's copy engine models itself."""
+    """Median ms from a plan to the moment the first swap it issued was handed to the copier
+    (the swap pool's hop), over the runs that copied; with `net_of_scheduler`, from the end of
+    the planning (the simulator charging its own planning submits the swaps after it). The sim
+    hands an iteration's transfers over at once; what happens after, the copier's wake-up
+    (`shunter.copier_timing.copy_pickup_ms`, measured from that first hand-over) and its queue
+    (the sim's copy engine), is modelled apart."""
     lags = []
     for r in runs:
         if not r.copy_spans:
             continue
-        planned = np.array(r.planned)
-        for t in r.swap_submits:
+        planned, first = np.array(r.planned), set()
+        for t in sorted(r.swap_submits):
             i = int(np.searchsorted(planned, t, side="right")) - 1
-            if i >= 0:
+            if i >= 0 and i not in first:
+                first.add(i)
                 lags.append((t - planned[i] - (r.planning_s(i) if net_of_scheduler else 0.0)) * 1000.0)
     return float(np.median(lags)) if lags else 0.0
 

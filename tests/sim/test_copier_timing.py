@@ -15,7 +15,7 @@ from engine.config import EngineConfig
 from engine.cost_model import BatchShape, CostModel
 from engine.messages import ExecuteStep, SeqWork
 from shunter.copier_timing import copy_pickup_ms, fit_swapped_in, pickups, stall_wake_ms
-from shunter.fidelity import RecordedRun, StepRecord, profile_from_runs
+from shunter.fidelity import RecordedRun, StepRecord, copy_start_ms, profile_from_runs
 from sim.profile import CopyContention, CopyLink, EngineCost, ModelShape, Profile, load_profile
 from sim.runner import SimRunner
 from sim.swap import SimSwapper
@@ -58,6 +58,15 @@ def test_the_pickup_is_measured_on_submissions_to_an_idle_copier_only():
     assert got == pytest.approx([0.0003] * 20)
     assert copy_pickup_ms([run]) == pytest.approx(0.3)
     assert copy_pickup_ms([attrs.evolve(run, copy_spans=())]) == 0.0  # a run that did not copy
+
+
+def test_the_copies_start_counts_each_plans_first_hand_over():
+    # the sim hands an iteration's transfers to its copier at once, and the pickup counts from
+    # the first: so does the hop to the copier (the second, 20 us later, and the third are left out)
+    run = _copier_run()
+    assert copy_start_ms([run]) == pytest.approx(0.0)
+    later = attrs.evolve(run, planned=tuple(p - 0.0003 for p in run.planned))
+    assert copy_start_ms([later]) == pytest.approx(0.3)
 
 
 def test_the_wake_is_measured_from_the_last_copy_inside_a_stall_to_its_end():
