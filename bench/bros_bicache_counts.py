@@ -17,7 +17,8 @@ the ablation whose RT requests wait for memory), counting per run:
 
 A policy named `bros:noguests` is bros with that other direction turned off (the table's
 `guest_block` answers none, which is what the table did before it was built), for an A/B in
-one run of this script.
+one run of this script; `bros:guestplan` lets packing count, beside the free blocks a BE request
+may take, the RT blocks with empty slots and no guest yet (one each: a BE request's last block).
 
     python bench/bros_bicache_counts.py --rates 5,8 --num-blocks 1200 [--block-size 16]
 
@@ -168,13 +169,20 @@ def run(policy: str, spec: str, config: EngineConfig) -> dict[str, Any]:
     workload = load_workload(spec)
     name, _, variant = policy.partition(":")
     t, guest_block = bidirectional.BidirectionalBlocks, bidirectional.BidirectionalBlocks.guest_block
+    mem, reverse_free = bidirectional_step.BidirectionalMemory, \
+        bidirectional_step.BidirectionalMemory.reverse_free
     if variant == "noguests":
         t.guest_block = lambda self, slots: None  # type: ignore[method-assign]
+    elif variant == "guestplan":  # packing also counts RT blocks a BE block could be a guest in
+        mem.reverse_free = lambda self: self.table.num_free + sum(  # type: ignore[method-assign]
+            1 for s in self.table._seqs.values() if not s.reverse and s.table
+            and (x := self.table._blocks[s.table[-1]]).be < 0 and x.rt_fill < self.table.block_size)
     try:
         o = run_one(parse_policy(name), workload, config, progress=False,
                     clock_limit_s=20 * workload.duration_s)
     finally:
         t.guest_block = guest_block  # type: ignore[method-assign]
+        mem.reverse_free = reverse_free  # type: ignore[method-assign]
     if o.metrics is None:
         return {"policy": policy, "error": o.error}
     m = o.metrics
