@@ -101,6 +101,9 @@ class InstanceGroups:
             answer = GroupAnswer(key=msg.key, value=value)
         except PoolTooSmall as exc:
             answer = GroupAnswer(key=msg.key, error=str(exc), too_small=True)
+        except GroupNotFormed as exc:  # handled here already: no traceback (it is slow)
+            log.error("group not formed", error=str(exc))
+            answer = GroupAnswer(key=msg.key, error=str(exc))
         except Exception as exc:  # reported to the front door, which names the instance
             log.exception("group command failed", command=type(msg).__name__)
             answer = GroupAnswer(key=msg.key, error=f"{type(exc).__name__}: {exc}")
@@ -179,7 +182,7 @@ class InstanceGroups:
             pool, own = await runner._thread.run(runner.form, plan, tuple(adopted))
         except Exception as exc:  # re-raised: nothing waits for this group
             n = await self._recompute_here(msg.adopted, reqs)
-            raise RuntimeError(f"group {plan.members} not formed ({type(exc).__name__}: "
+            raise GroupNotFormed(f"group {plan.members} not formed ({type(exc).__name__}: "
                                f"{exc}); the {n} requests handed over are recomputed at "
                                f"instance {plan.members[0]}") from exc
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
@@ -290,6 +293,10 @@ class InstanceGroups:
                     "leading": runner.group is not None, "pipeline": g.pipeline_report(),
                     "kv_exchange": g.kv_exchange}
         return {"head": head, "member": self.member_stats, "lost": getattr(runner, "lost", None)}
+
+
+class GroupNotFormed(RuntimeError):
+    """The head could not open the group; the requests handed over are recomputed here."""
 
 
 def _arrived(runner, group, poll: bool) -> list[int] | None:

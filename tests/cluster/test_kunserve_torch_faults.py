@@ -114,7 +114,7 @@ async def _four_running(cluster: Cluster, prompts, got: dict[int, list[int]], tg
     async def one(i: int) -> None:
         got[i] = []
         async with cluster.generate(prompts[i], shunter.SamplingParams(
-                max_tokens=max_tokens[i] if max_tokens else 14, temperature=0)) as stream:
+                max_tokens=max_tokens[i] if max_tokens else 16, temperature=0)) as stream:
             async for chunk in stream:
                 got[i] += chunk.token_ids
                 assert chunk.error is None, (i, chunk.error)
@@ -147,8 +147,8 @@ async def test_a_plan_the_head_refuses_leaves_both_serving_and_no_request_waitin
             async with anyio.create_task_group() as tg:
                 await _four_running(cluster, prompts, got, tg)
                 with pytest.raises(GroupCommandError, match=r"instance 0: .*not formed .*do not "
-                                   r"split the model's 4 layers.*the 2 requests handed over "
-                                   r"are recomputed at instance 0"):
+                                   r"split the model's 4 layers.*the [12] requests handed "
+                                   r"over are recomputed at instance 0"):
                     await cluster.groups.form(GroupPlan(group_id=7, members=(0, 1),
                                                         layers=BAD_PLAN_LAYERS))
             while (await cluster.groups.stats(1))["member"] is None:
@@ -172,7 +172,7 @@ async def test_a_plan_the_head_refuses_leaves_both_serving_and_no_request_waitin
     assert not cluster.groups.groups
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
     for i, p in enumerate(prompts):
-        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 16), f"request {i}")
     for k in range(2):
         assert_matches(outs[k].token_ids, greedy_reference(kunserve_model, after[k], 10),
                        f"after {k}")
@@ -201,7 +201,7 @@ async def test_a_group_given_up_after_a_member_handed_over_recomputes_at_the_hea
             async with anyio.create_task_group() as tg:
                 await _four_running(cluster, prompts, got, tg)
                 moved = await groups._export(0, 1)
-                assert len(moved) == 2, moved
+                assert moved, "the member had requests running"
                 await groups._give_up(plan, [(1, mv) for mv in moved], [1],
                                       "instance 2 could not join (test)")
             while (await groups.stats(1))["member"] is None:
@@ -214,7 +214,7 @@ async def test_a_group_given_up_after_a_member_handed_over_recomputes_at_the_hea
     assert member["abandoned"] == "the group was not formed: instance 2 could not join (test)"
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
     for i, p in enumerate(prompts):
-        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 16), f"request {i}")
     for k in range(2):
         assert_matches(outs[k].token_ids, greedy_reference(kunserve_model, alone, 10),
                        f"after {k}")
@@ -295,8 +295,8 @@ async def test_a_member_lost_before_the_group_starts_its_requests_are_recomputed
             async with anyio.create_task_group() as tg:
                 await _four_running(cluster, prompts, got, tg)
                 with pytest.raises(GroupCommandError, match=r"not formed .*instance 1 was lost "
-                                   r"while the group was being formed.*the 2 requests handed "
-                                   r"over are recomputed at instance 0"):
+                                   r"while the group was being formed.*the [12] requests "
+                                   r"handed over are recomputed at instance 0"):
                     await groups.form(GroupPlan(group_id=8, members=(0, 1),
                                                 layers=(range(2), range(2, 4))))
             alone = _prompt(rng, 7)
@@ -305,7 +305,7 @@ async def test_a_member_lost_before_the_group_starts_its_requests_are_recomputed
             head = (await cluster.instances[0].snapshot()).scheduler
     assert head.total_blocks == SOLO_BLOCKS and not head.live_requests, head
     for i, p in enumerate(prompts):
-        assert_matches(got[i], greedy_reference(kunserve_model, p, 14), f"request {i}")
+        assert_matches(got[i], greedy_reference(kunserve_model, p, 16), f"request {i}")
     assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 10), "after")
 
 
