@@ -234,12 +234,16 @@ def kv_view(iteration: int, free_blocks: int, queued_prompt: int):
 def test_kunserve_drops_after_two_overloaded_iterations_and_restores_below_half():
     policy = load("kunserve")
     # (free blocks, queued prompt tokens) per iteration; 4 free blocks = 96% used, 64 tokens free
-    trace = [(4, 100), (4, 100), (4, 100), (4, 10), (40, 10), (60, 10), (60, 10), (4, 100)]
+    calm = [(60, 10)]  # 40% used: below half
+    trace = ([(4, 100), (4, 100), (4, 100), (4, 10), (40, 10)] + calm * 39 + [(40, 10)]
+             + calm * 40 + [(4, 100)])
     signals = [policy.decide(kv_view(i, free, queued)).overload
                for i, (free, queued) in enumerate(trace)]
-    assert signals == [None, "drop", "drop", None, None, "restore", None, None]
-    assert policy.decide(kv_view(7, 4, 100)).overload is None  # same iteration: same answer
-    assert policy.decide(kv_view(8, 4, 100)).overload == "drop"
+    # a lull of 39 rounds restores nothing; 40 running do (the hold: one round above resets it)
+    assert signals == [None, "drop", "drop"] + [None] * 81 + ["restore", None]
+    n = len(trace)
+    assert policy.decide(kv_view(n - 1, 4, 100)).overload is None  # same iteration: same answer
+    assert policy.decide(kv_view(n, 4, 100)).overload == "drop"
 
 
 # --------------------------------------------------------------------------- FastSwitch ladder

@@ -39,7 +39,9 @@ async def _burst(policy: str, n: int = 40):
                 for i in range(n):
                     tg.start_soon(one, i)
             snap = await cluster.wait_idle()
-            await anyio.sleep(3.0)  # low load: the restore copies 8 GB of layers per link
+            # low load: 40 calm monitor rounds (kunserve.policy's hold, 2 s), then the restore
+            # copies 8 GB of layers per link (1 s)
+            await anyio.sleep(5.0)
             after = await cluster.inspect()
         return ends, snap, after, cluster.groups
 

@@ -23,9 +23,13 @@ def _triggers(name: str | None = None, text: str | None = None):
     return policy_triggers(policy)
 
 
-def _monitor(name: str = "kunserve") -> OverloadMonitor:
+AT_ONCE = 'policy at_once extends "kunserve.policy" {\n  overload restore when kv_usage < 50%\n}\n'
+"""KunServe without the restore's hold (what these tests of the monitor's rules assume)."""
+
+
+def _monitor(name: str = "kunserve", text: str | None = AT_ONCE) -> OverloadMonitor:
     return OverloadMonitor(base_pools=[100] * 4, block_size=BS, num_layers=32,
-                           weight_blocks=400, triggers=_triggers(name))
+                           weight_blocks=400, triggers=_triggers(None if text else name, text))
 
 
 def _stats(*, used: int, queued_blocks: int = 0, head_blocks: int = 0, total: int = 100):
@@ -90,13 +94,27 @@ def test_groups_restore_on_the_whole_cluster_s_load_against_its_pre_drop_capacit
     assert m.decide(later, ALIVE) == Restore(heads=(2,))
 
 
+def test_kunserve_restores_only_after_40_calm_rounds():
+    """The shipped policy's hold (policies/kunserve.policy): a lull shorter than 40 monitor
+    rounds restores nothing (a surge right after it would meet instances alone); 40 calm
+    rounds running do, counted again after any round above half."""
+    m = _monitor(text=None)
+    m.formed(GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32))))
+    calm = [_stats(used=90, total=600), None, _stats(used=10), _stats(used=10)]  # 27.5%
+    busy = [_stats(used=90, total=600), None, _stats(used=95), _stats(used=95)]  # 70%
+    assert [m.decide(calm, ALIVE) for _ in range(39)] == [None] * 39
+    assert m.decide(busy, ALIVE) is None
+    assert [m.decide(calm, ALIVE) for _ in range(39)] == [None] * 39
+    assert m.decide(calm, ALIVE) == Restore(heads=(0,))
+
+
 def test_a_replaced_policy_s_triggers_take_over():
-    m = _monitor("kunserve_drop")  # no restore trigger
+    m = _monitor("kunserve_drop", None)  # no restore trigger
     g = GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32)))
     m.formed(g)
     calm = [_stats(used=10, total=600), None, _stats(used=10), _stats(used=10)]
     assert [m.decide(calm, ALIVE) for _ in range(3)] == [None] * 3
-    m.replace_triggers(_triggers("kunserve"))  # + `overload restore when kv_usage < 50%`
+    m.replace_triggers(_triggers(text=AT_ONCE))  # + `restore when kv_usage < 50%`
     assert m.decide(calm, ALIVE) == Restore(heads=(0,))
     # a policy without triggers: nothing drops, groups dissolve once they fit
     m.formed(g)
