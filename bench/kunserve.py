@@ -55,6 +55,9 @@ BASELINE_POLICIES = {
     "pipeline2": "policy pipeline2 extends \"fcfs.policy\" {\n  dispatch least_load\n}\n",
 }
 LADDER = ["kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"]
+CHAIN = False
+"""--chain: a prompt cut across microbatches holds its group's step until its last piece is
+through (sim/group.py `GroupNetwork.chain`; the bound on pipelines' first tokens)."""
 EQ1_AS_PUBLISHED = False
 """--eq1-as-published: lookahead splits by Eq. 1 with one prefix-attention coefficient for
 decodes and prefills alike (sim/group.py `GroupNetwork.decode_term`)."""
@@ -95,15 +98,17 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
         instances //= 2
     demand: list = []
     async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
-        if EQ1_AS_PUBLISHED and cluster.groups is not None:
+        if cluster.groups is not None:
             for net in cluster.groups.networks():
-                net.decode_term = False
+                net.decode_term = not EQ1_AS_PUBLISHED
+                net.chain = CHAIN
         if static:
             model = load_profile(base.profile).model
             plan = GroupPlan(group_id=0, members=(0, 1), layers=stage_layers(model.num_layers, 2))
             for inst in cluster.instances:
                 runner = inst.engine.backend.runner
-                runner.network = GroupNetwork(link=LINKS[base.pipeline_link], model=model)
+                runner.network = GroupNetwork(link=LINKS[base.pipeline_link], model=model,
+                                              chain=CHAIN)
                 runner.group = SimGroup(plan, runner.cost, runner.network, runner.token_id)
         driver = Driver(cluster, workload, vocab=cluster.backend.vocab_size,
                         declared_classes={"default"})
@@ -116,7 +121,9 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
             nets = [i.engine.backend.runner.network for i in cluster.instances]
             busy = sum(n.totals.busy_s for n in nets)
             stage = sum(n.totals.stage_s for n in nets)
-            report = {"bubble_ratio": 1 - busy / stage if stage else 0.0}
+            report = {"bubble_ratio": 1 - busy / stage if stage else 0.0,
+                      "chain_bound_steps": sum(n.chain_steps for n in nets),
+                      "chain_extra_s": sum(n.chain_extra_s for n in nets)}
     return result, report, demand
 
 
@@ -174,10 +181,17 @@ def main() -> None:
                     help="KV blocks per instance (default: what the profile's GPU leaves)")
     ap.add_argument("--eq1-as-published", action="store_true",
                     help="lookahead without the decode term (Eq. 1 exactly as the paper)")
+    ap.add_argument("--chain", action="store_true",
+                    help="a prompt cut across a group's microbatches holds the step until its "
+                         "last piece is through (pipelines' first tokens exact, throughput a "
+                         "lower bound; default: the steady-state period)")
     ap.add_argument("--lengths", default="",
                     help="more workload keys, e.g. scale_lengths=5,max_input=12000 (LongBench-"
                          "like prompts on the trace's arrivals)")
     ap.add_argument("--profile", default="llama3-8b-a10")
+    ap.add_argument("--link-scale", type=float, default=1.0,
+                    help="multiply the pipeline link's bandwidth (KV exchange and activations; "
+                         "a100-internode: 7.83 GB/s from Vidur's send_recv profile, sim/network.py)")
     ap.add_argument("--only", default="", help="comma-separated run labels (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_sim"))
     ap.add_argument("--table-only", action="store_true",
@@ -198,8 +212,12 @@ def main() -> None:
     profile = load_profile(args.profile)
     if args.num_blocks:
         base = attrs.evolve(base, num_blocks=args.num_blocks)
-    global EQ1_AS_PUBLISHED
+    if args.link_scale != 1.0:  # this process only: every run of the bench sees the same link
+        link = LINKS[base.pipeline_link]
+        LINKS[base.pipeline_link] = attrs.evolve(link, bytes_per_s=link.bytes_per_s * args.link_scale)
+    global EQ1_AS_PUBLISHED, CHAIN
     EQ1_AS_PUBLISHED = args.eq1_as_published
+    CHAIN = args.chain
     capacity = args.instances * (args.num_blocks or profile.num_blocks(base.block_size)) \
         * base.block_size
     policy_dir = Path(args.out).parent / "kunserve_policies"
@@ -224,11 +242,12 @@ def main() -> None:
         b in results for b in BASELINE_POLICIES) else None
     slo = 5 * base_p50 if base_p50 is not None else None
     report = {"workload": spec, "profile": args.profile, "instances": args.instances,
-              "link": base.pipeline_link, "engine": {"max_num_seqs": base.max_num_seqs,
+              "link": base.pipeline_link,
+              "link_gb_per_s": LINKS[base.pipeline_link].bytes_per_s / 1e9, "engine": {"max_num_seqs": base.max_num_seqs,
                                                      "max_batched_tokens": base.max_batched_tokens,
                                                      "cpu_swap_blocks": base.cpu_swap_blocks,
                                                      "num_blocks": base.num_blocks},
-              "eq1_as_published": EQ1_AS_PUBLISHED,
+              "eq1_as_published": EQ1_AS_PUBLISHED, "chain": CHAIN,
               "capacity_tokens": capacity, "runs": {}}
     if "vllm_dp" in results:
         report["mean_kv_in_system"] = memory_demand(results["vllm_dp"][0], capacity)
@@ -281,7 +300,9 @@ def table(report: dict) -> str:
     kv = [r for r in ("vllm_dp", "infercept_swap") if r in runs]  # KV-centric (§2.3)
     best = min(kv, key=lambda r: runs[r]["ttft_p99_s"]) if kv else None
     lines = [(f"# KunServe on the simulator: {report['workload']}, {report['instances']} x "
-             f"{report['profile']}, link {report['link']}"),
+             f"{report['profile']}, link {report['link']}"
+             + (f" ({report['link_gb_per_s']:.2f} GB/s)" if "link_gb_per_s" in report else "")
+             + (" (--chain: cut prompts hold their group's step)" if report.get("chain") else "")),
              "",
              (f"Memory demand on vllm_dp (KV held plus each instance's head-of-line request, "
              f"as Llumnix counts it; sampled every 0.5 s) over {report['capacity_tokens']:,} "

@@ -8,8 +8,11 @@ microbatches through K stages and its time is the steady-state period of that ro
 a microbatch's own trip through every stage (it cannot start its next iteration before its
 token is sampled) or the busiest stage's work, whichever is longer. Unbalanced microbatches
 make the first term win and leave stages idle: the bubble ratio (1 - work / (K x period))
-that lookahead formation (engine/cluster/lookahead.py) shrinks. Assumed, as in
-sim/pipeline.py: a stage's cost is the whole model's cost times its layer share.
+that lookahead formation (engine/cluster/lookahead.py) shrinks. A sequence cut across
+microbatches whose token is sampled this step can add a third term (`GroupNetwork.chain`):
+its last piece enters stage 0 only after the microbatches before it left stage 0, then makes its
+trip (`_chain_s`); without it such a prompt gets K stages' compute in one period.
+Assumed, as in sim/pipeline.py: a stage's cost is the whole model's cost times its layer share.
 
 The microbatches are cut by token count, prefills chunked to fill them (`microbatch tokens`), or
 by the Eq. 1-3 model fitted per stage by least squares at group entry (`microbatch lookahead`); the
@@ -82,6 +85,18 @@ class GroupNetwork:
     decode_term: bool = True
     """Lookahead splits by Eq. 1-3 with a decode's context priced apart
     (engine/cluster/lookahead.py `ChunkCost.alpha_decode`); False: Eq. 1 as published."""
+    chain: bool = False
+    """True: a sequence cut across microbatches that samples this step holds the step until
+    its last piece is through (`SimGroup._chain_s`): its first token exact, the rest of the
+    step (and the next) held with it, so throughput is a lower bound (a real pipeline starts
+    the next round's first microbatch meanwhile). False (default): every token at the
+    steady-state period: throughput exact, such a prompt's first token early by up to
+    (pieces - 1) stage-0 times (a 4,096-token prompt on 2 A10 stages: 0.45 s, not 0.65 s).
+    The bench's --chain runs the bound (bench/kunserve.py)."""
+    chain_steps: int = 0
+    """Steps whose time that wait set (longer than the steady-state period)."""
+    chain_extra_s: float = 0.0
+    """The time it added over those steps."""
 
 
 @attrs.frozen
@@ -150,18 +165,39 @@ class SimGroup:
                 max_error=max(f.max_error for f in fits),
                 tokens_model_error=sum(f.tokens_error for f in fits) / len(fits)))
 
-    def _microbatches(self, step: ExecuteStep) -> list[list[tuple[int, int]]]:
-        """K microbatches: by the fitted Eq. 1-3 costs (lookahead), or by token count with
-        prefills chunked to fill them (Sarathi/vLLM's token budget, §4.3 Figure 9)."""
+    def _microbatches(self, step: ExecuteStep) -> list[list[tuple[int, int, int]]]:
+        """K microbatches of (sequence, start, tokens), in the order they enter stage 0: by the
+        fitted Eq. 1-3 costs (lookahead), or by token count with prefills chunked to fill them
+        (Sarathi/vLLM's token budget, §4.3 Figure 9). A sequence cut in two has its earlier
+        piece in the earlier microbatch."""
         k = len(self.shares)
         chunks = [(i, w.start, w.num_tokens) for i, w in enumerate(step.seqs)]
         cost = self.fit if self.fit is not None else TOKEN_COUNT
-        return [[(s, n) for _, s, n in mb]
-                for mb in lookahead_split(chunks, k, cost, min_tokens=MIN_CHUNK_TOKENS)]
+        return lookahead_split(chunks, k, cost, min_tokens=MIN_CHUNK_TOKENS)
+
+    def _chain_s(self, step: ExecuteStep, keyed: list[list[tuple[int, int, int]]],
+                 costs: list[float], trips: list[float]) -> float:
+        """The longest wait for a token of a sequence cut across microbatches: it is sampled
+        when the last piece leaves the last stage, and that piece enters stage 0 only after the
+        microbatches before it have left stage 0 (it attends to the earlier pieces' KV; stage 0
+        runs one microbatch at a time). Only sequences that sample this step count: a piece
+        with no token after it is waited for by nothing in the steady state. 0 when none."""
+        first: dict[int, int] = {}
+        last: dict[int, int] = {}
+        for m, mb in enumerate(keyed):
+            for key, _, _ in mb:
+                first.setdefault(key, m)
+                last[key] = m
+        entry = [0.0]
+        for c in costs[:-1]:
+            entry.append(entry[-1] + c * self.shares[0])
+        return max((entry[last[q]] - entry[first[q]] + trips[last[q]] for q in first
+                    if last[q] > first[q] and step.seqs[q].sample), default=0.0)
 
     async def step(self, step: ExecuteStep) -> StepFinished:
         now = anyio.current_time()
-        micro = self._microbatches(step) if step.seqs else []
+        keyed = self._microbatches(step) if step.seqs else []
+        micro = [[(s, n) for _, s, n in mb] for mb in keyed]
         k = len(self.shares)
         costs = [self.cost.predict_ms(BatchShape.of(mb)) / 1e3 for mb in micro]
         acts = [self.net.link.send_s(sum(n for _, n in mb) * self._token_bytes) for mb in micro]
@@ -171,6 +207,11 @@ class SimGroup:
             trips = [c + (k - 1) * a + wait for c, a in zip(costs, acts)]
             loads = [share * sum(costs) for share in self.shares]
             period = max(max(trips), max(loads))
+            chain = self._chain_s(step, keyed, costs, trips) if self.net.chain else 0.0
+            if chain > period:
+                self.net.chain_steps += 1
+                self.net.chain_extra_s += chain - period
+                period = chain
             for x in self.net.exchanges:
                 x.note_activations(now, sum(acts))
             t = self.net.totals

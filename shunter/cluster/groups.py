@@ -325,6 +325,8 @@ class SimGroups:
                 "token_model_error_in_run": sum(tok) / len(tok) if tok else None,
                 "paper_eq1_error_in_run": sum(paper) / len(paper) if paper else None,
                 "microbatches_predicted": len(errs),
+                "chain_bound_steps": sum(n.chain_steps for n in nets),
+                "chain_extra_s": sum(n.chain_extra_s for n in nets),
                 "plans_refused": self.monitor.refused if self.monitor else None,
                 "head_of_line_plans": self.monitor.head_only_plans if self.monitor else None}
 
