@@ -260,9 +260,44 @@ def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, p
     else:  # BE KV in every block first, so RT growth must preempt it
         t.add(0, reverse=True)
         m.extend(0, blocks * BS - 1)
-    next_id = blocks + 2
+    _play(t, m, program, next_id=blocks + 2)
+    for rid in t.requests():
+        t.free(rid)
+    assert t.num_free == blocks and t.free_host_slots == host, "nothing leaks on free"
+
+
+guest_ops = st.lists(st.tuples(st.sampled_from(["grow", "grow", "grow_be", "grow_be", "add_be",
+                                                "free_rt", "restore_be", "restore_be"]),
+                               st.integers(0, 7), st.integers(1, 3)), max_size=40)
+
+
+@settings(max_examples=slow_scale(400, 100), deadline=None)
+@given(blocks=st.integers(2, 6), spare=st.integers(0, 2), program=guest_ops)
+def test_be_guests_in_rt_blocks_keep_every_slot_owned_once(blocks, spare, program):
+    """The other direction under short, decode-like growth: BE guests in RT blocks, RT reaching
+    their slots (each checkpointed first), guests moving away and swapping back."""
+    total, host = blocks + spare, 4 * (blocks + spare) * BS
+    t = BidirectionalBlocks(range(total), BS, host_slots=host)
+    m = SlotModel(t)
+    for b in range(blocks):  # an RT request in most blocks, partly filled
+        t.add(b, reverse=False)
+        m.extend(b, 1 + b % (BS - 1))
+    for rid in (blocks, blocks + 1):  # BE requests in the spare blocks, then as guests
+        t.add(rid, reverse=True)
+        if (tokens := next((n for n in (BS + 1, 1) if t.can_extend(rid, n)), 0)):
+            m.extend(rid, tokens)
+    _play(t, m, program, next_id=blocks + 2)
+    for rid in t.requests():
+        t.free(rid)
+    assert t.num_free == total and t.free_host_slots == host, "nothing leaks on free"
+
+
+def _play(t: BidirectionalBlocks, m: SlotModel, program, next_id: int) -> None:
+    """Run the program's operations that the table allows, checking every invariant after each."""
     for op, pick, n in program:
         live = t.requests()
+        if op in ("grow_be", "restore_be", "free_rt"):  # one class's requests only
+            op, live = op[:-3], [i for i in live if t.is_reversed(i) == op.endswith("_be")]
         rid = live[pick % len(live)] if live else None
         if op in ("add_rt", "add_be"):
             t.add(next_id, reverse=op == "add_be")
@@ -280,6 +315,3 @@ def test_random_use_keeps_every_slot_owned_once_and_nothing_lost(blocks, host, p
         elif op == "swap_in" and t.can_swap_in(rid):
             m.apply(t.swap_in(rid))
         m.check()
-    for rid in t.requests():
-        t.free(rid)
-    assert t.num_free == blocks and t.free_host_slots == host, "nothing leaks on free"
