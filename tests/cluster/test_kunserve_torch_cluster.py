@@ -34,14 +34,6 @@ LONG_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def kunserve_model(tmp_path_factory):
-    from gpu.make_model import write_random_model
-
-    return write_random_model(tmp_path_factory.mktemp("kunserve-cluster-4l"), arch="llama",
-                              layers=4, hidden=64, heads=4, kv_heads=2, vocab=320, seed=7)
-
-
-@pytest.fixture(scope="module")
 def kunserve_config(kunserve_model, tmp_path_factory):
     from engine.config import EngineConfig
     from policies import policy_path

@@ -50,14 +50,6 @@ def fifo_config(kunserve_config, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def kunserve_model(tmp_path_factory):
-    from gpu.make_model import write_random_model
-
-    return write_random_model(tmp_path_factory.mktemp("kunserve-faults-4l"), arch="llama",
-                              layers=4, hidden=64, heads=4, kv_heads=2, vocab=320, seed=7)
-
-
-@pytest.fixture(scope="module")
 def kunserve_config(kunserve_model):
     from engine.config import EngineConfig
 
