@@ -33,7 +33,9 @@ def test_every_request_ends_nothing_leaks_and_outputs_match_the_reference(tiny_l
         assert run["outcomes"].get("cancelled_before_admission", 0) > 0, backend
         assert run["outcomes"].get("cancelled_mid_stream", 0) > 0, backend
         assert run["preemptions"] > 0 and run["swap_blocks_out"] > 0 and run["swap_blocks_in"] > 0
-        assert run["share_of_samples_with_a_request_swapped"] > 0.5
+        # the short form lasts ~1 s (25-50 samples at 20 ms): 0.64-0.87 alone, 0.43 once with
+        # the machine loaded; the full form must hold its swapped phase most of the time
+        assert run["share_of_samples_with_a_request_swapped"] > slow_scale(0.5, 0.3)
         assert run["policy_replacements"] >= 2
         assert run["host_blocks_kept_for_conversations"] > 0
     # how many cancels land while a request is swapped out depends on timing: the short form
