@@ -5,17 +5,21 @@ fifo` (KV chunks and activations in one queue, in order), and faults while a gro
 2. The head refuses the plan after the member handed its requests over: the member is told and
    serves alone with nothing dropped, the requests it handed over are recomputed at the head,
    every one ends with transformers' tokens.
-3. The member dies after handing its requests over, before the head starts the group: the
-   head's `GroupStart` finds it gone, it serves alone as it was, and recomputes the requests.
-4. A three-member group given up after one member handed its requests over (another could
+3. A three-member group given up after one member handed its requests over (another could
    not join): the head recomputes them, the member serves alone; `form`'s trigger for it
    (stand-ins).
-5. (stand-ins) A member loss found by the arrivals' empty step: every request recomputed.
+4. The member dies after handing its requests over, before the head starts the group: the
+   head's `GroupStart` finds it gone, it serves alone as it was, and recomputes the requests.
+5. (own processes) The head dies then instead: the member serves alone at once, every request
+   ends (those that streamed with the front door's clear error).
+6. (stand-ins) A member loss found by the arrivals' empty step: every request recomputed.
 
 Planted bugs checked by hand (/work/notes/issue16_torch_round4.md): a receiver that skips one
 exchanged KV chunk fails 1; the head not adopting the handed-over requests when the group is not
-formed hangs 2 and 3 (their `fail_after`); a member that takes `GroupAbandon` for `GroupStart`
-fails 2; an arrivals' step that does not catch the loss fails 4.
+formed hangs 2 and 4 (their `fail_after`); a member that takes `GroupAbandon` for `GroupStart`
+fails 2; the give-up path not letting the member go, or `form` not giving up, fails 3; a member
+that does not end its wait when the head is gone fails 5; an arrivals' step that does not catch
+the loss fails 6.
 """
 
 from __future__ import annotations
@@ -298,6 +302,85 @@ async def test_a_member_lost_before_the_group_starts_its_requests_are_recomputed
     assert head.total_blocks == SOLO_BLOCKS and not head.live_requests, head
     for i, p in enumerate(prompts):
         assert_matches(got[i], greedy_reference(kunserve_model, p, 16), f"request {i}")
+    assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 10), "after")
+
+
+@pytest.mark.anyio
+async def test_a_head_lost_before_the_group_starts_lets_the_member_serve_alone(
+        anyio_backend, fifo_config, kunserve_model):
+    """Its own two processes (it kills one). The member hands its requests over, then the head
+    is SIGKILLed as the front door sends `HeadGroup`: the member, waiting for `GroupStart`,
+    sees the head gone and serves alone with every layer (it dropped nothing); every request
+    (all were at the head then) ends: those that streamed with the front door's clear error,
+    their tokens so far transformers'; a new request is served by the member."""
+    from engine.cluster.drop_plan import GroupPlan
+    from engine.errors import EngineDeadError
+    from shunter.cluster.group_wire import HeadGroup
+    from shunter.cluster.launch import LocalLauncher
+    from shunter.cluster.remote_groups import GroupCommandError
+    from tests.reference import Reference
+
+    _one_event_loop(anyio_backend)
+    launcher = LocalLauncher("asyncio")
+    instances = [launcher.start_process(i, fifo_config) for i in range(2)]
+    rng = random.Random(15)
+    prompts = [_prompt(rng, 6) for _ in range(4)]
+    got: dict[int, list[int]] = {}
+    errors: dict[int, str] = {}
+
+    async def one(cluster, i: int, started) -> None:
+        got[i] = []
+        async with cluster.generate(prompts[i], shunter.SamplingParams(
+                max_tokens=16, temperature=0)) as stream:
+            async for chunk in stream:
+                got[i] += chunk.token_ids
+                if chunk.error is not None:
+                    errors[i] = chunk.error
+                if len(got[i]) >= 2:
+                    started.set()
+
+    try:
+        async with Cluster.start(fifo_config, attach=instances,
+                                 monitor_interval_s=0.02) as cluster:
+            groups = cluster.groups
+            command = groups._command
+
+            async def kill_head_first(index: int, make):
+                if isinstance(make(-1), HeadGroup):
+                    instances[0].kill()
+                    while cluster.instances[0].alive:
+                        await anyio.sleep(0.005)
+                return await command(index, make)
+
+            groups._command = kill_head_first
+            with anyio.fail_after(60):
+                async with anyio.create_task_group() as tg:
+                    started = [anyio.Event() for _ in prompts]
+                    for i in range(len(prompts)):
+                        tg.start_soon(one, cluster, i, started[i])
+                    for ev in started:
+                        await ev.wait()
+                    with pytest.raises((GroupCommandError, EngineDeadError)):
+                        await groups.form(GroupPlan(group_id=11, members=(0, 1),
+                                                    layers=(range(2), range(2, 4))))
+                while (await groups.stats(1))["member"] is None:
+                    await anyio.sleep(0.01)
+                member = (await groups.stats(1))["member"]
+                alone = _prompt(rng, 7)
+                after = await cluster.complete(alone, shunter.SamplingParams(
+                    max_tokens=10, temperature=0))
+                snap = (await cluster.instances[1].snapshot()).scheduler
+    finally:
+        launcher.shutdown(timeout_s=0)
+    print(f"\nhead lost before start: member {member}; errors {sorted(errors)}")
+    assert "head lost before the group formed" in member["abandoned"], member
+    assert snap.total_blocks == SOLO_BLOCKS and not snap.live_requests, snap
+    assert all("went away" in e for e in errors.values()), errors
+    for i, p in enumerate(prompts):
+        ref = greedy_reference(kunserve_model, p, 16)
+        if i in errors:  # ended early: what it streamed is transformers' so far
+            ref = Reference(tokens=ref.tokens[:len(got[i])], top2=ref.top2[:len(got[i])])
+        assert_matches(got[i], ref, f"request {i}")
     assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 10), "after")
 
 
