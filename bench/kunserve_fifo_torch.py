@@ -169,8 +169,9 @@ def main() -> None:
         m = result[way]
         print(f"{way:11s} {m['kv_mib']:.1f} MiB exchanged; first step: member waited "
               f"{m['first_step_member_wait_ms_median']:.1f} ms for activations, wall "
-              f"{m['first_step_wall_ms_median']:.1f} ms; later steps {m['later_steps_member_wait_ms_median']:.2f}"
-              f" / {m['later_steps_wall_ms_median']:.1f} ms; {args.steps} steps "
+              f"{m['first_step_wall_ms_median']:.1f} ms; later steps "
+              f"{m['later_steps_member_wait_ms_median']:.2f} / "
+              f"{m['later_steps_wall_ms_median']:.1f} ms; {args.steps} steps "
               f"{m['served_steps_wall_ms_total_median']:.1f} ms; exchange "
               f"{m['exchange_s_median'] * 1e3:.1f} ms (medians of {args.rounds})")
     print(f"load average {result['load_average']}, {result['seconds']:.1f} s, wrote {args.out}")

@@ -241,7 +241,8 @@ class GroupStage:
                                   "activations were being sent", exc) from exc
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
-                           cpu_s=tuple(cpu) if own_core else (), arrived=tuple(self.receiver.take_arrived()))
+                           cpu_s=tuple(cpu) if own_core else (),
+                           arrived=tuple(self.receiver.take_arrived()))
 
     def _book(self, step: ExecuteStep) -> None:
         for rid in step.release:

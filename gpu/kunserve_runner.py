@@ -33,9 +33,10 @@ class KunServeTorchRunner(TorchRunner):
     GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead")
     """KunServe group settings it honours: the exchanged KV goes in chunks behind activations
     (gpu/transfer.py's two lanes: `kv_exchange coordinated`) or in one queue with them, in
-    order (`fifo`, the ablation without coordination); microbatches are cut by tokens or by lookahead (the head cuts each step with Eq. 1-3 fitted
-    per stage on the microbatches the group ran: engine/cluster/stage_fits.py). Groups form on
-    local clusters of instance processes (shunter/cluster/remote_groups.py)."""
+    order (`fifo`, the ablation without coordination); microbatches are cut by tokens or by
+    lookahead (the head cuts each step with Eq. 1-3 fitted per stage on the microbatches the
+    group ran: engine/cluster/stage_fits.py). Groups form on clusters of instance processes
+    (shunter/cluster/remote_groups.py)."""
 
     def __init__(self, *args, chunk_blocks: int = 4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
