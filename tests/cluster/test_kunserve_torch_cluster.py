@@ -10,8 +10,9 @@ between microbatches). Requests whose generation spans drop -> exchange -> pipel
 Planted bugs checked by hand (see /work/notes/issue16_torch_cluster.md and
 issue16_torch_round3.md): a receiver that skips one exchanged KV chunk, a microbatch that drops
 a sequence, and pieces of a cut prefill that all start at its first token each make the first
-test fail. Other tests: a lost member, a lost head, queued requests of an instance alone
-moving to a head (three processes), and that every policy of the ladder loads.
+test fail. Other tests: a lost member, and that every policy of the ladder loads (a lost head
+and queued requests moving to a head: test_kunserve_torch_moves.py; faults while a group forms
+and the FIFO exchange: test_kunserve_torch_faults.py).
 """
 
 from __future__ import annotations
@@ -31,21 +32,6 @@ BLOCK = 4
 SOLO_BLOCKS = 24
 LONG_TOKENS = 40
 """The long requests: prompt 8 + 40 tokens = 12 blocks each, so the head holds both alone."""
-
-
-@pytest.fixture(scope="module")
-def kunserve_config(kunserve_model, tmp_path_factory):
-    from engine.config import EngineConfig
-    from policies import policy_path
-
-    policy = tmp_path_factory.mktemp("kunserve-policy") / "kunserve_torch.policy"
-    # the shipped drop rule waits two monitor rounds; one is enough here (a burst on this tiny
-    # model can drain within two 20 ms rounds on a fast run)
-    policy.write_text(f'policy kunserve_torch extends "{policy_path("kunserve_lookahead")}" {{\n'
-                      f'  overload drop when head_tokens > free_tokens\n'
-                      f'  overload restore when kv_usage < 60%\n}}\n')
-    return EngineConfig(model=kunserve_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
-                        block_size=BLOCK, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
 
 
 @pytest.fixture(scope="module")
@@ -218,196 +204,6 @@ async def test_a_ray_cluster_forms_groups_over_its_instances_addresses(
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
                             *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
-
-
-@pytest.mark.anyio
-async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
-        anyio_backend, kunserve_config, kunserve_model, tmp_path):
-    """Three instance processes; instances 0 and 1 form a group (by the group manager's own
-    `form`, the cluster idle), so new requests go round robin to the head and to instance 2,
-    alone. Instance 2's 24-block pool cannot hold its share, so its queue grows; the planner's
-    drop would grow the running group (not done on torch), so its queued requests (no KV:
-    never run, or preempted by recompute) move to the head instead (§4.1), and every request
-    still gives transformers' tokens; the client of the first moved request cancels as it
-    moves, and the head counts that cancel. A restore asked for while the head's requests hold
-    more than its own pool is postponed (`PoolTooSmall`); once idle, the group restores at once
-    (no step would carry it: `dissolve_idle`) and every instance serves alone."""
-    if anyio_backend != "asyncio":
-        pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    from engine.cluster.drop_plan import GroupPlan
-    from policies import policy_path
-    from shunter.cluster.launch import LocalLauncher
-    from tests.reference import Reference
-
-    policy = tmp_path / "kunserve_rr.policy"
-    policy.write_text(f'policy kunserve_rr extends "{policy_path("kunserve_lookahead")}" {{\n'
-                      f'  dispatch round_robin\n'
-                      f'  overload drop when head_tokens > free_tokens\n}}\n')
-    config = attrs.evolve(kunserve_config, policy=policy)
-    launcher = LocalLauncher("asyncio")
-    instances = [launcher.start_process(i, config) for i in range(3)]
-    rng = random.Random(5)
-    prompts = [_prompt(rng, 8) for _ in range(8)]  # 10 blocks each: 4 fill instance 2
-    got: dict[int, list[int]] = {}
-
-    streams, scopes, cancelled = {}, {}, []
-
-    async def one(cluster: Cluster, i: int) -> None:
-        got[i] = []
-        with anyio.CancelScope() as scopes[i]:
-            async with cluster.generate(prompts[i], shunter.SamplingParams(
-                    max_tokens=32, temperature=0)) as stream:
-                streams[i] = stream
-                async for chunk in stream:
-                    got[i] += chunk.token_ids
-                    assert chunk.error is None, (i, chunk.error)
-
-    async def cancel_one_moved(cluster: Cluster) -> None:
-        """The client of the first request that moved gives up: its cancel must reach the head
-        (the front door routes it there: `moved_to`)."""
-        moved = cluster.instances[2].moved_to
-        while not moved:
-            await anyio.sleep(0.001)
-        key = next(iter(moved))
-        i = next(i for i, st in streams.items() if st.request_id == key)
-        cancelled.append(i)
-        scopes[i].cancel()
-
-    try:
-        async with Cluster.start(config, attach=instances, monitor_interval_s=0.02) as cluster:
-            await cluster.groups.form(GroupPlan(group_id=1, members=(0, 1),
-                                                layers=(range(2), range(2, 4))))
-            with anyio.fail_after(180):
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, cluster, i)
-                    tg.start_soon(cancel_one_moved, cluster)
-                snap = await cluster.wait_idle()
-                # the head holds more blocks than its own pool: the restore must wait
-                longer = shunter.SamplingParams(max_tokens=60, temperature=0)
-                async with anyio.create_task_group() as tg:
-                    for p in prompts[:6]:
-                        tg.start_soon(cluster.complete, p, longer)
-                    while (await cluster.instances[0].snapshot()).allocator.allocated_blocks \
-                            <= SOLO_BLOCKS:
-                        await anyio.sleep(0.002)
-                    assert not await cluster.groups.restore(0)
-                await cluster.wait_idle()
-                # no live request on the head: the restore is done at once (`dissolve_idle`)
-                assert await cluster.groups.restore(0)
-                after = await cluster.complete(prompts[0], shunter.SamplingParams(
-                    max_tokens=32, temperature=0))
-                solo = await cluster.wait_idle()
-            report = cluster.groups.report(0.0)
-    finally:
-        launcher.shutdown(timeout_s=0)
-    print(f"\nqueued moved: {report}; cancelled {cancelled}: "
-          f"{[len(got[i]) for i in cancelled]} tokens")
-    assert report["rescheduled_requests"] >= 1, report
-    assert any(e["event"] == "rescheduled" and e["from"] == 2 and e["to"] == 0
-               for e in report["events"]), report
-    alone = snap.snapshots[2]
-    assert alone.idle and alone.scheduler.total_blocks == SOLO_BLOCKS, alone
-    head = snap.snapshots[0]
-    assert head.idle and sum(n for _, n in head.scheduler.cancelled_by_state) == 1, head
-    restored = [e for e in report["events"] if e["event"] == "restore"]
-    assert [e["restored_at_once"] for e in restored] == [True], report
-    assert report["restore_retries"] == 1, report
-    assert [s.scheduler.total_blocks for s in solo.snapshots] == [SOLO_BLOCKS] * 3
-    assert_matches(after.token_ids, greedy_reference(kunserve_model, prompts[0], 32), "after")
-    for i, prompt in enumerate(prompts):
-        ref = greedy_reference(kunserve_model, prompt, 32)
-        if i in cancelled:  # what it streamed before its client left is transformers'
-            assert len(got[i]) < 32, (i, len(got[i]))
-            ref = Reference(tokens=ref.tokens[:len(got[i])], top2=ref.top2[:len(got[i])])
-        assert_matches(got[i], ref, f"R{i}")
-
-
-@pytest.mark.anyio
-async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go_to_the_member(
-        anyio_backend, kunserve_config, kunserve_model):
-    """The head is SIGKILLed as soon as the group forms (its own two processes: it kills one).
-    Every request was on the head then (the member had handed its own over): each one that had
-    streamed tokens ends with the front door's clear error, its tokens so far transformers';
-    each that had not is dispatched again, to the member, which restored its dropped layers
-    from its host copy and serves alone, and gives transformers' tokens; so does a new
-    request."""
-    if anyio_backend != "asyncio":
-        pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    from shunter.cluster.launch import LocalLauncher
-    from tests.reference import Reference
-
-    launcher = LocalLauncher("asyncio")
-    instances = [launcher.start_process(i, kunserve_config) for i in range(2)]
-    rng = random.Random(0)  # the first test's requests: their references are computed once
-    prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
-    prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
-    burst = len(prompts)
-    prompts += [(_prompt(rng, 12), 8) for _ in range(2)]  # sent to the head just before the kill
-    got: dict[int, list[int]] = {}
-    errors: dict[int, str] = {}
-    before_kill: dict[int, int] = {}
-    streams = {}
-
-    async def one(cluster: Cluster, i: int, started=None) -> None:
-        got[i] = []
-        prompt, n = prompts[i]
-        async with cluster.generate(prompt, shunter.SamplingParams(
-                max_tokens=n, temperature=0)) as stream:
-            streams[i] = stream
-            async for chunk in stream:
-                got[i] += chunk.token_ids
-                if chunk.error is not None:
-                    errors[i] = chunk.error
-                if started is not None and len(got[i]) >= 2:
-                    started.set()
-
-    try:
-        async with Cluster.start(kunserve_config, attach=instances,
-                                 monitor_interval_s=0.02) as cluster:
-            with anyio.fail_after(180):
-                async with anyio.create_task_group() as tg:
-                    started = [anyio.Event() for _ in range(2)]
-                    for i in range(2):
-                        tg.start_soon(one, cluster, i, started[i])
-                    for ev in started:
-                        await ev.wait()
-                    for i in range(2, burst):
-                        tg.start_soon(one, cluster, i)
-                    while not cluster.groups.groups:
-                        await anyio.sleep(0.002)
-                    (group,) = cluster.groups.groups.values()
-                    for i in range(burst, len(prompts)):  # admitted at the head, no token yet
-                        tg.start_soon(one, cluster, i)
-                    while any(streams.get(i) is None or streams[i].request_id is None
-                              for i in range(burst, len(prompts))):
-                        await anyio.sleep(0.0005)
-                    before_kill.update({i: len(t) for i, t in got.items()})
-                    instances[group.head].kill()
-                alone = _prompt(rng, 10)
-                after = await cluster.complete(alone, shunter.SamplingParams(
-                    max_tokens=12, temperature=0))
-                member = await cluster.instances[group.members[1]].snapshot()
-            report = cluster.groups.report(0.0)
-    finally:
-        launcher.shutdown(timeout_s=0)
-    print(f"\nhead lost: tokens before the kill {before_kill}; errors {sorted(errors)}")
-    assert any(e["event"] == "head lost" for e in report["events"]), report
-    assert not cluster.groups.groups
-    assert member.idle and member.scheduler.total_blocks == SOLO_BLOCKS, member
-    assert errors and all("went away" in e and "streamed tokens" in e
-                          for e in errors.values()), errors
-    assert {0, 1} <= set(errors), "the long requests were streaming on the head"
-    again = [i for i in got if i not in errors and not before_kill.get(i)]
-    assert again, "no request was dispatched again to the member"
-    for i, (prompt, n) in enumerate(prompts):
-        ref = greedy_reference(kunserve_model, prompt, n)
-        if i in errors:  # ended early: what it streamed is transformers' so far
-            k = len(got[i])
-            assert 0 < k < n, (i, k)
-            ref = Reference(tokens=ref.tokens[:k], top2=ref.top2[:k])
-        assert_matches(got[i], ref, f"request {i}")
-    assert_matches(after.token_ids, greedy_reference(kunserve_model, alone, 12), "after")
 
 
 @pytest.mark.anyio
