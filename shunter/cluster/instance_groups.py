@@ -183,8 +183,8 @@ class InstanceGroups:
         except Exception as exc:  # re-raised: nothing waits for this group
             n = await self._recompute_here(msg.adopted, reqs)
             raise GroupNotFormed(f"group {plan.members} not formed ({type(exc).__name__}: "
-                               f"{exc}); the {n} requests handed over are recomputed at "
-                               f"instance {plan.members[0]}") from exc
+                                 f"{exc}); the {n} requests handed over are recomputed at "
+                                 f"instance {plan.members[0]}") from exc
         waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
         for (_, mv), q in zip(msg.adopted, reqs, strict=True):
