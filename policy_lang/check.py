@@ -351,6 +351,19 @@ class Checker:
                 self.error(m.value, f"{name} must be one of {', '.join(MEMORY[name])}, got "
                                     f"'{value}'{did_you_mean(value, MEMORY[name])}")
         self.check_prefix_cache()
+        self.check_bidirectional()
+
+    def check_bidirectional(self) -> None:
+        """BROS's bidirectional table places KV slot by slot, one block per table entry, and
+        copies slots (a shared block holds two requests' KV, one from each end): block groups
+        would have no effect there, so asking for both is refused rather than ignored."""
+        values = {m.name.name: m for m in self.rules.all("memory")}
+        bidi, granularity = values.get("bidirectional"), values.get("swap_granularity")
+        if bidi is not None and bidi.value.name == "on" and granularity is not None and (
+                granularity.value.name == "groups"):
+            self.error(granularity.value, "swap_granularity groups needs bidirectional off: "
+                       "bidirectional blocks are placed and copied slot by slot, one block per "
+                       "table entry, so block groups would have no effect")
 
     def check_prefix_cache(self) -> None:
         """Prefix caching shares a full block between requests and keeps it after they end;
