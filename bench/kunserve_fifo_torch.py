@@ -22,18 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kunserve_lookahead_torch import BLOCK, _load
+from bench.kunserve_lookahead_torch import BLOCK, _load, start_pair
 
 
 def _member(model_dir: str, init: str, blocks: int) -> None:
@@ -106,19 +103,8 @@ def main() -> None:
 
     from engine.messages import ExecuteStep
     from gpu.group_runner import GroupRunner
-    from gpu.make_model import write_random_model
 
-    tmp = tempfile.mkdtemp(prefix="kunserve-fifo-")
-    model_dir = str(write_random_model(tmp, arch="llama", layers=args.layers,
-                                       hidden=args.hidden, heads=8, kv_heads=4, vocab=512,
-                                       seed=3, max_position_embeddings=1024))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    member = mp.get_context("spawn").Process(target=_member,
-                                             args=(model_dir, init, args.blocks), daemon=True)
-    member.start()
-    runner = _load(model_dir, 0, init, args.blocks)
+    _, member, runner = start_pair(args, "kunserve-fifo-", _member)
     half = args.layers // 2
     layers = (range(half), range(half, args.layers))
     runs: list[dict] = []

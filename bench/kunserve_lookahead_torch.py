@@ -33,7 +33,6 @@ import json
 import multiprocessing as mp
 import os
 import random
-import socket
 import statistics
 import sys
 import tempfile
@@ -66,6 +65,24 @@ def _member(model_dir: str, init: str, blocks: int) -> None:
     from gpu.group_member import serve_member
 
     serve_member(_load(model_dir, 1, init, blocks), 0)
+
+
+def start_pair(args, prefix: str, member):
+    """A random Llama of `args.layers` x `args.hidden` written to a fresh directory, rank 1
+    (`member(model_dir, init, blocks)`) started in its own process and rank 0 loaded here, both
+    joined over gloo on loopback: (model_dir, rank 1's process, rank 0's runner)."""
+    from gpu.data_plane import free_port
+    from gpu.make_model import write_random_model
+
+    model_dir = str(write_random_model(tempfile.mkdtemp(prefix=prefix), arch="llama",
+                                       layers=args.layers, hidden=args.hidden, heads=8,
+                                       kv_heads=4, vocab=512, seed=3,
+                                       max_position_embeddings=1024))
+    init = f"tcp://127.0.0.1:{free_port()}"
+    process = mp.get_context("spawn").Process(target=member, args=(model_dir, init, args.blocks),
+                                              daemon=True)
+    process.start()
+    return model_dir, process, _load(model_dir, 0, init, args.blocks)
 
 
 def _window(rng: random.Random, n: int) -> list[list[int]]:
@@ -150,19 +167,7 @@ def main() -> None:
 
     from engine.cluster.drop_plan import GroupPlan
     from gpu.group_runner import GroupRunner
-    from gpu.make_model import write_random_model
-
-    tmp = tempfile.mkdtemp(prefix="kunserve-lookahead-")
-    model_dir = str(write_random_model(tmp, arch="llama", layers=args.layers,
-                                       hidden=args.hidden, heads=8, kv_heads=4, vocab=512,
-                                       seed=3, max_position_embeddings=1024))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
-    member = mp.get_context("spawn").Process(target=_member,
-                                             args=(model_dir, init, args.blocks), daemon=True)
-    member.start()
-    runner = _load(model_dir, 0, init, args.blocks)
+    model_dir, member, runner = start_pair(args, "kunserve-lookahead-", _member)
     half = args.layers // 2
     plan = GroupPlan(group_id=1, members=(0, 1),
                      layers=(range(half), range(half, args.layers)))
