@@ -48,6 +48,47 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(2, 320) for _ in range(n)]
 
 
+class FaultBurst:
+    """The fault tests' requests, `prompts[i] = (prompt, max_tokens)`: the first two long ones,
+    then the burst once each streamed 2 tokens, until the monitor groups the two instances.
+    Tokens go to `got`, errors to `errors`; a chunk with an error fails the test unless
+    `errors_allowed`."""
+
+    def __init__(self, prompts, *, errors_allowed: bool) -> None:
+        self.prompts, self.errors_allowed = prompts, errors_allowed
+        self.got: dict[int, list[int]] = {}
+        self.errors: dict[int, str] = {}
+        self.streams: dict = {}
+
+    async def one(self, cluster: Cluster, i: int, started=None) -> None:
+        self.got[i] = []
+        prompt, n = self.prompts[i]
+        async with cluster.generate(prompt, shunter.SamplingParams(
+                max_tokens=n, temperature=0)) as stream:
+            self.streams[i] = stream
+            async for chunk in stream:
+                self.got[i] += chunk.token_ids
+                if chunk.error is not None:
+                    assert self.errors_allowed, (i, chunk.error)
+                    self.errors[i] = chunk.error
+                if started is not None and len(self.got[i]) >= 2:
+                    started.set()
+
+    async def until_grouped(self, cluster: Cluster, tg, count: int):
+        """Start requests 0 .. count-1 in `tg`; return the group the monitor forms."""
+        started = [anyio.Event() for _ in range(2)]
+        for i in range(2):
+            tg.start_soon(self.one, cluster, i, started[i])
+        for ev in started:
+            await ev.wait()
+        for i in range(2, count):
+            tg.start_soon(self.one, cluster, i)
+        while not cluster.groups.groups:
+            await anyio.sleep(0.002)
+        (group,) = cluster.groups.groups.values()
+        return group
+
+
 async def _long_then_burst(cluster: Cluster, longs, burst, got: dict[str, list[int]],
                            times: dict[str, list[float]]) -> None:
     """Start the long requests `L<i>` (LONG_TOKENS each); once each streamed 2 tokens, the
@@ -219,33 +260,14 @@ async def test_member_lost_while_grouped_the_head_recomputes_and_serves_alone(
     rng = random.Random(0)  # the first test's requests: their references are computed once
     prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
     prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
-    got: dict[int, list[int]] = {}
-
-    async def one(cluster: Cluster, i: int, started=None) -> None:
-        got[i] = []
-        prompt, n = prompts[i]
-        async with cluster.generate(prompt, shunter.SamplingParams(
-                max_tokens=n, temperature=0)) as stream:
-            async for chunk in stream:
-                got[i] += chunk.token_ids
-                assert chunk.error is None, (i, chunk.error)
-                if started is not None and len(got[i]) >= 2:
-                    started.set()
+    run = FaultBurst(prompts, errors_allowed=False)
+    got = run.got
 
     async with Cluster.start(kunserve_config, attach=kunserve_instances,
                              monitor_interval_s=0.02) as cluster:
         with anyio.fail_after(180):
             async with anyio.create_task_group() as tg:
-                started = [anyio.Event() for _ in range(2)]
-                for i in range(2):
-                    tg.start_soon(one, cluster, i, started[i])
-                for ev in started:
-                    await ev.wait()
-                for i in range(2, len(prompts)):
-                    tg.start_soon(one, cluster, i)
-                while not cluster.groups.groups:
-                    await anyio.sleep(0.002)
-                (group,) = cluster.groups.groups.values()
+                group = await run.until_grouped(cluster, tg, len(prompts))
                 kunserve_instances[group.members[1]].kill()
             alone = _prompt(rng, 10)
             after = await cluster.complete(alone, shunter.SamplingParams(

@@ -19,7 +19,7 @@ import pytest
 
 import shunter
 from shunter.cluster.cluster import Cluster
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, SOLO_BLOCKS, _prompt
+from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, SOLO_BLOCKS, FaultBurst, _prompt
 from tests.conftest import slow_scale
 from tests.reference import assert_matches, greedy_reference
 
@@ -148,41 +148,18 @@ async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go
     prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
     burst = len(prompts)
     prompts += [(_prompt(rng, 12), 8) for _ in range(2)]  # sent to the head just before the kill
-    got: dict[int, list[int]] = {}
-    errors: dict[int, str] = {}
+    run = FaultBurst(prompts, errors_allowed=True)
+    got, errors, streams = run.got, run.errors, run.streams
     before_kill: dict[int, int] = {}
-    streams = {}
-
-    async def one(cluster: Cluster, i: int, started=None) -> None:
-        got[i] = []
-        prompt, n = prompts[i]
-        async with cluster.generate(prompt, shunter.SamplingParams(
-                max_tokens=n, temperature=0)) as stream:
-            streams[i] = stream
-            async for chunk in stream:
-                got[i] += chunk.token_ids
-                if chunk.error is not None:
-                    errors[i] = chunk.error
-                if started is not None and len(got[i]) >= 2:
-                    started.set()
 
     try:
         async with Cluster.start(kunserve_config, attach=instances,
                                  monitor_interval_s=0.02) as cluster:
             with anyio.fail_after(180):
                 async with anyio.create_task_group() as tg:
-                    started = [anyio.Event() for _ in range(2)]
-                    for i in range(2):
-                        tg.start_soon(one, cluster, i, started[i])
-                    for ev in started:
-                        await ev.wait()
-                    for i in range(2, burst):
-                        tg.start_soon(one, cluster, i)
-                    while not cluster.groups.groups:
-                        await anyio.sleep(0.002)
-                    (group,) = cluster.groups.groups.values()
+                    group = await run.until_grouped(cluster, tg, burst)
                     for i in range(burst, len(prompts)):  # admitted at the head, no token yet
-                        tg.start_soon(one, cluster, i)
+                        tg.start_soon(run.one, cluster, i)
                     while any(streams.get(i) is None or streams[i].request_id is None
                               for i in range(burst, len(prompts))):
                         await anyio.sleep(0.0005)
