@@ -13,7 +13,7 @@ its `GroupStart` came ends the member's wait the same way.
 from __future__ import annotations
 
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
-from gpu.group_runner import _restore_weights, restore_transfers
+from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
     GroupRestore,
@@ -72,9 +72,8 @@ def serve_member(solo, head_rank: int) -> dict:
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 1,
                        lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
                        stage.stats)
-        _restore_weights(stage, start.ranks, start.layers, msg.source)
-        plane.queue.flush()
-        plane.queue.fifo = False
+        restore_weights(stage, start.ranks, start.layers, msg.source)
+        stage.end_exchange()
         states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
                    if q.generator is not None} if stage.model.last_stage else None)
         send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,

@@ -257,7 +257,7 @@ class GroupRunner:
                                stage.model.config.head_dim), stage.model.arena.dtype,
                               stage.stats)
         own = {rid: stage.read_layers(s.table) for rid, s in stage.seqs.items()}
-        weights_s = _restore_weights(stage, self.ranks, self.layers, source)
+        weights_s = restore_weights(stage, self.ranks, self.layers, source)
         arena = stage.model.arena
         for rid, s in stage.seqs.items():
             new = list(tables[rid])
@@ -278,8 +278,7 @@ class GroupRunner:
                     seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
                               "kv_bytes": float(stage.stats.received_bytes)}
-        stage.plane.queue.flush()
-        stage.plane.queue.fifo = False
+        stage.end_exchange()
         self.stage = None
 
     def recover_from_host(self, lost: int) -> list[int]:
@@ -354,8 +353,8 @@ def _kept_blocks(stage: GroupStage, keep: range) -> range:
     return range(lb[keep.start].start, lb[keep.stop - 1].stop)
 
 
-def _restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[range],
-                     source: str) -> float:
+def restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[range],
+                    source: str) -> float:
     """Every member's dropped layers back into place: from the members keeping them (each
     sends its kept range, one tensor, to every other) or from its own host copy."""
     began = time.perf_counter()

@@ -244,6 +244,12 @@ class GroupStage:
                            cpu_s=tuple(cpu) if own_core else (),
                            arrived=tuple(self.receiver.take_arrived()))
 
+    def end_exchange(self) -> None:
+        """The group has restored: every queued tensor sent, and the queue back to its two
+        lanes for whatever comes next (`kv_exchange fifo` made it one at the start)."""
+        self.plane.queue.flush()
+        self.plane.queue.fifo = False
+
     def _book(self, step: ExecuteStep) -> None:
         for rid in step.release:
             self.seqs.pop(rid, None)
