@@ -93,6 +93,10 @@ class GenerationStream:
             case Rejected(error=error):
                 self._done = True
                 raise error
+            case _:  # a chunk before the admission answer would be a token lost: say so
+                self._done = True
+                raise EngineDeadError(f"the engine broke its protocol: {type(answer).__name__} "
+                                      f"before Admitted or Rejected")
 
     async def aclose(self) -> None:
         self._cancel_nowait()

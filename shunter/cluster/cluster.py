@@ -48,7 +48,7 @@ from engine.snapshots import EngineSnapshot
 from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
 from shunter.cluster.groups import SimGroups, overload_monitor, policy_triggers
-from shunter.cluster.handles import InProcessInstance, RemoteInstance
+from shunter.cluster.handles import InProcessInstance, RemoteInstance, refusal
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
 from shunter.cluster.remote_groups import RemoteGroups, torch_overload_monitor
 from shunter.cluster.wire import Hello, Link
@@ -252,7 +252,8 @@ class Cluster:
         try:
             index = await self._choose(demand)
         except NoInstanceError as exc:
-            await msg.outputs.send(Rejected(error=EngineDeadError(str(exc))))
+            await msg.outputs.send(refusal(key, Rejected(error=EngineDeadError(str(exc))),
+                                           announced=announced))
             return
         self._where[key] = (index, demand)
         await self.instances[index].submit(key, msg, announced=announced)
@@ -263,10 +264,11 @@ class Cluster:
         await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
         return await reply.wait()
 
-    async def _redispatch(self, key: int, msg: Submit) -> None:
+    async def _redispatch(self, key: int, msg: Submit, announced: bool) -> None:
         """A request its dead instance had not streamed from: serve it elsewhere, under the id
-        its client already has."""
-        await self._submit(msg, key=key, announced=True)
+        its client has or will be told (`announced`: whether the dead instance's `Admitted`
+        reached the client; if not, the new instance's does)."""
+        await self._submit(msg, key=key, announced=announced)
 
     def _ended(self, key: int) -> None:
         where = self._where.pop(key, None)

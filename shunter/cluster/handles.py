@@ -44,8 +44,9 @@ from shunter.cluster.wire import (
 )
 from shunter.engine import Engine
 
-Redispatch = Callable[[int, Submit], Awaitable[None]]
-"""(cluster request id, the client's submission): serve it on another instance."""
+Redispatch = Callable[[int, Submit, bool], Awaitable[None]]
+"""(cluster request id, the client's submission, whether the client already got `Admitted`):
+serve it on another instance."""
 Ended = Callable[[int], None]
 """Told once per request when its last output has been relayed (or it was handed back)."""
 Down = Callable[[int, str], Awaitable[None]]
@@ -93,7 +94,7 @@ class _Relay:
                         await send.send(Admitted(request_id=key))
                     return
                 case Rejected():
-                    await send.send(out)
+                    await send.send(refusal(key, out, announced=live.announced))
                 case GenerationChunk():
                     live.streamed = live.streamed or bool(out.token_ids)
                     await send.send(attrs.evolve(out, request_id=key))
@@ -121,7 +122,7 @@ class _Relay:
         for key, live in list(self._live.items()):
             self._finish(key)
             if not live.streamed:
-                await self._redispatch(key, live.submit)
+                await self._redispatch(key, live.submit, live.announced)
                 continue
             chunk = GenerationChunk(request_id=key, token_ids=(), text="", finish_reason="error",
                                     error=f"{reason}; the request had streamed tokens, so it "
@@ -130,6 +131,16 @@ class _Relay:
                 await live.submit.outputs.send(chunk)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
+
+
+def refusal(key: int, rejected: Rejected, *, announced: bool) -> Rejected | GenerationChunk:
+    """An instance's refusal as its client can take it: `Rejected` while the client still waits
+    for its admission answer; once it got `Admitted` (from an instance that died since), a last
+    chunk with the error, since its stream now carries chunks only."""
+    if not announced:
+        return rejected
+    return GenerationChunk(request_id=key, token_ids=(), text="", finish_reason="error",
+                           error=str(rejected.error))
 
 
 class RemoteInstance(_Relay):
@@ -186,7 +197,7 @@ class RemoteInstance(_Relay):
 
     async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
         if self.failure is not None:  # chosen just before the coordinator heard of the death
-            await self._redispatch(key, submit)
+            await self._redispatch(key, submit, announced)
             return
         self._live[key] = _Live(submit=submit, announced=announced)
         ids = None if submit.prompt_ids is None else tuple(submit.prompt_ids)
