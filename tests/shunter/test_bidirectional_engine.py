@@ -194,16 +194,20 @@ def guests_overwritten_unchecked() -> Iterator[list[int]]:
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_overwriting_a_guest_unchecked_corrupts_outputs(tiny_llama_dir):
     """RT overwriting a BE guest's slots without a checkpoint must show in the outputs (the
-    guest reads RT's KV). Where it did not happen in a run (timing decides), the seed changes."""
-    for seed in range(4):
+    guest reads RT's KV). Timing decides whether RT grows into a guest's slots in a run, and
+    whether the overwritten slots still move the guest's greedy tokens (a guest near its end,
+    or one slot among many, may not): the seed changes until a run shows it, up to eight."""
+    unnoticed = []
+    for seed in range(8):
         with guests_overwritten_unchecked() as lost:
             run = await serve(tiny_llama_dir, seed=seed)
         if lost[0] == 0:
             continue
-        wrong = mismatches(tiny_llama_dir, run.outputs)
-        assert any(m.startswith("be ") for m in wrong), f"{lost[0]} guest slots lost unnoticed"
-        return
-    pytest.fail("in four runs RT never grew into a guest's slots")
+        if any(m.startswith("be ") for m in mismatches(tiny_llama_dir, run.outputs)):
+            return
+        unnoticed.append(lost[0])
+    pytest.fail(f"in eight runs no lost guest slot changed an output (slots lost per run that "
+                f"lost any: {unnoticed})")
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
