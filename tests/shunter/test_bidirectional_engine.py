@@ -151,8 +151,19 @@ def lost_checkpoint_reader(events: list[tuple[str, int, tuple]],
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llama_dir):
+    # BE requests become guests in RT blocks when timing leaves an RT block with room and no
+    # block free (5-6 times a run here): a run without any is checked too, then the seed changes
+    for seed in range(3):
+        guests = await _check_outputs_and_pool(tiny_llama_dir, seed)
+        if guests:
+            return
+    pytest.fail("in three runs no BE request used an RT block's empty slots")
+
+
+async def _check_outputs_and_pool(tiny_llama_dir, seed: int) -> int:
+    """One run's outputs, copies and pool checked; the number of BE guest placements."""
     with made_tables() as tables:
-        run = await serve(tiny_llama_dir)
+        run = await serve(tiny_llama_dir, seed=seed)
     served, log, snap, swapper = run.outputs, run.log, run.snap, run.swapper
     assert len(served) == 4 * BE
     assert mismatches(tiny_llama_dir, served) == []
@@ -168,7 +179,7 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
     assert table.requests() == [] and table.num_free == 8 and table.free_host_slots == 40 * 8
     assert table.checkpointed_slots_total > 0
     # both ways: RT grew into BE blocks (above), and BE requests were guests in RT blocks
-    assert table.guest_blocks_total > 0, "no BE request used an RT block's empty slots"
+    return table.guest_blocks_total
 
 
 @contextlib.contextmanager
