@@ -89,6 +89,14 @@ class FaultBurst:
         return group
 
 
+async def _restored_and_idle(cluster: Cluster) -> None:
+    """Wait until every request ended and no group runs: when the last requests end before the
+    restore (the monitor's round came late), the idle group restores at the next round."""
+    await cluster.wait_idle()
+    while cluster.groups.groups or cluster.groups.busy:
+        await anyio.sleep(0.01)
+
+
 async def _long_then_burst(cluster: Cluster, longs, burst, got: dict[str, list[int]],
                            times: dict[str, list[float]]) -> None:
     """Start the long requests `L<i>` (LONG_TOKENS each); once each streamed 2 tokens, the
@@ -133,6 +141,7 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
         assert cluster.groups is not None, "no KunServe monitor on the torch instances"
         with anyio.fail_after(180):
             await _long_then_burst(cluster, longs, burst, got, times)
+            await _restored_and_idle(cluster)
             snap = await cluster.wait_idle()
             head_stats = [await cluster.groups.stats(i) for i in range(2)]
         report = cluster.groups.report(0.0)
@@ -269,6 +278,8 @@ async def test_member_lost_while_grouped_the_head_recomputes_and_serves_alone(
             async with anyio.create_task_group() as tg:
                 group = await run.until_grouped(cluster, tg, len(prompts))
                 kunserve_instances[group.members[1]].kill()
+            while cluster.groups.groups:  # the monitor's next round sees the member gone
+                await anyio.sleep(0.01)
             alone = _prompt(rng, 10)
             after = await cluster.complete(alone, shunter.SamplingParams(
                 max_tokens=12, temperature=0))
