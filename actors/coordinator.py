@@ -77,7 +77,8 @@ class Coordinator:
             case CheckOverload(reply=reply):
                 views = self.table.views()
                 reply.send(None if self.overload is None else self.overload.decide(
-                    [self.table.stats(v.index) for v in views], [v.alive for v in views]))
+                    [self.table.stats(v.index) for v in views], [v.alive for v in views],
+                    now=anyio.current_time()))
             case GroupsChanged(formed=GroupPlan() as group):
                 self.overload.formed(group)
                 for head, g in list(self.overload.groups.items()):

@@ -40,10 +40,10 @@ def recording(log: dict):
     decide, run, dispatched = OverloadMonitor.decide, SimExchange.run, DispatchTable.dispatched
     form, move = SimGroups._form, SimGroups._move
 
-    def w_decide(self, stats, alive):
+    def w_decide(self, stats, alive, **kw):
         units = {i: (st.free_blocks, st.head_tokens, st.queued_tokens, st.waiting, st.running,
                      self.member_of(i) is not None) for i, st in enumerate(stats) if st}
-        action = decide(self, stats, alive)
+        action = decide(self, stats, alive, **kw)
         log["rounds"].append((anyio.current_time(), units, list(self.fired),
                               type(action).__name__ if action else None))
         return action

@@ -335,11 +335,21 @@ class Checker:
                 continue
             self.exprs.condition(o.cond, _OVERLOAD)
             if o.hold is not None:
-                c = constant(o.hold)
-                if c is None or c[0] != Type.ITERATIONS or c[1] < 1 or not float(c[1]).is_integer():
-                    self.error(o.hold, "`for` needs a whole number of iterations, e.g. `for 2 iterations`")
+                self.overload_hold(o.hold)
             if o.action.name == "restore" and self.rules.get("overload", "drop") is None:
                 self.error(o, "a restore needs a drop trigger: add `overload drop when ...`")
+
+    def overload_hold(self, hold: ast.Expr) -> None:
+        """`for N iterations` (evaluations) or `for 2s` (the evaluator's clock)."""
+        c = constant(hold)
+        if c is not None and c[0] == Type.ITERATIONS and c[1] >= 1 and float(c[1]).is_integer():
+            return
+        if c is not None and c[0] == Type.DURATION and c[1] > 0:
+            return
+        got = "an expression" if c is None else ("a plain number" if c[0] == Type.NUMBER
+                                                 else unit_example(c[0], c[1]))
+        self.error(hold, "`for` needs a whole number of iterations or a positive duration, "
+                         f"e.g. `for 2 iterations` or `for 2s` (ms or s), got {got}")
 
     def check_memory(self) -> None:
         for m in self.rules.all("memory"):

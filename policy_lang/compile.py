@@ -279,9 +279,15 @@ def _overload(rules: RuleSet, exprs: ExprCompiler) -> OverloadTriggers | None:
     if drop is None:
         return None
 
-    def hold(o: ast.Overload | None) -> int:
-        return int(constant(o.hold)[1]) if o is not None and o.hold is not None else 1
+    def hold(o: ast.Overload | None) -> int:  # `for N iterations` (1: none)
+        c = constant(o.hold) if o is not None and o.hold is not None else None
+        return int(c[1]) if c is not None and c[0] == Type.ITERATIONS else 1
+
+    def hold_s(o: ast.Overload | None) -> float | None:  # `for 2s`: seconds (values are ms)
+        c = constant(o.hold) if o is not None and o.hold is not None else None
+        return c[1] / 1000.0 if c is not None and c[0] == Type.DURATION else None
 
     return OverloadTriggers(drop=exprs.fn(drop.cond), drop_hold=hold(drop),
                             restore=exprs.fn(restore.cond) if restore else None,
-                            restore_hold=hold(restore))
+                            restore_hold=hold(restore), drop_hold_s=hold_s(drop),
+                            restore_hold_s=hold_s(restore))

@@ -15,6 +15,7 @@ from lark.lexer import PatternStr
 from engine.errors import PolicySyntaxError
 from policy_lang import ast
 from policy_lang.diagnostics import Diagnostic, Span, did_you_mean
+from policy_lang.fields import UNIT_TYPES
 
 STATEMENT_KEYWORDS = ("alternate", "batch", "class", "default", "dispatch", "every", "fair", "frequency",
                       "include", "memory", "overload", "pack", "precedence", "preempt",
@@ -102,6 +103,8 @@ def _diagnose(exc: UnexpectedInput, text: str, filename: str) -> Diagnostic:
     message = f"unexpected {shown}; expected {_expected(expected)}"
     if word in STATEMENT_KEYWORDS and "RBRACE" in expected:
         message += " (is a '}' missing before it?)"
+    elif tok.type == "NAME" and text[:tok.start_pos].rstrip()[-1:].isdigit():
+        message += f" (a number's unit is one of: {', '.join(u for u in UNIT_TYPES if u)})"
     return Diagnostic(span=span, message=message)
 
 

@@ -179,15 +179,23 @@ class AdaptiveBatch:
 
 class OverloadTriggers:
     """KunServe §4.1 and §4.4: `drop` fires while its condition has held for `drop_hold`
-    consecutive iterations; after a drop, `restore` fires once its condition has held for
-    `restore_hold` iterations. Evaluated once per iteration."""
+    consecutive iterations (or, with `drop_hold_s`, for that many seconds of the view's clock);
+    after a drop, `restore` fires once its condition has held for `restore_hold` iterations (or
+    `restore_hold_s` seconds). Evaluated once per iteration; a duration counts from the first
+    evaluation at which the condition held, on the clock of whoever evaluates (an engine's, or
+    the cluster monitor's: virtual in the simulator, real on torch), so it does not stretch when
+    the evaluations do."""
 
     def __init__(self, *, drop: Condition, drop_hold: int, restore: Condition | None,
-                 restore_hold: int) -> None:
-        self._drop, self._drop_hold = drop, drop_hold
+                 restore_hold: int, drop_hold_s: float | None = None,
+                 restore_hold_s: float | None = None) -> None:
+        self._drop, self._drop_hold, self._drop_hold_s = drop, drop_hold, drop_hold_s
         self._restore, self._restore_hold = restore, restore_hold
+        self._restore_hold_s = restore_hold_s
         self.dropped = False
         self._drop_run = self._restore_run = 0
+        self._drop_since: float | None = None
+        self._restore_since: float | None = None
         self._iteration: int | None = None
         self._signal: OverloadSignal | None = None
 
@@ -195,12 +203,29 @@ class OverloadTriggers:
         if view.iteration == self._iteration:
             return self._signal
         self._iteration = view.iteration
-        self._drop_run = self._drop_run + 1 if self._drop(None) else 0
+        now = getattr(view, "now", 0.0)
+        held = self._drop(None)
+        self._drop_run = self._drop_run + 1 if held else 0
+        self._drop_since = (now if self._drop_since is None else self._drop_since) if held else None
         self._signal = None
-        if self._drop_run >= self._drop_hold:
-            self.dropped, self._restore_run, self._signal = True, 0, "drop"
+        if _long_enough(self._drop_run, self._drop_hold, self._drop_since, self._drop_hold_s, now):
+            self.dropped, self._signal = True, "drop"
+            self._restore_run, self._restore_since = 0, None
         elif self.dropped and self._restore is not None:
-            self._restore_run = self._restore_run + 1 if self._restore(None) else 0
-            if self._restore_run >= self._restore_hold:
-                self.dropped, self._restore_run, self._signal = False, 0, "restore"
+            held = self._restore(None)
+            self._restore_run = self._restore_run + 1 if held else 0
+            self._restore_since = ((now if self._restore_since is None else self._restore_since)
+                                   if held else None)
+            if _long_enough(self._restore_run, self._restore_hold, self._restore_since,
+                            self._restore_hold_s, now):
+                self.dropped, self._signal = False, "restore"
+                self._restore_run, self._restore_since = 0, None
         return self._signal
+
+
+def _long_enough(run: int, hold: int, since: float | None, hold_s: float | None,
+                 now: float) -> bool:
+    """A condition held `run` evaluations running, since `since`: enough for its hold?"""
+    if hold_s is None:
+        return run >= hold
+    return since is not None and now - since >= hold_s - 1e-9  # 40 x 0.05 s sums to 1.9999...

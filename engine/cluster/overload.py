@@ -32,6 +32,9 @@ class _Counted(NamedTuple):
 class ClusterLoad:
     iteration: int
     """The monitor round (a `for N iterations` hold counts rounds)."""
+    now: float = 0.0
+    """The monitor's clock at the round, seconds (a `for 2s` hold reads it): virtual time in
+    the simulator, real time on torch instances."""
     used_blocks: int
     free_blocks: int
     total_blocks: int
@@ -133,6 +136,8 @@ class OverloadMonitor:
         grouping (see `_drop`)."""
         self.fired: list[int] = []
         """The units whose drop trigger fired in the last round (the bench's events)."""
+        self.now = 0.0
+        """The clock at the last round (`decide`'s `now`)."""
 
     def trigger(self, index: int) -> Trigger:
         if index not in self._triggers:
@@ -163,7 +168,7 @@ class OverloadMonitor:
         g = self.groups.get(index)
         members = g.members if g is not None else (index,)
         return ClusterLoad(
-            iteration=self.rounds, used_blocks=st.total_blocks - st.free_blocks,
+            iteration=self.rounds, now=self.now, used_blocks=st.total_blocks - st.free_blocks,
             free_blocks=st.free_blocks, total_blocks=sum(self.base_pools[m] for m in members),
             block_size=self.block_size, queued_tokens=st.queued_tokens,
             head_tokens=st.head_tokens, waiting=st.waiting, running=st.running,
@@ -177,7 +182,7 @@ class OverloadMonitor:
         units = [self.load(i, st) for i, st in enumerate(stats)
                  if alive[i] and st is not None and self.member_of(i) is None]
         return ClusterLoad(
-            iteration=self.rounds, used_blocks=sum(u.used_blocks for u in units),
+            iteration=self.rounds, now=self.now, used_blocks=sum(u.used_blocks for u in units),
             free_blocks=sum(u.free_blocks for u in units),
             total_blocks=sum(p for p, a in zip(self.base_pools, alive) if a),
             block_size=self.block_size, queued_tokens=sum(u.queued_tokens for u in units),
@@ -193,8 +198,11 @@ class OverloadMonitor:
         return {m for g in self.groups.values() if not all(alive[i] for i in g.members)
                 for m in g.members}
 
-    def decide(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool]) -> Action:
+    def decide(self, stats: Sequence[InstanceStats | None], alive: Sequence[bool], *,
+               now: float = 0.0) -> Action:
+        """One monitor round at time `now` (seconds on the caller's clock)."""
         self.rounds += 1
+        self.now = now
         out = self.dissolving(alive)
         drop = []
         for i, st in enumerate(stats):

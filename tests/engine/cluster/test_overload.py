@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from engine.cluster.dispatch import InstanceStats
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.overload import Drop, OverloadMonitor, Restore, dissolve_only
+from engine.errors import PolicyCheckError, PolicySyntaxError
 from policies import policy_path
 from policy_lang.api import compile_policy
 from shunter.cluster.groups import policy_triggers
@@ -106,6 +109,47 @@ def test_kunserve_restores_only_after_40_calm_rounds():
     assert m.decide(busy, ALIVE) is None
     assert [m.decide(calm, ALIVE) for _ in range(39)] == [None] * 39
     assert m.decide(calm, ALIVE) == Restore(heads=(0,))
+
+
+HOLD_2S = ('policy hold_2s extends "kunserve.policy" {\n'
+           '  overload restore when kv_usage < 50% for 2s\n}\n')
+
+
+def test_a_restore_held_for_2s_reads_the_monitor_s_clock_not_its_rounds():
+    """`for 2s` counts seconds of the clock `decide` is given (virtual in the simulator, real
+    on torch): with 50 ms rounds it restores at the round 2 s after the lull began (the 41st),
+    when rounds stretch (a plan being carried out) after 2 s all the same, and a round above
+    half starts the count again."""
+    pair = GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32)))
+    calm = [_stats(used=90, total=600), None, _stats(used=10), _stats(used=10)]  # 27.5%
+    busy = [_stats(used=90, total=600), None, _stats(used=95), _stats(used=95)]  # 70%
+    m = _monitor(text=HOLD_2S)
+    m.formed(pair)
+    assert [m.decide(calm, ALIVE, now=0.05 * i) for i in range(40)] == [None] * 40
+    assert m.decide(calm, ALIVE, now=2.0) == Restore(heads=(0,))
+    stretched = _monitor(text=HOLD_2S)
+    stretched.formed(pair)
+    assert [stretched.decide(calm, ALIVE, now=t) for t in (10.0, 11.2)] == [None, None]
+    assert stretched.decide(calm, ALIVE, now=12.4) == Restore(heads=(0,))
+    reset = _monitor(text=HOLD_2S)
+    reset.formed(pair)
+    assert [reset.decide(calm, ALIVE, now=t) for t in (0.0, 1.0, 1.9)] == [None] * 3
+    assert reset.decide(busy, ALIVE, now=1.95) is None
+    assert [reset.decide(calm, ALIVE, now=t) for t in (2.0, 3.0, 3.99)] == [None] * 3
+    assert reset.decide(calm, ALIVE, now=4.0) == Restore(heads=(0,))
+
+
+def test_a_hold_with_the_wrong_unit_is_refused_where_it_is_written():
+    for hold, got in (("2 tokens", "got 2 tokens"), ("0s", "got 0ms"), ("2", "a plain number")):
+        with pytest.raises(PolicyCheckError) as err:
+            _triggers(text=HOLD_2S.replace("for 2s", f"for {hold}"))
+        first = str(err.value).splitlines()[0]
+        assert first.startswith("<test>:2:44: `for` needs a whole number of iterations or a "
+                                "positive duration, e.g. `for 2 iterations` or `for 2s`"), first
+        assert got in first, first
+    with pytest.raises(PolicySyntaxError, match=r"<test>:2:46: unexpected name 'sec'; .* \(a "
+                       r"number's unit is one of: ms, s, %, tokens, blocks, iterations\)"):
+        _triggers(text=HOLD_2S.replace("for 2s", "for 2 sec"))
 
 
 def test_a_replaced_policy_s_triggers_take_over():
