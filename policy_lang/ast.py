@@ -195,7 +195,7 @@ class Overload(Node):
 @attrs.frozen(kw_only=True)
 class Dispatch(Node):
     rule: Ident
-    """round_robin, least_load or most_free_kv (engine/cluster/dispatch.py)."""
+    """round_robin, least_load, most_free_kv or freeness (engine/cluster/dispatch.py)."""
 
 
 @attrs.frozen(kw_only=True)

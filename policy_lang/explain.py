@@ -209,7 +209,10 @@ class _Explainer:
                "least_load": "to the live instance with the fewest requests in flight, then the "
                              "least queued demand",
                "most_free_kv": "to the live instance with the largest free share of its KV "
-                               "pool"}.get(d.rule.name, d.rule.name)
+                               "pool",
+               "freeness": "to the live instance with the most free KV blocks, after its "
+                           "queued requests', per request it serves (Llumnix's freeness)"
+               }.get(d.rule.name, d.rule.name)
         return f"Dispatch (a cluster): each new request goes {how}."
 
     def preempt(self) -> str:

@@ -5,6 +5,7 @@ from its own count of requests sent and ended (fresh between two reports)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
@@ -25,6 +26,10 @@ class InstanceView(NamedTuple):
     total_blocks: int
     queued_tokens: int
     """Tokens of demand in flight: prompt + max_tokens of its requests not yet ended."""
+    queued_blocks: int = 0
+    """KV blocks its queued requests needed at its last report."""
+    sent_since_report: int = 0
+    """Requests dispatched to it since its last report."""
 
 
 DispatchRule = Callable[[Sequence[InstanceView], int], int]
@@ -46,8 +51,24 @@ def most_free_kv(live: Sequence[InstanceView], turn: int) -> int:
                                     -v.index)).index
 
 
+def freeness(live: Sequence[InstanceView], turn: int) -> int:
+    """Llumnix's freeness (Sun et al., OSDI '24, §4.4: F = (M - sum of virtual usages) / B;
+    its code: AlibabaPAI/llumnix llumnix/load_computation.py `RemainingStepsLoad`, dispatch to
+    the most remaining steps): the KV blocks left once the queued requests have theirs, over
+    the batch (running + queued + sent since the report), about how many decode steps the
+    batch can run before memory runs out. KunServe's dispatcher is Llumnix's (§3). Highest
+    wins (it may be negative); an instance with no requests is infinitely free; then fewest
+    in flight, then the lowest index."""
+    def free(v: InstanceView) -> float:
+        batch = v.running + v.waiting + v.sent_since_report
+        return (v.free_blocks - v.queued_blocks) / batch if batch else math.inf
+
+    return max(live, key=lambda v: (free(v), -v.in_flight, -v.index)).index
+
+
 DISPATCH_RULES: dict[str, DispatchRule] = {
-    "round_robin": round_robin, "least_load": least_load, "most_free_kv": most_free_kv}
+    "round_robin": round_robin, "least_load": least_load, "most_free_kv": most_free_kv,
+    "freeness": freeness}
 """The rules a policy's `dispatch` statement may name."""
 
 
@@ -81,6 +102,7 @@ class _Instance:
     in_flight: int = 0
     queued_tokens: int = 0
     blocks_since_report: int = 0
+    sent_since_report: int = 0
     dispatched: int = 0
 
 
@@ -107,7 +129,9 @@ class DispatchTable:
                 index=i, alive=s.alive, in_flight=s.in_flight,
                 waiting=st.waiting if st else 0, running=st.running if st else 0,
                 free_blocks=max(0, free), total_blocks=st.total_blocks if st else 0,
-                queued_tokens=s.queued_tokens))
+                queued_tokens=s.queued_tokens,
+                queued_blocks=-(-st.queued_tokens // self._block_size) if st else 0,
+                sent_since_report=s.sent_since_report))
         return out
 
     def choose(self, rule: DispatchRule) -> int:
@@ -123,6 +147,7 @@ class DispatchTable:
         s.dispatched += 1
         s.queued_tokens += demand_tokens
         s.blocks_since_report += -(-demand_tokens // self._block_size)
+        s.sent_since_report += 1
         self.dispatches += 1
 
     def ended(self, index: int, demand_tokens: int) -> None:
@@ -133,7 +158,7 @@ class DispatchTable:
     def report(self, index: int, stats: InstanceStats) -> None:
         s = self._instances[index]
         s.stats = stats
-        s.blocks_since_report = 0
+        s.blocks_since_report = s.sent_since_report = 0
 
     def down(self, index: int, reason: str) -> None:
         s = self._instances[index]

@@ -68,7 +68,35 @@ def test_an_unknown_rule_is_refused_where_it_is_written():
         compile_policy("policy p {\n  dispatch least_lod\n}", filename="p.policy")
     assert str(err.value).splitlines()[0] == (
         "p.policy:2:12: unknown dispatch rule 'least_lod'; did you mean 'least_load'? "
-        "(rules: round_robin, least_load, most_free_kv)")
+        "(rules: round_robin, least_load, most_free_kv, freeness)")
+
+
+def _report(table, i, *, free, running, waiting=0, queued_blocks=0):
+    table.report(i, InstanceStats(waiting=waiting, running=running, swapped=0, free_blocks=free,
+                                  total_blocks=12660, queued_tokens=queued_blocks * 16))
+
+
+def test_freeness_sends_to_the_most_free_blocks_per_request():
+    """Llumnix's freeness: free KV blocks after the queued requests' over the batch. A group's
+    head with thousands of free blocks but a large batch against instances alone and nearly
+    full: memory per request decides, not the request count (least_load) nor the free share."""
+    table = DispatchTable(3, block_size=16)
+    _report(table, 0, free=100, running=8, waiting=2)  # 10 blocks a request
+    _report(table, 1, free=1000, running=40, waiting=10, queued_blocks=200)  # 800 / 50 = 16
+    _report(table, 2, free=30, running=2)  # 15
+    rule = DISPATCH_RULES["freeness"]
+    assert table.choose(rule) == 1
+    assert table.choose(DISPATCH_RULES["least_load"]) == 0
+    for _ in range(10):  # sent since the report: their blocks and their count (790 / 60 = 13.2)
+        table.dispatched(1, 16)
+    assert table.choose(rule) == 2
+    _report(table, 0, free=10, running=5, waiting=5, queued_blocks=500)  # (10 - 500) / 10 < 0
+    assert table.choose(rule) == 2
+    _report(table, 0, free=5, running=0)  # no requests: infinitely free
+    assert table.choose(rule) == 0
+    policy = compile_policy("policy p { dispatch freeness }", filename="p.policy")
+    assert DISPATCH_RULES[policy.settings.dispatch] is rule
+    assert "(Llumnix's freeness)" in policy.explain()
 
 
 def test_ended_requests_leave_the_count_and_a_dead_cluster_refuses():
