@@ -45,10 +45,15 @@ def build_run_step(plan: IterationPlan, *, step_id: int, requests: Mapping[int, 
 
 
 def _setups(plan: IterationPlan, requests: Mapping[int, Request]) -> tuple[RequestSetup, ...]:
-    """A setup for each request in the step the executor has not seen yet, swap-ins first."""
+    """A setup for each request in the step the executor has not seen yet, swap-ins first. Its
+    tokens are the request's whole context: a request set up again after it produced tokens
+    (KunServe: moved from another instance, or released to be recomputed when its group lost a
+    member; engine/cluster/adoption.py) is prefilled from its output too, and the executor keeps
+    no copy of it meanwhile."""
     ids = dict.fromkeys([*(v.id for v in plan.swapped_in), *plan.work])
     return tuple(
-        RequestSetup(request_id=rid, prompt_ids=r.prompt_ids, sampling=r.sampling,
+        RequestSetup(request_id=rid, prompt_ids=(*r.prompt_ids, *r.output_ids)
+                     if r.output_ids else r.prompt_ids, sampling=r.sampling,
                      eos_token_ids=r.eos_token_ids)
         for rid in ids if not (r := requests[rid]).known_to_executor)
 

@@ -10,8 +10,9 @@ What the step fields cannot carry is handed over before the step that forms the 
 An instance process (shunter/cluster/instance_groups.py) instead opens the group itself with
 `form(plan, adopted)` before its scheduler learns of it (the exchange must start even when
 every request waits for its KV and no step comes); the step that carries the plan then finds
-it open. `adopt_tokens` gives the full context of requests that moved here with tokens the
-engine's setups do not carry (a setup holds the prompt only; the runner keeps the rest).
+it open. A request that moved here, or is recomputed after its group lost a member, is set
+up again with its whole context (engine/step_plan.py): this runner keeps nothing for it between
+its release and its setup (so nothing is left when it ends before it).
 """
 
 from __future__ import annotations
@@ -45,14 +46,9 @@ class KunServeTorchRunner(TorchRunner):
         self._adopted: tuple[Adopted, ...] = ()
         self.last_group: GroupRunner | None = None
         """The group runner of the last group led (its counters outlive it)."""
-        self._tokens: dict[int, tuple[int, ...]] = {}
-        """Adopted requests' whole context (prompt and output so far), by id here."""
         self.lost: str | None = None
         """Why the group this instance led broke (a member went away), once it did."""
         self._kv_lost: set[int] = set()
-        self._again: set[int] = set()
-        """Requests the engine releases to recompute them: their context stays in `_tokens`
-        until their setup comes."""
         self.microbatch = "tokens"
         """How a group this instance leads cuts its steps (the policy's `microbatch`)."""
         self.kv_exchange = "coordinated"
@@ -77,9 +73,6 @@ class KunServeTorchRunner(TorchRunner):
 
         self.holding = False
         return serve_member(self, head)
-
-    def adopt_tokens(self, tokens: dict[int, tuple[int, ...]]) -> None:
-        self._tokens.update(tokens)
 
     def _group(self, plan, adopted: Sequence[Adopted]) -> GroupRunner:
         split = tuple((r.start, r.stop) for r in plan.layers)
@@ -137,16 +130,6 @@ class KunServeTorchRunner(TorchRunner):
         plan = step.group
         if self.holding and step.release:
             step = attrs.evolve(step, release=())
-        if self._tokens:  # kept until released: a step that fails may set them up again
-            if step.setups:
-                step = attrs.evolve(step, setups=tuple(
-                    attrs.evolve(s, prompt_ids=self._tokens[s.request_id])
-                    if s.request_id in self._tokens else s for s in step.setups))
-            set_up = {s.request_id for s in step.setups}
-            self._again -= set_up
-            for rid in step.release:  # ended (a request set up again is not released here)
-                if rid not in set_up and rid not in self._again:
-                    self._tokens.pop(rid, None)
         if (plan is not None and self.group is None and self.lost is not None
                 and tuple(plan.members) == self._lost_ranks):  # lost before this step came
             step = attrs.evolve(step, group=None, pool_blocks=None)
@@ -190,7 +173,7 @@ class KunServeTorchRunner(TorchRunner):
         """A member went away: this instance serves alone again with its dropped layers from
         its host copy (the other survivors do the same); every request's KV is lost with the
         member's layers. Raises `GroupLost`: the engine recomputes every request (each is
-        released and set up again with its whole context, kept here) and shrinks its pool to
+        released and set up again with its whole context) and shrinks its pool to
         this runner's own; until then a step naming a request whose KV is gone fails the same
         way (`GroupLost`: recomputed, never failed)."""
         self.lose_group(exc)
@@ -206,8 +189,6 @@ class KunServeTorchRunner(TorchRunner):
         self._lost_ranks = group.ranks
         group.recover_from_host(exc.rank)
         self._kv_lost = set(self._seqs)
-        self._tokens.update({rid: tuple(s.tokens) for rid, s in self._seqs.items()})
-        self._again = set(self._tokens)  # released by the engine, set up again later
 
     def _refuse_lost(self, step: ExecuteStep) -> None:
         for rid in step.release:

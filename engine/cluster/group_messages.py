@@ -40,6 +40,10 @@ class Regroup:
     recompute): KunServe reschedules queued requests onto a group with room (§4.1)."""
     adopt: tuple[object, ...] = ()
     """`engine.request.Request`s, already under this engine's ids."""
+    adopt_recompute: bool = False
+    """The adopted requests' KV is not coming (their group was not formed, so it stayed with,
+    or died with, the member that handed them over): each is prefilled again here from its
+    whole context, counted as a preemption; a host copy stays with its member."""
     exchange: tuple[int, ...] = ()
     """This engine's own requests whose KV must be exchanged before they run again."""
     recompute: bool = False

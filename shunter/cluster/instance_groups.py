@@ -195,16 +195,10 @@ class InstanceGroups:
 
     async def _recompute_here(self, adopted, reqs) -> int:
         """Requests handed over for a group that was not formed: adopted by this instance's
-        scheduler with no KV (prefilled again from their whole context, which the runner
-        holds since `_take_over`)."""
-        for q in reqs:
-            if q.computed_tokens or q.state != "waiting":
-                q.recompute()
-                q.swapped_blocks = 0  # a host copy, if any, stayed with its member
-                q.preemptions += 1
+        scheduler to be prefilled again (`Regroup.adopt_recompute`) from their whole context."""
         if reqs:
-            await _ask(self.engine._scheduler_send, lambda r: Regroup(adopt=tuple(reqs),
-                                                                      reply=r))
+            await _ask(self.engine._scheduler_send, lambda r: Regroup(
+                adopt=tuple(reqs), adopt_recompute=True, reply=r))
         for (_, mv), q in zip(adopted, reqs, strict=True):
             await self.server.cancel_if_asked(mv.cluster_key, q.id)
         return len(reqs)
@@ -222,9 +216,9 @@ class InstanceGroups:
 
     async def _take_over(self, moved) -> list[tuple[int, object]]:
         """The moved requests' client streams made again here and relayed under their cluster
-        keys; each request gets its id here (returned with its old one); their whole context
-        goes to the runner for their setups."""
-        eng, runner = self.engine, self.runner
+        keys; each request gets its id here (returned with its old one); its setup here will
+        carry its whole context (engine/step_plan.py)."""
+        eng = self.engine
         streams, recvs = {}, {}
         for mv in moved:
             q = mv.request
@@ -237,15 +231,12 @@ class InstanceGroups:
             recvs[q.id] = recv
         new_ids = await _ask(eng._frontend_send, lambda r: TakeOverStreams(
             streams=streams, reply=r)) if streams else {}
-        tokens, out = {}, []
+        out = []
         for mv in moved:
             q = mv.request
             old, q.id = q.id, new_ids[q.id]
             self.server.relay(mv.cluster_key, q.id, recvs[old])
-            if q.output_ids:  # the engine's setup carries the prompt only
-                tokens[q.id] = tuple(q.prompt_ids) + tuple(q.output_ids)
             out.append((old, q))
-        runner.adopt_tokens(tokens)
         return out
 
     async def _arrivals(self, waiting: set[int]) -> None:
