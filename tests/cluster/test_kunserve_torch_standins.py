@@ -1,9 +1,10 @@
 """KunServe's torch group managers with stand-ins for the instances and the runner (no
-processes): the front door's `form` giving up when a later member cannot join, and the head's
-arrivals task finding a member lost. The process-level paths:
-test_kunserve_torch_faults.py. Planted bugs checked by hand
-(/work/notes/issue16_torch_round4.md): `form` not giving up fails the first; an arrivals'
-step that does not catch the loss fails the second."""
+processes): the front door's `form` giving up when a later member cannot join, the head's
+arrivals task finding a member lost, and a member that started when a later member's start
+failed. The process-level paths: test_kunserve_torch_faults.py. Planted bugs checked by hand
+(/work/notes/issue16_torch_round4.md, issue16_torch_round5.md): `form` not giving up fails the
+first; an arrivals' step that does not catch the loss fails the second; the head's `open` not
+telling the started member, or a member's abandon not restoring its layers, fails the third."""
 
 from __future__ import annotations
 
@@ -114,3 +115,68 @@ async def test_a_member_lost_found_by_the_arrivals_poll_recomputes_instead_of_cr
     assert isinstance(msg, Regroup) and msg.recompute and msg.pool_blocks == SOLO_BLOCKS, msg
     assert msg.group.members == (3,) and msg.group.layers == (range(4),), msg.group
     assert runner.group is None and "instance 5 was lost while step 0" in str(runner.lost_with)
+
+
+def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_alone(
+        monkeypatch, kunserve_model):
+    """A group of three: the head's `GroupStart` reaches member 1, which starts (it drops its
+    layers and serves the group), then the one to member 2 fails (gone): the head tells member
+    1 (`GroupAbandon`), has dropped nothing and leads no group; member 1, in its serving loop,
+    restores its dropped layers from its host copy, gets a fresh sending thread and serves
+    alone with no sequence. The head is a real runner on the tiny model, member 1 the real
+    `serve_member` reading what the head sent; the data plane and member 1's stage are
+    stand-ins (three processes: the fault tests' cost three times over)."""
+    import types
+
+    import gpu.group_member as gm
+    import gpu.group_runner as gr
+    from engine.cluster.drop_plan import GroupPlan
+    from engine.config import EngineConfig
+    from gpu.data_plane import GroupMemberLost
+    from shunter.backends import build_backend
+
+    to_member, sent = [], []
+
+    def send(obj, dst, tag, what):
+        sent.append((type(obj).__name__, dst))
+        if dst == 2:
+            raise GroupMemberLost(2, what, RuntimeError("Connection closed by peer"))
+        to_member.append(obj)
+
+    class Plane:
+        def __init__(self, rank):
+            self.rank, self.renewed = rank, 0
+
+        def renew_queue(self):
+            self.renewed += 1
+
+    class Stage:  # member 1's: built from the head's GroupStart (its layers dropped)
+        def __init__(self, model, plane, start, me, seqs):
+            self.model, self.me, self.seqs = model, me, dict(seqs)
+
+    head_plane, member_plane, restored = Plane(0), Plane(1), []
+    monkeypatch.setattr(gr, "send_obj", send)
+    monkeypatch.setattr(gr, "data_plane", lambda: head_plane)
+    runner = build_backend(EngineConfig(model=kunserve_model, device="cpu", threads=1,
+                                        num_blocks=SOLO_BLOCKS, block_size=4,
+                                        cpu_swap_blocks=0)).runner
+    try:
+        runner._load()
+        plan = GroupPlan(group_id=4, members=(0, 1, 2), layers=(range(1), range(1, 2),
+                                                               range(2, 4)))
+        with pytest.raises(GroupMemberLost, match="instance 2 was lost"):
+            runner.form(plan, ())
+        assert sent == [("GroupStart", 1), ("GroupStart", 2), ("GroupAbandon", 1)], sent
+        assert runner.group is None and getattr(runner._model, "drop_state", None) is None
+    finally:
+        runner.close()
+
+    monkeypatch.setattr(gm, "data_plane", lambda: member_plane)
+    monkeypatch.setattr(gm, "recv_obj", lambda src, tag, what: to_member.pop(0))
+    monkeypatch.setattr(gm, "GroupStage", Stage)
+    monkeypatch.setattr(gm, "restore_layers", restored.append)
+    solo = types.SimpleNamespace(_model="member 1's model", _seqs={9: "its request's KV"})
+    out = gm.serve_member(solo, 0)
+    assert "instance 2 was lost while the group was being formed" in out["abandoned"], out
+    assert restored == ["member 1's model"] and member_plane.renewed == 1
+    assert solo._seqs == {} and not to_member
