@@ -48,13 +48,13 @@ from engine.snapshots import EngineSnapshot
 from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
 from shunter.cluster.groups import SimGroups, overload_monitor, policy_triggers
-from shunter.cluster.handles import InProcessInstance, RemoteInstance, refusal
+from shunter.cluster.handles import InProcessInstance, RemoteInstance, refusal, tell
 from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
 from shunter.cluster.remote_groups import RemoteGroups, torch_overload_monitor
 from shunter.cluster.wire import Hello, Link
 from shunter.engine import Engine
-from sim.network import LINKS
 from shunter.policy_source import engine_capabilities, initial_policy, replacement
+from sim.network import LINKS
 
 ClusterKind = Literal["local", "ray", "inprocess"]
 
@@ -170,9 +170,7 @@ class Cluster:
                     try:
                         yield cluster
                     finally:
-                        cluster._closed = True
-                        for inst in cluster.instances:
-                            await inst.close(detach=bool(attach))
+                        await cluster._close_instances(detach=bool(attach))
                         tg.cancel_scope.cancel()
         finally:
             if launcher is not None:
@@ -252,8 +250,8 @@ class Cluster:
         try:
             index = await self._choose(demand)
         except NoInstanceError as exc:
-            await msg.outputs.send(refusal(key, Rejected(error=EngineDeadError(str(exc))),
-                                           announced=announced))
+            await tell(msg.outputs, refusal(key, Rejected(error=EngineDeadError(str(exc))),
+                                            announced=announced))
             return
         self._where[key] = (index, demand)
         await self.instances[index].submit(key, msg, announced=announced)
@@ -267,8 +265,22 @@ class Cluster:
     async def _redispatch(self, key: int, msg: Submit, announced: bool) -> None:
         """A request its dead instance had not streamed from: serve it elsewhere, under the id
         its client has or will be told (`announced`: whether the dead instance's `Admitted`
-        reached the client; if not, the new instance's does)."""
+        reached the client; if not, the new instance's does). Not if its client has gone (its
+        cancel went to the dead instance), nor once the cluster shuts down (the client's
+        stream ends: EngineDeadError, as for every request still live then)."""
+        if msg.outputs.statistics().open_receive_streams == 0:
+            return
+        if self._closed:
+            msg.outputs.close()
+            return
         await self._submit(msg, key=key, announced=announced)
+
+    async def _close_instances(self, *, detach: bool) -> None:
+        """The cluster shuts down: refuse new requests, stop (or detach from) every instance,
+        and end the requests still live (their clients raise EngineDeadError)."""
+        self._closed = True
+        for inst in self.instances:
+            await inst.close(detach=detach)
 
     def _ended(self, key: int) -> None:
         where = self._where.pop(key, None)
@@ -332,7 +344,7 @@ def _current_backend() -> str:
         import sniffio
 
         return sniffio.current_async_library()
-    except Exception:  # not inside an event loop
+    except sniffio.AsyncLibraryNotFoundError:  # not inside an event loop
         return "asyncio"
 
 

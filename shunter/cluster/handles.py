@@ -85,6 +85,14 @@ class _Relay:
         live = self._live.get(key)
         if live is None:
             return
+        if (isinstance(out, Rejected) and isinstance(out.error, EngineDeadError)
+                and not live.streamed):
+            # its engine stopped (an actor failed) before the monitor's next round saw it, and
+            # the request never started there: served elsewhere, as a dead process's would be
+            self._finish(key)
+            await self.mark_down(f"instance {self.index}: {out.error}")
+            await self._redispatch(key, live.submit, live.announced)
+            return
         send = live.submit.outputs
         try:
             match out:
@@ -101,8 +109,18 @@ class _Relay:
                     if out.finish_reason is None:
                         return
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-            pass  # the client went away; the cancel it sent follows
+            # the client went away: cancel the request here (a client that left before its
+            # `Admitted`, or while its request was handed back, had no way to)
+            if not _final(out):
+                self.cancel_nowait(key)
         self._finish(key)
+
+    def _end_live(self) -> None:
+        """The cluster shuts down: every live request's client sees its stream end and raises
+        EngineDeadError with the cluster's reason, as an Engine's clients do when it stops."""
+        for key, live in list(self._live.items()):
+            self._finish(key)
+            live.submit.outputs.close()
 
     def _finish(self, key: int) -> None:
         if self._live.pop(key, None) is not None:
@@ -131,6 +149,19 @@ class _Relay:
                 await live.submit.outputs.send(chunk)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError):
                 pass
+
+
+def _final(out) -> bool:
+    return isinstance(out, Rejected) or (isinstance(out, GenerationChunk)
+                                         and out.finish_reason is not None)
+
+
+async def tell(outputs, out) -> None:
+    """Send `out` to a client's stream; a client that went away takes nothing."""
+    try:
+        await outputs.send(out)
+    except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+        pass
 
 
 def refusal(key: int, rejected: Rejected, *, announced: bool) -> Rejected | GenerationChunk:
@@ -182,10 +213,15 @@ class RemoteInstance(_Relay):
                         if reply is not None:
                             reply.send(msg)
             tg.cancel_scope.cancel()
-        if not self._closing and (self.failure is None or self._live):
-            reason = self.failure or await anyio.to_thread.run_sync(self._describe_death)
-            for reply in self._asks.values():
-                reply.fail(EngineDeadError(reason))
+        died = not self._closing and (self.failure is None or bool(self._live))
+        if died and self.failure is None:
+            reason = await anyio.to_thread.run_sync(self._describe_death)
+        else:
+            reason = self.failure or f"instance {self.index}: its link was closed"
+        for reply in self._asks.values():  # every question still open, whatever ended the link
+            reply.fail(EngineDeadError(reason))
+        self._asks.clear()
+        if died:
             await self._instance_died(reason)
 
     async def _send_cancels(self) -> None:
@@ -197,6 +233,7 @@ class RemoteInstance(_Relay):
 
     async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
         if self.failure is not None:  # chosen just before the coordinator heard of the death
+            self._on_end(key)  # what the coordinator counted in flight here
             await self._redispatch(key, submit, announced)
             return
         self._live[key] = _Live(submit=submit, announced=announced)
@@ -249,6 +286,7 @@ class RemoteInstance(_Relay):
     async def close(self, *, detach: bool = False) -> None:
         """Stop the instance, or with `detach` leave it serving for the next front door."""
         self._closing = True
+        self._end_live()
         try:
             await self._link.send(Detach() if detach else Shutdown())
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -297,7 +335,10 @@ class InProcessInstance(_Relay):
         if key in self._live:  # the engine stopped under the request (an actor failed)
             # (a request moved to a KunServe group's head ends with the head engine's reason)
             engine = self._cancel_to.get(key, (self.engine,))[0]
-            await self._forward(key, stopped_chunk(engine.stopped_reason()))
+            reason = engine.stopped_reason()
+            admitted = key in self._ids or key in self._cancel_to
+            await self._forward(key, stopped_chunk(reason) if admitted
+                                else Rejected(error=EngineDeadError(reason)))
         self._ids.pop(key, None)
         self._cancel_to.pop(key, None)
 
@@ -318,4 +359,4 @@ class InProcessInstance(_Relay):
         await self.engine.replace_policy(text)
 
     async def close(self, *, detach: bool = False) -> None:
-        pass
+        self._end_live()

@@ -43,7 +43,7 @@ def instance_process(config: EngineConfig, host: str, conn, async_backend: str) 
     the instance listens on, or the error that stopped it from starting."""
     try:
         anyio.run(serve_instance, config, host, conn.send, backend=async_backend)
-    except Exception as exc:  # reported to the front door, which names the instance
+    except Exception as exc:  # noqa: BLE001 (reported to the front door, which names the instance)
         try:
             conn.send(f"{type(exc).__name__}: {exc}")
         except OSError:
@@ -77,7 +77,11 @@ class InstanceServer:
         self.groups = InstanceGroups(engine, self)
 
     async def send(self, msg) -> None:
-        await self._link.send(msg)
+        """To the front door. A link that has gone takes nothing: the reader sees it end and
+        ends the serving (a send's error must not end the process, nor a detached instance
+        that waits for the next front door)."""
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._link.send(msg)
 
     def keys_of(self, ids) -> dict[int, int]:
         want = set(ids)
@@ -105,13 +109,13 @@ class InstanceServer:
 
     def relay(self, key: int, request_id: int, recv) -> None:
         self._ids[key] = request_id
-        self._tg.start_soon(self._relay, key, recv)
+        self._tg.start_soon(self._relay, key, recv, True)
 
     async def run(self) -> bool:
         """Serve the link until it closes; True when the front door detached (serve the
         next one), False when the instance should end."""
         detached = False
-        await self._link.send(Hello(pid=os.getpid(), block_size=self._engine.config.block_size,
+        await self.send(Hello(pid=os.getpid(), block_size=self._engine.config.block_size,
                                     vocab_size=self._engine.backend.vocab_size,
                                     policy_source=self._engine.policy.source))
         async with anyio.create_task_group() as tg:
@@ -154,19 +158,20 @@ class InstanceServer:
         try:
             await self._engine._submit(submit)
         except EngineDeadError as exc:
-            await self._link.send(Output(key=msg.key, output=Rejected(error=exc)))
+            await self.send(Output(key=msg.key, output=Rejected(error=exc)))
             return
         await self._relay(msg.key, recv)
 
-    async def _relay(self, key: int, recv) -> None:
+    async def _relay(self, key: int, recv, admitted: bool = False) -> None:
         ended = False
         async with recv:
             async for out in recv:
                 if isinstance(out, Admitted):
+                    admitted = True
                     self._ids[key] = out.request_id
                     if key in self._cancelled:
                         self._engine._cancel_nowait(out.request_id)
-                await self._link.send(Output(key=key, output=_portable(out)))
+                await self.send(Output(key=key, output=_portable(out)))
                 if isinstance(out, Rejected) or (isinstance(out, GenerationChunk)
                                                  and out.finish_reason is not None):
                     ended = True
@@ -175,8 +180,11 @@ class InstanceServer:
         if moved is not None:  # it goes on at a group's head, relayed from there
             moved.set()
         elif not ended:  # the engine stopped under the request (an actor failed)
-            await self._link.send(Output(key=key, output=stopped_chunk(
-                self._engine.stopped_reason())))
+            reason = self._engine.stopped_reason()
+            # one it never admitted (queued as it stopped) is refused: the client still waits
+            # for its admission answer, and the front door serves it elsewhere
+            last = stopped_chunk(reason) if admitted else Rejected(error=EngineDeadError(reason))
+            await self.send(Output(key=key, output=last))
         self._ids.pop(key, None)
         self._cancelled.discard(key)
 
@@ -185,14 +193,14 @@ class InstanceServer:
             snap, error = await self._engine.inspect(), None
         except EngineDeadError as exc:
             snap, error = None, str(exc)
-        await self._link.send(Snapshot(key=key, snapshot=snap, error=error))
+        await self.send(Snapshot(key=key, snapshot=snap, error=error))
 
     async def _stats(self, key: int) -> None:
         try:
             stats, error = summarize(await self._engine.inspect()), None
         except EngineDeadError as exc:
             stats, error = None, str(exc)
-        await self._link.send(Stats(key=key, stats=stats, error=error))
+        await self.send(Stats(key=key, stats=stats, error=error))
 
     async def _replace(self, key: int, text: str) -> None:
         try:
@@ -200,7 +208,7 @@ class InstanceServer:
             error = None
         except (PolicyError, EngineDeadError) as exc:
             error = str(exc)
-        await self._link.send(PolicyReplaced(key=key, error=error))
+        await self.send(PolicyReplaced(key=key, error=error))
 
 
 def stopped_chunk(reason: str) -> GenerationChunk:

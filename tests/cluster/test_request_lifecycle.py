@@ -1,0 +1,457 @@
+"""Every request through the cluster's front door ends, and no token is lost, whatever the
+interleaving: a real `Cluster`, its real coordinator and instance handles, with stand-in control
+links the test answers for the instances (so each interleaving is forced by events, not by
+timing), and real clients (`cluster.generate`). The instance process's side
+(`InstanceServer`, and the in-process handle) runs over stand-in engines."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+
+import anyio
+import pytest
+
+import shunter
+from actors.coordinator import Coordinator
+from engine.cluster.dispatch import DISPATCH_RULES, NoInstanceError
+from engine.cluster.messages import ChooseInstance, InspectCluster
+from engine.config import EngineConfig
+from engine.errors import EngineDeadError, ShunterError
+from engine.outputs import Admitted, GenerationChunk, Rejected
+from engine.reply import Reply
+from shunter.cluster.cluster import Cluster
+from shunter.cluster.handles import InProcessInstance, RemoteInstance
+from shunter.cluster.instance import InstanceServer
+from shunter.cluster.wire import (
+    AskSnapshot,
+    CancelRequest,
+    Detach,
+    Hello,
+    Output,
+    Shutdown,
+    SubmitRequest,
+)
+
+pytestmark = pytest.mark.anyio
+
+GUARD_S = 10
+"""Only a hang reaches this: every wait below is on an event the test itself causes."""
+DIED = EngineDeadError("the executor actor failed: RuntimeError: boom")
+
+
+class Link:
+    """A stand-in control link. The far end (the instance, played by the test) sends with
+    `peer_send` (closing it is the process dying) and reads what was sent with `next_sent()`."""
+
+    def __init__(self) -> None:
+        self.peer_send, self._recv = anyio.create_memory_object_stream(math.inf)
+        self._sent_send, self._sent = anyio.create_memory_object_stream(math.inf)
+        self.sent: list[object] = []
+        self.broken = False
+        """Sends raise, as on a socket whose peer has gone."""
+        self.send_failed = anyio.Event()
+
+    async def send(self, msg: object) -> None:
+        if self.broken:
+            self.send_failed.set()
+            raise anyio.BrokenResourceError
+        self.sent.append(msg)
+        self._sent_send.send_nowait(msg)
+
+    async def next_sent(self) -> object:
+        with anyio.fail_after(GUARD_S):
+            return await self._sent.receive()
+
+    async def receive(self) -> object:
+        return await self._recv.receive()
+
+    async def aclose(self) -> None:
+        self._recv.close()
+
+    async def answer(self, key: int, *outputs: object) -> None:
+        for out in outputs:
+            await self.peer_send.send(Output(key=key, output=out))
+
+
+@contextlib.asynccontextmanager
+async def stand_in_cluster(count: int = 2) -> AsyncIterator[tuple[Cluster, list[Link],
+                                                                   list[anyio.Event]]]:
+    """A Cluster with its coordinator (round robin) and `count` remote handles over stand-in
+    links; the events are set once each handle's reader has ended (after any hand-back)."""
+    cluster = Cluster(EngineConfig(backend="sim"), None, count, 1.0, None, None)
+    send, recv = anyio.create_memory_object_stream(math.inf)
+    cluster._coordinator = send
+    links, ended = [Link() for _ in range(count)], [anyio.Event() for _ in range(count)]
+
+    async def run(handle: RemoteInstance, done: anyio.Event, *, task_status) -> None:
+        try:
+            await handle.run(task_status=task_status)
+        finally:
+            done.set()
+
+    with anyio.fail_after(GUARD_S):  # a client left waiting for ever fails the test
+        async with anyio.create_task_group() as tg:
+            await tg.start(Coordinator(table=cluster.table, rule=DISPATCH_RULES["round_robin"],
+                                       inbox=recv).run)
+            for i, link in enumerate(links):
+                handle = RemoteInstance(i, link, on_end=cluster._ended,
+                                        redispatch=cluster._redispatch,
+                                        on_down=cluster._instance_down,
+                                        describe_death=lambda i=i: f"instance {i} was killed",
+                                        kill=lambda: None)
+                cluster.instances.append(handle)
+                await tg.start(run, handle, ended[i])
+            yield cluster, links, ended
+            tg.cancel_scope.cancel()
+
+
+async def views(cluster: Cluster):
+    """The coordinator's table once it has read every message sent before."""
+    reply = Reply()
+    await cluster._coordinator.send(InspectCluster(reply=reply))
+    return await reply.wait()
+
+
+def params(max_tokens: int = 4) -> shunter.SamplingParams:
+    return shunter.SamplingParams(max_tokens=max_tokens, temperature=0)
+
+
+async def read_all(stream, into: list) -> None:
+    """The client: every chunk, or the exception it raised, into `into`."""
+    try:
+        async with stream:
+            async for chunk in stream:
+                into.append(chunk)
+    except ShunterError as exc:
+        into.append(exc)
+
+
+def tokens(chunks: list) -> list[int]:
+    return [t for c in chunks if isinstance(c, GenerationChunk) for t in c.token_ids]
+
+
+def chunk(key: int, ids: tuple[int, ...], finish: str | None = None) -> GenerationChunk:
+    return GenerationChunk(request_id=key, token_ids=ids, text="", finish_reason=finish)
+
+
+# ------------------------------------------------------------------ the client stream protocol
+
+@pytest.mark.parametrize("admitted_before_death", [False, True])
+async def test_a_request_handed_back_reaches_its_client_whole_and_in_order(admitted_before_death):
+    """Instance 0 dies before `Admitted` or between `Admitted` and the first chunk: the client
+    gets instance 1's tokens, each once, in order (CI's kill test, forced here)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all, cluster.generate([1, 2, 3], params()), got)
+            sub = await links[0].next_sent()
+            if admitted_before_death:
+                await links[0].answer(sub.key, Admitted(request_id=40))
+            links[0].peer_send.close()
+            again = await links[1].next_sent()
+            assert isinstance(again, SubmitRequest) and again.key == sub.key
+            await links[1].answer(sub.key, Admitted(request_id=9), chunk(9, (5, 6)),
+                                  chunk(9, (7, 8), "length"))
+        assert tokens(got) == [5, 6, 7, 8]
+        assert got[-1].finish_reason == "length" and got[-1].request_id == sub.key
+        assert [v.in_flight for v in await views(cluster)] == [0, 0]
+
+
+async def test_a_client_that_leaves_before_its_admission_has_its_request_cancelled():
+    """It had no id to cancel with: the front door, finding it gone when `Admitted` comes,
+    cancels the request on its instance (before: the instance ran it to its end)."""
+    async with stand_in_cluster(1) as (cluster, links, _):
+        left, client = anyio.Event(), anyio.CancelScope()
+
+        async def wait_for_admission() -> None:
+            with client:
+                async with cluster.generate([1, 2, 3], params(1000)) as stream:
+                    await stream.__anext__()
+            left.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_admission)
+            sub = await links[0].next_sent()
+            client.cancel()  # an HTTP client hanging up while its request is dispatched
+            await left.wait()
+            await links[0].answer(sub.key, Admitted(request_id=1))
+            assert await links[0].next_sent() == CancelRequest(key=sub.key)
+        assert cluster.instances[0].live_requests == 0
+        assert [v.in_flight for v in await views(cluster)] == [0]
+
+
+async def test_a_request_whose_client_left_is_not_dispatched_again_when_its_instance_dies():
+    """The cancel raced with the hand-back (the client left before the request's `Admitted`,
+    or while it was being dispatched again): nothing is sent to another instance."""
+    async with stand_in_cluster() as (cluster, links, ended):
+        left, client = anyio.Event(), anyio.CancelScope()
+
+        async def wait_for_admission() -> None:
+            with client:
+                async with cluster.generate([1, 2, 3], params(1000)) as stream:
+                    await stream.__anext__()
+            left.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(wait_for_admission)
+            await links[0].next_sent()
+            client.cancel()
+            await left.wait()
+        links[0].peer_send.close()
+        await ended[0].wait()  # instance 0's requests handed back, or not
+        assert links[1].sent == []
+        assert [v.in_flight for v in await views(cluster)] == [0, 0]
+
+
+async def test_an_instance_whose_engine_stopped_before_admitting_hands_the_request_on():
+    """Its engine stopped (an actor failed) while its process lives, before the monitor's
+    next round: the request it refused with EngineDeadError goes to a live instance (before:
+    the client got EngineDeadError though the cluster serves)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all, cluster.generate([1, 2, 3], params()), got)
+            sub = await links[0].next_sent()
+            await links[0].answer(sub.key, Rejected(error=DIED))
+            again = await links[1].next_sent()
+            assert again.key == sub.key
+            await links[1].answer(sub.key, Admitted(request_id=3), chunk(3, (4, 5), "length"))
+        assert tokens(got) == [4, 5] and got[-1].finish_reason == "length"
+        table = await views(cluster)
+        assert [v.alive for v in table] == [False, True]
+        assert [v.in_flight for v in table] == [0, 0]
+        assert cluster.instances[0].failure == f"instance 0: {DIED}"
+
+
+async def test_a_dead_instance_the_coordinator_chose_counts_nothing_in_flight():
+    """The coordinator chose instance 0 before it heard of its death; the request is served
+    on instance 1, and instance 0's count of requests in flight goes back to 0 (before: it
+    kept 1 for ever, so `wait_idle` never returned)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        cluster.instances[0].failure = "instance 0 was killed"  # the coordinator not told yet
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all, cluster.generate([1, 2, 3], params()), got)
+            sub = await links[1].next_sent()
+            await links[1].answer(sub.key, Admitted(request_id=3), chunk(3, (4,), "length"))
+        assert tokens(got) == [4]
+        assert [v.in_flight for v in await views(cluster)] == [0, 0]
+        assert links[0].sent == []
+
+
+# ------------------------------------------------------------------ shutdown
+
+async def test_requests_in_flight_end_when_the_cluster_shuts_down():
+    """One client streaming, one waiting for its admission answer: both get EngineDeadError
+    (before: both waited for ever)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        streaming, waiting = [], []
+        first = anyio.Event()
+
+        async def stream_one() -> None:
+            try:
+                async with cluster.generate([1, 2], params(100)) as stream:
+                    async for c in stream:
+                        streaming.append(c)
+                        first.set()
+            except EngineDeadError as exc:
+                streaming.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream_one)
+            a = await links[0].next_sent()
+            await links[0].answer(a.key, Admitted(request_id=1), chunk(1, (9,)))
+            await first.wait()
+            tg.start_soon(read_all, cluster.generate([3, 4], params()), waiting)
+            await links[1].next_sent()
+            with anyio.fail_after(GUARD_S):
+                await cluster._close_instances(detach=False)
+        assert tokens(streaming) == [9]
+        for got in (streaming, waiting):
+            assert isinstance(got[-1], EngineDeadError)
+            assert str(got[-1]) == "the cluster shut down"
+        assert Shutdown() in links[0].sent and Shutdown() in links[1].sent
+
+
+async def test_an_instance_dying_while_the_cluster_shuts_down_fails_only_its_requests():
+    """Its unstreamed request cannot be dispatched again: the client gets EngineDeadError
+    (before: the hand-back raised in the handle's task and took the cluster down)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(read_all, cluster.generate([1, 2, 3], params()), got)
+            await links[0].next_sent()
+            cluster._closed = True  # shutting down, instance 0 not yet told
+            links[0].peer_send.close()  # killed with the terminal's Ctrl-C, say
+        assert isinstance(got[-1], EngineDeadError) and str(got[-1]) == "the cluster shut down"
+
+
+async def test_a_client_that_left_while_every_instance_went_down_takes_nothing_down():
+    """The hand-back finds no instance left, and the client left during that round trip:
+    its refusal goes nowhere, quietly (before: the send raised in the handle's task)."""
+    async with stand_in_cluster(1) as (cluster, links, ended):
+        real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
+        cluster._coordinator = scripted[0]
+        client = cluster.generate([1, 2, 3], params())
+
+        async def coordinator() -> None:
+            async for msg in scripted[1]:
+                if isinstance(msg, ChooseInstance) and cluster.table.dispatches == 0:
+                    await real.send(msg)  # the first choice: instance 0
+                elif isinstance(msg, ChooseInstance):
+                    await client.aclose()  # the client leaves during the round trip
+                    msg.reply.fail(NoInstanceError("every instance of the cluster is down"))
+                else:
+                    await real.send(msg)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(coordinator)
+            tg.start_soon(read_all, client, [])
+            sub = await links[0].next_sent()
+            await links[0].answer(sub.key, Admitted(request_id=1))
+            links[0].peer_send.close()
+            await ended[0].wait()
+            tg.cancel_scope.cancel()
+
+
+async def test_questions_pending_when_a_marked_down_instance_dies_are_answered():
+    """`inspect` asked, the monitor marked the instance down, then its process died: the
+    question fails with EngineDeadError (before: it waited for ever)."""
+    async with stand_in_cluster(1) as (cluster, links, ended):
+        handle, answers = cluster.instances[0], []
+
+        async def ask() -> None:
+            try:
+                answers.append(await handle.snapshot())
+            except EngineDeadError as exc:
+                answers.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ask)
+            assert isinstance(await links[0].next_sent(), AskSnapshot)
+            await handle.mark_down("instance 0: the scheduler actor failed")
+            links[0].peer_send.close()
+            with anyio.fail_after(GUARD_S):
+                await ended[0].wait()
+        assert isinstance(answers[0], EngineDeadError)
+        assert "scheduler actor failed" in str(answers[0])
+
+
+# ------------------------------------------------------------------ the instance's side
+
+class StandInEngine:
+    """What `InstanceServer` and `InProcessInstance` use of an Engine; the test reads the
+    submissions from `submitted` and plays the engine's frontend on their output streams."""
+
+    def __init__(self) -> None:
+        self.config = SimpleNamespace(block_size=4)
+        self.backend = SimpleNamespace(vocab_size=97, runner=None)
+        self.policy = SimpleNamespace(source="policy fcfs { }")
+        self._send, self.submitted = anyio.create_memory_object_stream(math.inf)
+        self.stopped: str | None = None
+        self.cancelled: list[int] = []
+
+    async def _submit(self, msg) -> None:
+        if self.stopped is not None:
+            raise EngineDeadError(self.stopped)
+        self._send.send_nowait(msg)
+
+    def _cancel_nowait(self, request_id: int) -> None:
+        self.cancelled.append(request_id)
+
+    def stopped_reason(self) -> str:
+        return self.stopped or "the engine stopped"
+
+    async def next_submitted(self):
+        with anyio.fail_after(GUARD_S):
+            return await self.submitted.receive()
+
+
+def submit_request(key: int) -> SubmitRequest:
+    return SubmitRequest(key=key, prompt=None, prompt_ids=(1, 2, 3), sampling=params(),
+                         scheduling=shunter.SchedulingParams())
+
+
+async def test_the_instance_refuses_what_its_stopped_engine_never_admitted():
+    """A submission queued in the engine when it stopped (its stream closed unanswered), and
+    one that came after: each is refused with EngineDeadError, never answered with a chunk
+    (before, the first got an error chunk with no `Admitted`: a protocol break)."""
+    engine, link = StandInEngine(), Link()
+    server = InstanceServer(engine, link)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.run)
+        assert isinstance(await link.next_sent(), Hello)
+        await link.peer_send.send(submit_request(5))
+        queued = await engine.next_submitted()
+        engine.stopped = str(DIED)
+        queued.outputs.close()  # what the frontend does to queued submissions as it stops
+        for key in (5, 6):
+            if key == 6:
+                await link.peer_send.send(submit_request(6))
+            out = await link.next_sent()
+            assert out.key == key and isinstance(out.output, Rejected)
+            assert isinstance(out.output.error, EngineDeadError)
+            assert str(out.output.error) == str(DIED)
+        await link.peer_send.send(Shutdown())
+
+
+async def test_the_in_process_handle_hands_on_what_its_stopped_engine_never_admitted():
+    engine, handed_back, down, handed = StandInEngine(), [], [], anyio.Event()
+
+    async def redispatch(key: int, submit, announced: bool) -> None:
+        handed_back.append((key, announced))
+        handed.set()
+
+    async def on_down(index: int, reason: str) -> None:
+        down.append(reason)
+
+    handle = InProcessInstance(0, engine, on_end=lambda key: None, redispatch=redispatch,
+                               on_down=on_down)
+    client = cluster_submit()
+    async with anyio.create_task_group() as tg:
+        await tg.start(handle.run)
+        await handle.submit(7, client[0])
+        queued = await engine.next_submitted()
+        engine.stopped = str(DIED)
+        queued.outputs.close()
+        with anyio.fail_after(GUARD_S):
+            await handed.wait()
+        tg.cancel_scope.cancel()
+    assert handed_back == [(7, False)] and down == [f"instance 0: {DIED}"]
+    with pytest.raises(anyio.WouldBlock):
+        client[1].receive_nowait()  # the client heard nothing: the next instance answers it
+
+
+def cluster_submit():
+    from engine.messages import Submit
+
+    send, recv = anyio.create_memory_object_stream(math.inf)
+    return Submit(prompt=None, prompt_ids=[1, 2, 3], sampling=params(),
+                  scheduling=shunter.SchedulingParams(), outputs=send), recv
+
+
+async def test_the_instance_survives_its_link_breaking_under_a_relay_and_serves_the_next():
+    """The front door detached while a request was still streaming: the relay's send fails,
+    and the instance still waits for the next front door (before: the send's error ended the
+    instance's process, and the next test sharing it found nothing to attach to)."""
+    engine, link = StandInEngine(), Link()
+    server = InstanceServer(engine, link)
+    result: list[bool] = []
+
+    async def serve() -> None:
+        result.append(await server.run())
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve)
+        await link.next_sent()  # Hello
+        await link.peer_send.send(submit_request(5))
+        sub = await engine.next_submitted()
+        link.broken = True
+        sub.outputs.send_nowait(Admitted(request_id=1))
+        with anyio.fail_after(GUARD_S):
+            await link.send_failed.wait()
+        await link.peer_send.send(Detach())
+    assert result == [True]
