@@ -295,25 +295,33 @@ async def test_a_client_that_left_while_every_instance_went_down_takes_nothing_d
     async with stand_in_cluster(1) as (cluster, links, ended):
         real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
         cluster._coordinator = scripted[0]
-        client = cluster.generate([1, 2, 3], params())
+        left, client = anyio.Event(), anyio.CancelScope()
+
+        async def wait_for_tokens() -> None:
+            with client:
+                async with cluster.generate([1, 2, 3], params()) as stream:
+                    await stream.__anext__()
+            left.set()
 
         async def coordinator() -> None:
             async for msg in scripted[1]:
                 if isinstance(msg, ChooseInstance) and cluster.table.dispatches == 0:
                     await real.send(msg)  # the first choice: instance 0
-                elif isinstance(msg, ChooseInstance):
-                    await client.aclose()  # the client leaves during the round trip
+                elif isinstance(msg, ChooseInstance):  # the hand-back's
+                    client.cancel()  # the client leaves during the round trip
+                    await left.wait()
                     msg.reply.fail(NoInstanceError("every instance of the cluster is down"))
                 else:
                     await real.send(msg)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(coordinator)
-            tg.start_soon(read_all, client, [])
+            tg.start_soon(wait_for_tokens)
             sub = await links[0].next_sent()
             await links[0].answer(sub.key, Admitted(request_id=1))
             links[0].peer_send.close()
             await ended[0].wait()
+            assert left.is_set()
             tg.cancel_scope.cancel()
 
 
