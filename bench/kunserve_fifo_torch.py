@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.kunserve_lookahead_torch import BLOCK, _load, start_pair
+from bench.kunserve_lookahead_torch import BLOCK, CONTEXT, _load, at_least, fmt, start_pair
 
 
 def _member(model_dir: str, init: str, blocks: int) -> None:
@@ -62,6 +62,10 @@ def _serve_new(group, n: int, steps: int, first_rid: int, used: set[int]) -> lis
     free = [b for b in group.pool if b not in used]
     rids = list(range(first_rid, first_rid + n))
     prompts = {r: [(r * 7 + i) % 500 + 2 for i in range(32)] for r in rids}
+    need = n * -(-(32 + steps + 1) // BLOCK)
+    if need > len(free):
+        raise SystemExit(f"--new {n} requests need {need} blocks; the group's pool has "
+                         f"{len(free)} free beside the old requests: raise --blocks")
     tables = {r: [free.pop() for _ in range(-(-(32 + steps + 1) // BLOCK))] for r in rids}
     group.records = []
     out = []
@@ -87,7 +91,7 @@ def _serve_new(group, n: int, steps: int, first_rid: int, used: set[int]) -> lis
     return out
 
 
-def main() -> None:
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--old", type=int, default=16)
@@ -99,7 +103,24 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=640)
     ap.add_argument("--chunk-blocks", type=int, default=4)
     ap.add_argument("--out", default="bench/results/kunserve_fifo_torch.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    # one step after the first ("later steps"); a split in two; KV to exchange
+    at_least(ap, args, rounds=1, old=1, old_tokens=1, new=1, steps=2, layers=2, blocks=1,
+             chunk_blocks=1)
+    if args.hidden < 16 or args.hidden % 16:
+        ap.error(f"--hidden must be a multiple of 16 (8 heads of an even size), got "
+                 f"{args.hidden}")
+    held = args.old * -(-args.old_tokens // BLOCK)
+    if held > args.blocks:
+        ap.error(f"--old {args.old} requests of --old-tokens {args.old_tokens} need {held} "
+                 f"blocks of {BLOCK} tokens; the pool has --blocks {args.blocks}")
+    if max(args.old_tokens, 32 + args.steps + 1) > CONTEXT:
+        ap.error(f"--old-tokens and 33 + --steps must fit the model's {CONTEXT}-token context")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     from engine.messages import ExecuteStep
     from gpu.group_runner import GroupRunner
@@ -153,13 +174,13 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for way in ("fifo", "coordinated"):
         m = result[way]
-        print(f"{way:11s} {m['kv_mib']:.1f} MiB exchanged; first step: member waited "
-              f"{m['first_step_member_wait_ms_median']:.1f} ms for activations, wall "
-              f"{m['first_step_wall_ms_median']:.1f} ms; later steps "
-              f"{m['later_steps_member_wait_ms_median']:.2f} / "
-              f"{m['later_steps_wall_ms_median']:.1f} ms; {args.steps} steps "
-              f"{m['served_steps_wall_ms_total_median']:.1f} ms; exchange "
-              f"{m['exchange_s_median'] * 1e3:.1f} ms (medians of {args.rounds})")
+        print(f"{way:11s} {fmt(m['kv_mib'], '.1f')} MiB exchanged; first step: member waited "
+              f"{fmt(m['first_step_member_wait_ms_median'], '.1f')} ms for activations, wall "
+              f"{fmt(m['first_step_wall_ms_median'], '.1f')} ms; later steps "
+              f"{fmt(m['later_steps_member_wait_ms_median'], '.2f')} / "
+              f"{fmt(m['later_steps_wall_ms_median'], '.1f')} ms; {args.steps} steps "
+              f"{fmt(m['served_steps_wall_ms_total_median'], '.1f')} ms; exchange "
+              f"{fmt(m['exchange_s_median'] * 1e3, '.1f')} ms (medians of {args.rounds})")
     print(f"load average {result['load_average']}, {result['seconds']:.1f} s, wrote {args.out}")
     member.join(timeout=0)
 

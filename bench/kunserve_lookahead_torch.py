@@ -42,6 +42,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 BLOCK = 16
+CONTEXT = 1024
+"""The random model's context (`max_position_embeddings`)."""
 
 
 def _load(model_dir: str, rank: int, init: str, blocks: int):
@@ -77,7 +79,7 @@ def start_pair(args, prefix: str, member):
     model_dir = str(write_random_model(tempfile.mkdtemp(prefix=prefix), arch="llama",
                                        layers=args.layers, hidden=args.hidden, heads=8,
                                        kv_heads=4, vocab=512, seed=3,
-                                       max_position_embeddings=1024))
+                                       max_position_embeddings=CONTEXT))
     init = f"tcp://127.0.0.1:{free_port()}"
     process = mp.get_context("spawn").Process(target=member, args=(model_dir, init, args.blocks),
                                               daemon=True)
@@ -99,6 +101,10 @@ def _run_window(group, prompts, decodes: int, step_id: int, first_rid: int, deta
     greedy = SamplingParams(max_tokens=decodes + 1, temperature=0)
     free = list(reversed(group.pool))
     rids = list(range(first_rid, first_rid + len(prompts)))
+    need = sum(-(-(len(p) + decodes + 1) // BLOCK) for p in prompts)
+    if need > len(free):
+        raise SystemExit(f"a window of {len(prompts)} prompts needs {need} blocks; the group's "
+                         f"pool has {len(free)}: raise --blocks or lower --window")
     tables = {r: [free.pop() for _ in range(-(-(len(p) + decodes + 1) // BLOCK))]
               for r, p in zip(rids, prompts)}
     out = []
@@ -138,18 +144,43 @@ def _run_window(group, prompts, decodes: int, step_id: int, first_rid: int, deta
     return step_id, out
 
 
-def _ratio(rows, prefill_only: bool, wall: bool) -> float:
+def _ratio(rows, prefill_only: bool, wall: bool) -> float | None:
     rows = [r for r in rows if r[0] or not prefill_only]
     busy = sum(r[3 if wall else 1] for r in rows)
     span = sum(r[4 if wall else 2] for r in rows)
-    return 1 - busy / span if span else 0.0
+    return 1 - busy / span if span else None
 
 
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def main() -> None:
+def fmt(x: float | None, spec: str = ".3f") -> str:
+    """A metric for the report; one with nothing measured (None) is `n/a`."""
+    return "n/a" if x is None else format(x, spec)
+
+
+def report_line(mode: str, m: dict) -> str:
+    return (f"{mode:9s} bubble prefill {fmt(m['bubble_prefill'])} all {fmt(m['bubble_all'])} "
+            f"(wall {fmt(m['wall_bubble_prefill'])} / {fmt(m['wall_bubble_all'])}); "
+            f"Eq.1-3 error mean {fmt(m['prediction_error_mean'])} median "
+            f"{fmt(m['prediction_error_median'])} (prefill steps "
+            f"{fmt(m['prediction_error_prefill_steps'])}, decode "
+            f"{fmt(m['prediction_error_decode_steps'])}); token model "
+            f"{fmt(m['tokens_model_error_mean'])} (prefill steps "
+            f"{fmt(m['tokens_model_error_prefill_steps'])})")
+
+
+def at_least(ap: argparse.ArgumentParser, args, **least: int) -> None:
+    """Refuse (argparse's usage error, before any process starts) an argument below its least
+    useful value, naming it."""
+    for name, low in least.items():
+        value = getattr(args, name)
+        if value < low:
+            ap.error(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
+
+
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=4)
@@ -163,7 +194,20 @@ def main() -> None:
                     help="a profile fitted for this model's shapes (`shunter profile fit`): the "
                          "fits start from it (offline profiling) instead of the warm-up alone")
     ap.add_argument("--out", default="bench/results/kunserve_lookahead_torch.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    at_least(ap, args, rounds=1, warmup=0, window=1, decodes=0, layers=2, microbatches=1,
+             blocks=1)
+    if args.decodes > CONTEXT - 481:  # the longest prompt of a window is 480 tokens
+        ap.error(f"--decodes must be at most {CONTEXT - 481} (a {CONTEXT}-token context), got "
+                 f"{args.decodes}")
+    if args.hidden < 16 or args.hidden % 16:
+        ap.error(f"--hidden must be a multiple of 16 (8 heads of an even size), got "
+                 f"{args.hidden}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
 
     from engine.cluster.drop_plan import GroupPlan
     from gpu.group_runner import GroupRunner
@@ -232,15 +276,7 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for mode in rows:
-        m = result[mode]
-        print(f"{mode:9s} bubble prefill {m['bubble_prefill']:.3f} all {m['bubble_all']:.3f} "
-              f"(wall {m['wall_bubble_prefill']:.3f} / {m['wall_bubble_all']:.3f}); "
-              f"Eq.1-3 error mean {m['prediction_error_mean']:.3f} median "
-              f"{m['prediction_error_median']:.3f} (prefill steps "
-              f"{m['prediction_error_prefill_steps']:.3f}, decode "
-              f"{m['prediction_error_decode_steps']:.3f}); token model "
-              f"{m['tokens_model_error_mean']:.3f} (prefill steps "
-              f"{m['tokens_model_error_prefill_steps']:.3f})")
+        print(report_line(mode, result[mode]))
     print(f"load average {result['load_average']}, {result['seconds']:.1f} s, wrote {args.out}")
 
 
