@@ -15,14 +15,21 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import httpx
 
 from engine.errors import (
-    AdmissionError, EngineDeadError, InvalidRequestError, PolicyError, PromptTooLongError,
-    QueueFullError, RequestFailedError, RequestTooLongError, ShunterError,
+    AdmissionError,
+    EngineDeadError,
+    InvalidRequestError,
+    PolicyError,
+    PromptTooLongError,
+    QueueFullError,
+    RequestFailedError,
+    RequestTooLongError,
+    ShunterError,
 )
 from engine.outputs import GenerationChunk
 from engine.params import SamplingParams, SchedulingParams
@@ -125,7 +132,7 @@ class Client:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self._ids = itertools.count()
 
-    async def __aenter__(self) -> Client:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -220,7 +227,7 @@ class RemoteStream:
     def __aiter__(self) -> RemoteStream:
         return self
 
-    async def __aenter__(self) -> RemoteStream:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -274,6 +281,8 @@ class RemoteStream:
             if data == "[DONE]":
                 break
             event = json.loads(data)
+            if "error" in event and finish is not None:
+                break  # the request had ended: an error after its last chunk cannot undo that
             if "error" in event:
                 return self._failed(event)
             now = anyio.current_time()

@@ -30,9 +30,15 @@ def dumps(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-async def send_json(send: Any, status: int, obj: Any) -> None:
+async def send_json(send: Any, status: int, obj: Any, out: _Outcome | None = None) -> None:
+    """A whole JSON answer; `out` records how far it went (a part whose send was cut by the
+    drain deadline counts as sent: an answer never gets two status lines or two ends)."""
+    if out is not None:
+        out.started = True
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json")]})
+    if out is not None:
+        out.closed = True
     await send({"type": "http.response.body", "body": dumps(obj)})
 
 
@@ -46,6 +52,10 @@ class _Outcome:
     """`disconnect` or `shutdown` when the request was cut short."""
     streaming: bool = False
     """The SSE status line has been sent."""
+    started: bool = False
+    """A status line has been sent (the answer can no longer be a 503)."""
+    closed: bool = False
+    """The answer's last part has been sent (`[DONE]`, or the JSON body)."""
 
 
 class GenerationResponse:
@@ -82,11 +92,16 @@ class GenerationResponse:
         scope.cancel()
 
     async def _send_shutdown(self, send: Any, out: _Outcome) -> None:
+        """End the answer the drain deadline cut: with an error if the request had not ended
+        (one that had, its last chunk sent, only lacks the stream's end)."""
         error = ApiError(503, "engine_dead", _SHUT_DOWN)
+        if out.closed:
+            return
         if out.streaming:
-            await _frame(send, error.body())
+            if out.final is None:
+                await _frame(send, error.body())
             await _frame(send, None)
-        else:
+        elif not out.started:
             await send_json(send, 503, error.body())
 
     async def _answer(self, send: Any, out: _Outcome) -> None:
@@ -102,13 +117,13 @@ class GenerationResponse:
                 if gen.request_id is not None:  # admitted, then the engine died
                     out.admitted, out.reason = True, "error"
                 error = from_engine_error(exc)
-                await send_json(send, error.status, error.body())
+                await send_json(send, error.status, error.body(), out)
                 return
             out.admitted = True
             if first.finish_reason == "error" and not first.token_ids:
                 out.final, out.reason = first, "error"
                 error = from_failed_request(first.error)
-                await send_json(send, error.status, error.body())
+                await send_json(send, error.status, error.body(), out)
             elif r.stream:
                 await self._stream(send, gen, first, out)
             else:
@@ -118,17 +133,18 @@ class GenerationResponse:
         out.final, out.reason = chunk, chunk.finish_reason or "error"
         if chunk.finish_reason == "error":
             error = from_failed_request(chunk.error)
-            await send_json(send, error.status, error.body())
+            await send_json(send, error.status, error.body(), out)
             return
         use = usage(_prompt_tokens(chunk), len(chunk.token_ids))
         ids = chunk.token_ids if self._request.return_token_ids else None
-        await send_json(send, 200, self._shapes.whole(chunk.text, chunk.finish_reason, use, ids))
+        await send_json(send, 200, self._shapes.whole(chunk.text, chunk.finish_reason, use, ids),
+                        out)
 
     async def _stream(self, send: Any, gen: GenerationStream, chunk: GenerationChunk,
                       out: _Outcome) -> None:
         shapes = self._shapes
+        out.started = out.streaming = True
         await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
-        out.streaming = True
         if shapes.chat:
             await _frame(send, shapes.delta("", None, first=True))
         generated = 0
@@ -152,6 +168,7 @@ class GenerationResponse:
                 out.reason = "error"
                 await _frame(send, from_engine_error(exc).body())
                 break
+        out.closed = True
         await _frame(send, None)
 
 
