@@ -160,8 +160,6 @@ class InstanceGroups:
 
     async def _head(self, msg: HeadGroup, tg) -> dict:
         eng, runner, plan = self.engine, self.runner, msg.plan
-        if not hasattr(runner, "form"):
-            raise RuntimeError("this instance's runner cannot lead KunServe pipeline groups")
         adopted, reqs = [], []
         for (owner, mv), (old, q) in zip(msg.adopted, await self._take_over(
                 [mv for _, mv in msg.adopted]), strict=True):
@@ -169,12 +167,20 @@ class InstanceGroups:
                 adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
                                        kv_tokens=q.computed_tokens))
             reqs.append(q)
-        if msg.not_formed is not None:  # another member could not join
-            from gpu.group_runner import abandon_members
+        cannot = None if hasattr(runner, "form") else (
+            f"instance {plan.members[0]}'s runner cannot lead KunServe pipeline groups")
+        if msg.not_formed is not None or cannot:  # another member could not join, or this
+            from gpu.group_runner import abandon_members  # (the front door checks at start)
 
-            await runner._thread.run(lambda: abandon_members(msg.exported, lost=-1,
-                                                             why=msg.not_formed))
-            return {"adopted": await self._recompute_here(msg.adopted, reqs), "formed": False}
+            why, members = (msg.not_formed, msg.exported) if cannot is None else (
+                cannot, plan.members[1:])
+            await runner._thread.run(lambda: abandon_members(members, lost=-1, why=why))
+            n = await self._recompute_here(msg.adopted, reqs)
+            if cannot is None:
+                return {"adopted": n, "formed": False}
+            raise GroupNotFormed(f"group {plan.members} not formed ({cannot}); the {n} "
+                                 f"requests handed over are recomputed at instance "
+                                 f"{plan.members[0]}")
         runner.microbatch, runner.kv_exchange = msg.microbatch, msg.kv_exchange
         # own: exactly the requests whose KV the runner exchanges (a request that ran its
         # first step after the group opened has all of its KV in the group already)
@@ -283,7 +289,8 @@ class InstanceGroups:
                     "chunks_received": ex.chunks_received, "restore": dict(g.restore_stats),
                     "leading": runner.group is not None, "pipeline": g.pipeline_report(),
                     "kv_exchange": g.kv_exchange}
-        return {"head": head, "member": self.member_stats, "lost": getattr(runner, "lost", None)}
+        return {"head": head, "member": self.member_stats, "lost": getattr(runner, "lost", None),
+                "can_lead": hasattr(runner, "form")}
 
 
 class GroupNotFormed(RuntimeError):

@@ -67,6 +67,9 @@ class RemoteGroups:
         its head gave it when the restore was asked."""
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
+        self.leads: list[bool] | None = None
+        """Whether each instance's runner can lead a group (asked once the data plane is
+        joined; None: not asked)."""
 
     def follow(self, settings) -> None:
         """A replaced policy's memory settings: groups formed from now on use its
@@ -85,6 +88,7 @@ class RemoteGroups:
                 for i in range(n):
                     tg.start_soon(self._command, i, lambda k, i=i: JoinDataPlane(
                         key=k, init=init, rank=i, world=n))
+            self.leads = [bool((await self.stats(i)).get("can_lead")) for i in range(n)]
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         async with anyio.create_task_group() as tg:
@@ -180,6 +184,10 @@ class RemoteGroups:
             if any(m in old.members for old in self.groups.values()):
                 raise GroupCommandError(f"instance {m} is in a group already; growing a running "
                                         f"group is not done on torch instances")
+        if self.leads is not None and not self.leads[g.head]:  # before any member exports
+            raise GroupCommandError(f"instance {g.head}: its runner cannot lead KunServe "
+                                    f"pipeline groups (the torch backend's KunServeTorchRunner "
+                                    f"can); group {g.members} not formed, nothing moved")
         adopted, exported = [], []
         for k, m in enumerate(g.members[1:], start=1):
             try:
