@@ -1,6 +1,7 @@
 """KunServe's restore rule varied on the same arrivals (simulator, virtual time): the §4.4
 threshold against the pre-drop capacity alone, with the queue drained, with a hold of N monitor
-rounds (hysteresis), lower thresholds; and no restore (kunserve_lookahead). Each variant is
+rounds or of N seconds of the monitor's clock (hysteresis), lower thresholds; and no restore
+(kunserve_lookahead). Each variant is
 kunserve_lookahead plus one `overload restore when ...` rule.
 
     python bench/kunserve_restore.py --trace azure-conv --start 1560 --duration 90 --rate 0.95x \
@@ -31,6 +32,9 @@ VARIANTS = {
     "for 20 iterations": "kv_usage < 50% for 20 iterations",
     "for 40 iterations (kunserve)": "kv_usage < 50% for 40 iterations",
     "for 100 iterations": "kv_usage < 50% for 100 iterations",
+    "for 1s": "kv_usage < 50% for 1s",
+    "for 2s": "kv_usage < 50% for 2s",
+    "for 4s": "kv_usage < 50% for 4s",
     "kv_usage < 40%": "kv_usage < 40%",
 }
 

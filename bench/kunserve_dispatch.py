@@ -1,0 +1,91 @@
+"""Dispatch rules against each other on the same arrivals (simulator, virtual time): vLLM
+data-parallel (vllm_dp) and KunServe, each with `dispatch least_load` (requests in flight, what
+both ship with) and `dispatch freeness` (Llumnix's freeness: free KV after the queued requests'
+over the batch; engine/cluster/dispatch.py), or any other rule named in --rules.
+
+    python bench/kunserve_dispatch.py --trace azure-conv --start 1560 --duration 90 --rate 1x \
+        --out bench/results/kunserve_dispatch_conv_1x
+
+Writes P50/P99 TTFT, P50/P99 TPOT, drops/restores and how many requests each instance was sent
+to <out>.json and a table to <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import bench.kunserve as bench
+from engine.cluster.dispatch import DispatchTable
+from engine.config import EngineConfig
+from policies import policy_path
+from shunter.workloads import load_workload
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", default="azure-conv")
+    ap.add_argument("--start", type=float, default=1560.0)
+    ap.add_argument("--duration", type=float, default=90.0)
+    ap.add_argument("--rate", default="1x")
+    ap.add_argument("--lengths", default="")
+    ap.add_argument("--policies", default="vllm_dp,kunserve",
+                    help="vllm_dp (fcfs, recompute) or shipped KunServe policy names")
+    ap.add_argument("--rules", default="least_load,freeness")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_dispatch"))
+    args = ap.parse_args()
+    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
+    if args.lengths:
+        spec += f",{args.lengths}"
+    workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
+    base = EngineConfig(backend="sim", profile="llama3-8b-a10", cpu_swap_blocks=8192,
+                        max_num_seqs=256, max_batched_tokens=2048)
+    out = Path(args.out)
+    policy_dir = out.parent / "kunserve_policies"
+    policy_dir.mkdir(parents=True, exist_ok=True)
+    sent: list[int] = []
+    dispatched = DispatchTable.dispatched
+
+    def counting(self, index, demand):  # how many requests each instance was sent
+        sent[index] += 1
+        return dispatched(self, index, demand)
+
+    DispatchTable.dispatched = counting
+    report = {"workload": spec, "runs": {}}
+    for name in args.policies.split(","):
+        parent = policy_path("fcfs" if name == "vllm_dp" else name)
+        for rule in args.rules.split(","):
+            path = policy_dir / f"dispatch_{name}_{rule}.policy"
+            path.write_text(f'policy {name}_{rule} extends "{parent}" {{\n  dispatch {rule}\n}}\n')
+            sent[:] = [0] * 4
+            label = "vllm_dp" if name == "vllm_dp" else "kunserve"
+            result, cluster, _, wall = bench.run(label, path, workload, base, 4)
+            s = bench.summarize(result, None)
+            events = [[round(e["t"] - result.started, 1), e["event"], e["members"]]
+                      for e in (cluster or {}).get("events", [])]
+            key = f"{name} / {rule}"
+            report["runs"][key] = {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms",
+                                                    "tpot_p99_ms")} | {
+                "sent": list(sent), "events": events, "wall_s": wall}
+            print(f"{key}: P99 TTFT {s['ttft_p99_s']:.3f} s, P50 TTFT {s['ttft_p50_s']:.3f} s, "
+                  f"P50 TPOT {s['tpot_p50_ms']:.1f} ms, sent {sent}, events {events}", flush=True)
+    DispatchTable.dispatched = dispatched
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [f"# Dispatch rules: {spec}, 4 x llama3-8b-a10", "",
+             ("| policy / dispatch | P50 TTFT s | P99 TTFT s | P50 TPOT ms | P99 TPOT ms | sent "
+              "to 0/1/2/3 | groups (g) and restores (r), s |"), "|---|---|---|---|---|---|---|"]
+    for key, r in report["runs"].items():
+        ev = ", ".join(f"{t}{e[0]}" for t, e, _ in r["events"])
+        lines.append(f"| {key} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                     f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | "
+                     f"{'/'.join(map(str, r['sent']))} | {ev} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
