@@ -59,3 +59,33 @@ async def test_one_server_fronts_the_cluster(cluster_config, local_instances, ti
             done.set()
         # back to the policy the other tests sharing these instances expect
         await cluster.replace_policy("policy fcfs { }")
+
+
+def _cancelled(snap) -> int:
+    return sum(n for s in snap.snapshots for _, n in s.scheduler.cancelled_by_state)
+
+
+@pytest.mark.anyio
+async def test_a_client_hanging_up_cancels_its_request_on_the_instance(cluster_config,
+                                                                       local_instances):
+    """Each instance's engine counts the cancel, and every block is free again (a request not
+    cancelled there would run its 900 tokens and end `length`, counted as no cancel)."""
+    async with Cluster.start(cluster_config, attach=local_instances) as cluster:
+        before = _cancelled(await cluster.wait_idle())
+        app = build_app(cluster, None)
+        done = anyio.Event()
+        async with anyio.create_task_group() as tg:
+            url = await tg.start(lambda task_status: serve_app(
+                app, shutdown_trigger=done.wait, task_status=task_status))
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                body = {"prompt": [11, 12, 13], "max_tokens": 900, "ignore_eos": True,
+                        "stream": True, "return_token_ids": True}
+                for _ in range(2):  # round robin: one to each instance
+                    async with http.stream("POST", "/v1/completions", json=body) as r:
+                        assert r.status_code == 200
+                        assert (await r.aiter_lines().__anext__()).startswith("data: {")
+            done.set()
+        with anyio.fail_after(60):
+            snap = await cluster.wait_idle()
+    assert _cancelled(snap) - before == 2
+    assert [s.allocator.allocated_blocks for s in snap.snapshots] == [0, 0]
