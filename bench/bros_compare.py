@@ -49,8 +49,13 @@ recompute as `bros_no_bicache` does (Fig. 5 case 2); `--ablations` adds it."""
 SETUPS = {
     "sim": {
         "rates": (4.0, 8.0, 12.0), "workload": "rtbe:rate={rate},duration=120,seed=9",
+        # max_num_seqs 256: vLLM's default for its V0 engine (vllm-project/vllm
+        # vllm/engine/arg_utils.py, EngineArgs.__post_init__: `256 if not envs.VLLM_USE_V1
+        # else 1024`), the engine §7 compares with (whole prompts, prefill before decode), for
+        # every policy; the engine's own default is 64, which held bros's BE requests out
         "config": EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=3500,
-                               charge_scheduler_time=True, max_queued_requests=100_000)},
+                               max_num_seqs=256, charge_scheduler_time=True,
+                               max_queued_requests=100_000)},
     # The shipped 2.4M-parameter model (context 1,024): Table 2's lengths x 0.25 (RT prompts
     # <= 153, outputs <= 125 tokens; BE prompts 128-256, outputs 8-32), a 96-block pool; one
     # torch thread, as the README advises next to other work (this host is shared).
@@ -107,7 +112,9 @@ def markdown(backend: str, rows: dict[float, list[dict[str, Any]]], spec: str,
            f"Workload `{spec}` at each RT rate; engine: {config.num_blocks} KV blocks of "
            f"{config.block_size}, max_num_seqs {config.max_num_seqs}, max_batched_tokens "
            f"{config.max_batched_tokens}" + (f", profile {config.profile}" if backend == "sim"
-                                              else ", the shipped model") + ".\n",
+                                              else ", the shipped model")
+           + (", scheduler time charged to the virtual clock" if config.charge_scheduler_time
+              else "") + ".\n",
            ("| RT req/s | policy | RT norm. latency ms | RT TTFT p99 ms | TTFT ok | TPOT ok | "
             "TPOT ok per token | BE req/s | BE tok/s | sched share | cost-model error (median) |"),
            "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -155,8 +162,11 @@ def main() -> int:
                     help="token budget per iteration (default per backend: 512 on the sim); "
                     "results get a _<N>tokens suffix")
     ap.add_argument("--max-num-seqs", type=int, default=None,
-                    help="sequence cap per iteration (default per backend: 64); results get a "
-                    "_<N>seqs suffix")
+                    help="sequence cap per iteration (default per backend: 256 on the sim, "
+                    "vLLM's; 64 on torch); results get a _<N>seqs suffix")
+    ap.add_argument("--uncharged", action="store_true",
+                    help="sim: leave the scheduler's CPU time off the virtual clock (results are "
+                    "then deterministic, independent of the host's load); a _uncharged suffix")
     ap.add_argument("--profile", default=None,
                     help="sim profile (default llama3-8b-a100); results get a _<name> suffix")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
@@ -180,6 +190,9 @@ def main() -> int:
     if args.profile:
         config = attrs.evolve(config, profile=args.profile)
         suffix += f"_{args.profile}"
+    if args.uncharged:
+        config = attrs.evolve(config, charge_scheduler_time=False)
+        suffix += "_uncharged"
     rows: dict[float, list[dict[str, Any]]] = {}
     raw: dict[str, Any] = {}
     for rate in rates:

@@ -20,6 +20,8 @@ class Batch:
         self.cost, self.average_ms, self.limit = cost, average_ms, limit
         self.budget_tokens = view.max_batched_tokens
         self.tokens_left = view.max_batched_tokens
+        self.decode_reserve = 0
+        """Tokens a prompt chunk leaves for the decodes of its class packing has yet to try."""
         self.block_size = view.block_size
         self.free = view.free_blocks
         self.reverse_free = view.reverse_free_blocks

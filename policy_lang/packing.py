@@ -132,6 +132,11 @@ class PackOrder:
             else:
                 left[step.cls] = self._replace(batch, step, left.get(step.cls, []))
         self.batch = len(batch.selected)
+        # the planner gives running requests their tokens in batch order: within a class,
+        # decodes before prompt chunks, so each gets the tokens packing counted for it
+        packed = sorted(zip(batch.selected, batch.classes),
+                        key=lambda t: (rank[t[1]], t[0].remaining_tokens > 1))
+        batch.selected = [r for r, _ in packed]
         rest = [r for c in sorted(range(n), key=rank.__getitem__)
                 for r in sorted_groups.get(c) or self._sort[c](groups[c])
                 if r.state == "running" and r.id not in batch.ids]
@@ -153,7 +158,14 @@ class PackOrder:
         left: list[RequestView] = []
         late: list[RequestView] = []
         stopped = False
+        # decodes of this class not yet tried: a prompt chunk leaves them a token each (§4.1
+        # bounds a batch by B requests and the iteration time, never by tokens, so a decode
+        # must not lose its place to a chunk of a prompt that can be cut)
+        decodes = sum(1 for r in group if r.state == "running" and r.remaining_tokens == 1)
         for r in group:
+            if r.state == "running" and r.remaining_tokens == 1:
+                decodes -= 1
+            batch.decode_reserve = max(0, min(decodes, batch.limit - len(batch.selected) - 1))
             if stopped or batch.full() or r.id in lender.claimed:
                 left.append(r)
                 continue
@@ -165,6 +177,7 @@ class PackOrder:
                 left.append(r)
             elif verdict == "skip":
                 left.append(r)
+        batch.decode_reserve = 0
         for r in late:  # requests that cannot make their deadline: served after those that can
             if (stopped or batch.full()
                     or self._try(batch, step, r, lender, rank, late_ok=True) != "taken"):
@@ -175,7 +188,10 @@ class PackOrder:
              late_ok: bool) -> str:
         # batch.chunk, batch.need and batch.iterations inline: this runs per request per iteration
         remaining, start = r.remaining_tokens, r.computed_tokens
-        chunk = start, max(1, min(remaining, batch.tokens_left))
+        room = batch.tokens_left - (batch.decode_reserve if remaining > 1 else 0)
+        if room <= 0:
+            return "skip"  # the tokens left are the decodes' behind it
+        chunk = start, max(1, min(remaining, room))
         need = max(0, -(-(start + chunk[1]) // batch.block_size) - r.blocks)
         admits = r.state != "running" or chunk[1] > 1
         free = 0

@@ -165,6 +165,13 @@ BROS = [
      [waiting(1, 1500, request_class="rt", slack_ms=150.0),
       waiting(2, 100, request_class="rt", slack_ms=300.0)],
      {}, [2, 1], [], False),
+    # §4.1 bounds a batch by B requests and the iteration time, not tokens: a 600-token prompt
+    # chunk leaves a token each for the decodes behind it (510 + 1 + 1) instead of taking all
+    # 512 and leaving them out; decodes lead the batch, as the planner gives tokens in its order
+    ("decodes: a prompt chunk leaves one token for each decode behind it",
+     [waiting(1, 600, request_class="rt", slack_ms=300.0),
+      decode(2, request_class="rt", slack_ms=1000.0), decode(3, request_class="rt", slack_ms=2000.0)],
+     {}, [2, 3, 1], [], False),
     ("memory: an RT prompt that does not fit is skipped and the BE request behind it runs",
      [waiting(1, 100, request_class="rt", slack_ms=300.0), waiting(2, 20, request_class="be")],
      {"free_blocks": 2}, [2], [], False),
