@@ -32,6 +32,7 @@ from shunter.cluster.wire import (
     Hello,
     Output,
     Shutdown,
+    Snapshot,
     SubmitRequest,
 )
 
@@ -373,6 +374,9 @@ class StandInEngine:
     def stopped_reason(self) -> str:
         return self.stopped or "the engine stopped"
 
+    async def inspect(self):
+        raise EngineDeadError("a stand-in engine has no snapshot")
+
     async def next_submitted(self):
         with anyio.fail_after(GUARD_S):
             return await self.submitted.receive()
@@ -463,3 +467,21 @@ async def test_the_instance_survives_its_link_breaking_under_a_relay_and_serves_
             await link.send_failed.wait()
         await link.peer_send.send(Detach())
     assert result == [True]
+
+
+async def test_a_cancel_that_comes_before_the_engine_admitted_the_request_applies_once_it_does():
+    """The instance read the cancel before its engine answered the submission: it cancels
+    the request as soon as the engine names its id."""
+    engine, link = StandInEngine(), Link()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(InstanceServer(engine, link).run)
+        await link.next_sent()  # Hello
+        await link.peer_send.send(submit_request(5))
+        await link.peer_send.send(CancelRequest(key=5))
+        await link.peer_send.send(AskSnapshot(key=0))  # answered once the cancel was read
+        assert isinstance(await link.next_sent(), Snapshot)
+        sub = await engine.next_submitted()
+        sub.outputs.send_nowait(Admitted(request_id=11))
+        assert (await link.next_sent()).output == Admitted(request_id=11)
+        assert engine.cancelled == [11]
+        await link.peer_send.send(Shutdown())

@@ -25,6 +25,7 @@ from shunter.server.run import GenerationResponse
 from shunter.server.settings import ServerSettings
 from shunter.server.state import ServerState
 from tests.fakes import expected_continuation, fake_backend
+from tests.shunter.server.conftest import serving
 
 pytestmark = pytest.mark.anyio
 
@@ -112,3 +113,40 @@ async def test_the_client_keeps_a_finished_request_whose_stream_was_cut_after_it
         assert (done.token_ids, done.finish_reason) == ((4, 5), "length")
         with pytest.raises(EngineDeadError, match="shut down before the request finished"):
             await client.complete("cut", SamplingParams(max_tokens=2))
+
+
+async def test_an_engine_that_stops_mid_request_ends_each_answer_with_its_reason():
+    """A streaming answer ends with an `engine_dead` error frame naming the failed actor, then
+    `[DONE]`; a whole answer still waited for gets 503 with the same reason."""
+    async with serving(EngineConfig(backend="sim")) as s, \
+            httpx.AsyncClient(base_url=s.url, timeout=30) as http:
+        body = {"prompt": [1, 2], "max_tokens": 5000, "ignore_eos": True,
+                "return_token_ids": True}
+        frames: list[str] = []
+        whole: list[httpx.Response] = []
+        streaming = anyio.Event()
+
+        async def stream() -> None:
+            async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line:
+                        frames.append(line.removeprefix("data: "))
+                        streaming.set()
+
+        async def post() -> None:
+            whole.append(await http.post("/v1/completions", json=body))
+
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stream)
+                tg.start_soon(post)
+                await streaming.wait()
+                while len((await s.engine.inspect()).scheduler.live_requests) < 2:
+                    await anyio.sleep(0.01)
+                await s.engine._scheduler_send.send("not a message")  # the scheduler fails
+    assert frames[-1] == "[DONE]"
+    error = json.loads(frames[-2])["error"]
+    assert error["code"] == "engine_dead" and "scheduler actor failed" in error["message"]
+    assert whole[0].status_code == 503
+    error = whole[0].json()["error"]
+    assert error["code"] == "engine_dead" and "scheduler actor failed" in error["message"]
