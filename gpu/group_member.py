@@ -5,7 +5,8 @@ gpu/group_runner.py.
 
 Before the group serves, the head may give up on forming it (a plan it cannot run, another
 member lost while the group was being started): the member then gets `GroupAbandon` in place of
-`GroupStart` and serves alone again at once, with nothing dropped; the requests it handed over
+`GroupStart` or of `GroupGo` (which comes once every member got its `GroupStart`; only then does
+a member drop layers and exchange KV) and serves alone again at once, with nothing dropped; the requests it handed over
 stay with the head (recomputed there, shunter/cluster/instance_groups.py). A head lost before
 its `GroupStart` came ends the member's wait the same way.
 """
@@ -16,6 +17,7 @@ from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, 
 from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
+    GroupGo,
     GroupRestore,
     GroupStage,
     GroupStart,
@@ -33,15 +35,22 @@ def serve_member(solo, head_rank: int) -> dict:
     Its runner's own sequences are handed to the group (their KV becomes the adopted
     requests'); afterwards it is solo with no sequences."""
     plane = data_plane()
-    try:
-        start = recv_obj(head_rank, CONTROL_TAG, "the group was formed")
-    except GroupMemberLost as exc:  # the head went away before the group served
-        solo._seqs.clear()  # the requests handed over went with it (the front door ends them)
-        return {"abandoned": f"head lost before the group formed: {exc}", "formed": False}
-    if isinstance(start, GroupAbandon):  # the head could not form it: nothing was dropped
-        solo._seqs.clear()  # the requests handed over are the head's now
-        return {"abandoned": f"the group was not formed: {start.why}", "formed": False}
-    assert isinstance(start, GroupStart), start
+    start = go = None
+    while go is None:  # `GroupStart`, then `GroupGo` once every member got its start
+        try:
+            msg = recv_obj(head_rank, CONTROL_TAG, "the group was formed")
+        except GroupMemberLost as exc:  # the head went away before the group served
+            solo._seqs.clear()  # the requests handed over went with it (the front door ends them)
+            return {"abandoned": f"head lost before the group formed: {exc}", "formed": False}
+        if isinstance(msg, GroupAbandon):  # the head could not form it: nothing was dropped
+            solo._seqs.clear()  # the requests handed over are the head's now
+            return {"abandoned": f"the group was not formed: {msg.why}", "formed": False}
+        if start is None:
+            assert isinstance(msg, GroupStart), msg
+            start = msg
+        else:
+            assert isinstance(msg, GroupGo), msg
+            go = msg
     me = start.ranks.index(plane.rank)
     stage = GroupStage(solo._model, plane, start, me, solo._seqs)
     solo._seqs.clear()

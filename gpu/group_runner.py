@@ -40,6 +40,7 @@ from gpu.data_plane import (
 from gpu.group_stage import (
     Adopted,
     GroupAbandon,
+    GroupGo,
     GroupRestore,
     GroupStage,
     GroupStart,
@@ -115,12 +116,13 @@ class GroupRunner:
         start = GroupStart(ranks=self.ranks, layers=self.layers, group=self.pool, seqs=seqs,
                            adopted=self.adopted, chunk_blocks=self.chunk_blocks,
                            microbatches=self.microbatches, kv_exchange=self.kv_exchange)
-        for k, rank in enumerate(self.ranks[1:], start=1):
-            try:
-                send_obj(start, rank, CONTROL_TAG, "the group was being formed")
-            except GroupMemberLost as exc:  # the others are told; nothing was dropped here
-                abandon_members(self.ranks[1:], lost=rank, why=str(exc))
-                raise
+        for msg in (start, GroupGo()):  # a member starts only once every member got its start
+            for rank in self.ranks[1:]:
+                try:
+                    send_obj(msg, rank, CONTROL_TAG, "the group was being formed")
+                except GroupMemberLost as exc:  # the others are told; nothing dropped here
+                    abandon_members(self.ranks[1:], lost=rank, why=str(exc))
+                    raise
         gens = {rid: s.generator for rid, s in self.solo._seqs.items()}
         try:
             self.stage = GroupStage(self.solo._model, plane, start, 0, {}, gens)

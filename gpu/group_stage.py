@@ -125,6 +125,13 @@ class MemberReply:
 
 
 @attrs.frozen(kw_only=True)
+class GroupGo:
+    """Every member got its `GroupStart`: start (drop layers, exchange KV). Sent only once all
+    did, so a member that cannot be reached leaves none of the others started (a started one
+    would have queued its exchange with the head, which the head then never takes)."""
+
+
+@attrs.frozen(kw_only=True)
 class GroupAbandon:
     """A member was lost, or the group could not be formed: every survivor restores its
     dropped layers from its host copy (a member still waiting for `GroupStart` has dropped

@@ -117,13 +117,17 @@ async def test_a_member_lost_found_by_the_arrivals_poll_recomputes_instead_of_cr
     assert runner.group is None and "instance 5 was lost while step 0" in str(runner.lost_with)
 
 
-def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_alone(
-        monkeypatch, kunserve_model):
-    """A group of three: the head's `GroupStart` reaches member 1, which starts (it drops its
-    layers and serves the group), then the one to member 2 fails (gone): the head tells member
-    1 (`GroupAbandon`), has dropped nothing and leads no group; member 1, in its serving loop,
-    restores its dropped layers from its host copy, gets a fresh sending thread and serves
-    alone with no sequence. The head is a real runner on the tiny model, member 1 the real
+@pytest.mark.parametrize("fails", ["GroupStart", "GroupGo"])
+def test_a_later_members_start_failing_leaves_the_earlier_member_serving_alone(
+        monkeypatch, kunserve_model, fails):
+    """A group of three, member 2 unreachable. The head sends every member its `GroupStart`,
+    then, once all got theirs, `GroupGo` (only then does a member drop layers and exchange KV).
+    `GroupStart` to member 2 fails: member 1 gets `GroupAbandon` in place of `GroupGo` and
+    serves alone having dropped nothing and queued no exchange (before `GroupGo`, it had
+    started: its KV chunks for the head sat in gloo, never taken). `GroupGo` to member 2 fails
+    (it died after its start): member 1 had started, and restores its dropped layers from its
+    host copy in its serving loop. Either way the head drops nothing and leads no group, and
+    member 1 keeps no sequence. The head is a real runner on the tiny model, member 1 the real
     `serve_member` reading what the head sent; the data plane and member 1's stage are
     stand-ins (three processes: the fault tests' cost three times over)."""
     import types
@@ -139,9 +143,10 @@ def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_a
 
     def send(obj, dst, tag, what):
         sent.append((type(obj).__name__, dst))
-        if dst == 2:
+        if dst == 2 and type(obj).__name__ == fails:
             raise GroupMemberLost(2, what, RuntimeError("Connection closed by peer"))
-        to_member.append(obj)
+        if dst == 1:
+            to_member.append(obj)
 
     class Plane:
         def __init__(self, rank):
@@ -150,11 +155,12 @@ def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_a
         def renew_queue(self):
             self.renewed += 1
 
-    class Stage:  # member 1's: built from the head's GroupStart (its layers dropped)
+    class Stage:  # member 1's: built once it may start (its layers dropped, KV queued)
         def __init__(self, model, plane, start, me, seqs):
             self.model, self.me, self.seqs = model, me, dict(seqs)
+            built.append(me)
 
-    head_plane, member_plane, restored = Plane(0), Plane(1), []
+    head_plane, member_plane, restored, built = Plane(0), Plane(1), [], []
     monkeypatch.setattr(gr, "send_obj", send)
     monkeypatch.setattr(gr, "data_plane", lambda: head_plane)
     runner = build_backend(EngineConfig(model=kunserve_model, device="cpu", threads=1,
@@ -166,7 +172,8 @@ def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_a
                                                                range(2, 4)))
         with pytest.raises(GroupMemberLost, match="instance 2 was lost"):
             runner.form(plan, ())
-        assert sent == [("GroupStart", 1), ("GroupStart", 2), ("GroupAbandon", 1)], sent
+        go = [("GroupGo", 1), ("GroupGo", 2)] if fails == "GroupGo" else []
+        assert sent == [("GroupStart", 1), ("GroupStart", 2), *go, ("GroupAbandon", 1)], sent
         assert runner.group is None and getattr(runner._model, "drop_state", None) is None
     finally:
         runner.close()
@@ -178,5 +185,8 @@ def test_a_member_started_when_a_later_members_start_fails_restores_and_serves_a
     solo = types.SimpleNamespace(_model="member 1's model", _seqs={9: "its request's KV"})
     out = gm.serve_member(solo, 0)
     assert "instance 2 was lost while the group was being formed" in out["abandoned"], out
-    assert restored == ["member 1's model"] and member_plane.renewed == 1
     assert solo._seqs == {} and not to_member
+    if fails == "GroupStart":
+        assert out["formed"] is False and built == [] and restored == [], out
+    else:
+        assert built == [1] and restored == ["member 1's model"] and member_plane.renewed == 1
