@@ -31,7 +31,7 @@ from gpu.stage_view import restore_layers
 
 def serve_member(solo, head_rank: int) -> dict:
     """A member instance's part in a group (blocking; on its device thread): join when the
-    head's `GroupStart` comes, run its steps, restore when told. Returns the exchange counters.
+    head's `GroupGo` follows its `GroupStart`, run its steps, restore when told. Returns the exchange counters.
     Its runner's own sequences are handed to the group (their KV becomes the adopted
     requests'); afterwards it is solo with no sequences."""
     plane = data_plane()

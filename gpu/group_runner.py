@@ -2,8 +2,9 @@
 (KunServe §4.1-4.4), and the loop a member instance serves the group with.
 
 `GroupRunner` wraps the head's own `TorchRunner` (its model, arena, device thread and
-sequences). `open()` tells every member to join (`GroupStart` over the data plane), drops the
-head's own other layers and starts the KV exchange; each `execute(step)` sends the step to every
+sequences). `open()` tells every member to join (`GroupStart` over the data plane, then
+`GroupGo` once every member got its start), drops the head's own other layers and starts the
+KV exchange; each `execute(step)` sends the step to every
 member, runs the head's layers (the first stage) and collects the members' answers, the last
 one's sampled tokens included; `restore(tables)` brings every member's dropped layers back
 (from the members keeping them, or from each one's host copy), moves the KV of the head's
