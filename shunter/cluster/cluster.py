@@ -212,22 +212,25 @@ class Cluster:
     async def _monitor(self) -> None:
         """Every instance's stats to the coordinator (KunServe's global monitor reads these)."""
         while not self._closed:
-            for inst in self.instances:
-                if not inst.alive or self._closed:
-                    continue
-                try:
-                    stats = await inst.stats()
-                except EngineDeadError as exc:
-                    if not self._closed:
-                        await inst.mark_down(f"instance {inst.index}: {exc}")
-                    continue
-                await self._coordinator.send(StatsReported(instance=inst.index, stats=stats))
-            if self.groups is not None and not self._closed:  # KunServe's global monitor
-                reply = Reply[object]()
-                await self._coordinator.send(CheckOverload(reply=reply))
-                await self.groups.act(await reply.wait(),
-                                      [self.table.stats(i) for i in range(self._count)])
+            await self._monitor_round()
             await anyio.sleep(self._monitor_interval_s)
+
+    async def _monitor_round(self) -> None:
+        for inst in self.instances:
+            if not inst.alive or self._closed:
+                continue
+            try:
+                stats = await inst.stats()
+            except EngineDeadError as exc:
+                if not self._closed:
+                    await inst.mark_down(f"instance {inst.index}: {exc}")
+                continue
+            await self._coordinator.send(StatsReported(instance=inst.index, stats=stats))
+        if self.groups is not None and not self._closed:  # KunServe's global monitor
+            reply = Reply[object]()
+            await self._coordinator.send(CheckOverload(reply=reply))
+            await self.groups.act(await reply.wait(),
+                                  [self.table.stats(i) for i in range(self._count)])
 
     # ------------------------------------------------------------------ the Engine's client API
 

@@ -190,6 +190,8 @@ class RemoteInstance(_Relay):
         self._ask_ids = itertools.count()
         self._cancels_send, self._cancels = anyio.create_memory_object_stream[int](math.inf)
         self._closing = False
+        self._link_lost = False
+        """A question could not be sent: the link broke (the process's fate says why)."""
         self.moved_to: dict[int, RemoteInstance] = {}
         """KunServe: requests that moved to a group's head, whose cancels go there."""
 
@@ -214,7 +216,7 @@ class RemoteInstance(_Relay):
                             reply.send(msg)
             tg.cancel_scope.cancel()
         died = not self._closing and (self.failure is None or bool(self._live))
-        if died and self.failure is None:
+        if died and (self.failure is None or self._link_lost):  # not the engine's own reason
             reason = await anyio.to_thread.run_sync(self._describe_death)
         else:
             reason = self.failure or f"instance {self.index}: its link was closed"
@@ -261,6 +263,7 @@ class RemoteInstance(_Relay):
             await self._link.send(make(key))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             self._asks.pop(key, None)
+            self._link_lost = True
             why = self.failure or f"instance {self.index}: its link is closed"
             raise EngineDeadError(why) from None
         return await reply.wait()

@@ -243,6 +243,34 @@ async def test_a_dead_instance_the_coordinator_chose_counts_nothing_in_flight():
         assert links[0].sent == []
 
 
+async def test_a_request_streaming_when_its_instance_dies_is_told_the_process_fate():
+    """The monitor's question found the link broken before the reader saw it end: the
+    streamed request's error still names the process's fate (before: "instance 0: instance 0:
+    its link is closed", so under load CI's kill test could see that message)."""
+    async with stand_in_cluster(1) as (cluster, links, _):
+        got: list = []
+        streamed = anyio.Event()
+
+        async def stream_one() -> None:
+            async with cluster.generate([1, 2], params(100)) as stream:
+                async for c in stream:
+                    got.append(c)
+                    streamed.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stream_one)
+            sub = await links[0].next_sent()
+            await links[0].answer(sub.key, Admitted(request_id=1), chunk(1, (9,)))
+            await streamed.wait()
+            links[0].broken = True  # killed: a send now fails ...
+            await cluster._monitor_round()
+            assert not cluster.instances[0].alive
+            links[0].peer_send.close()  # ... and the reader sees the link end after
+        assert tokens(got) == [9] and got[-1].finish_reason == "error"
+        assert got[-1].error == ("instance 0 was killed; the request had streamed tokens, so it "
+                                 "was not sent to another instance")
+
+
 # ------------------------------------------------------------------ shutdown
 
 async def test_requests_in_flight_end_when_the_cluster_shuts_down():
