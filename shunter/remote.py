@@ -277,26 +277,31 @@ class RemoteStream:
         (or the end of the stream) so that its timeline has the prompt's token count."""
         assert self._events is not None
         finish: GenerationChunk | None = None
-        async for data in self._events:
-            if data == "[DONE]":
-                break
-            event = json.loads(data)
-            if "error" in event and finish is not None:
-                break  # the request had ended: an error after its last chunk cannot undo that
-            if "error" in event:
-                return self._failed(event)
-            now = anyio.current_time()
-            self.response_id = event.get("id", self.response_id)
-            if usage := event.get("usage"):
-                self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
-            for choice in event.get("choices") or ():
-                chunk = self._chunk(choice, now)
-                if chunk.finish_reason is not None and finish is None:
-                    self._finished_at = now
-                if chunk.finish_reason is not None or finish is not None:
-                    finish = _merge(finish, chunk)  # held, with any tokens sent after it
-                elif chunk.token_ids or chunk.text:
-                    return chunk
+        try:
+            async for data in self._events:
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event and finish is not None:
+                    break  # the request had ended: an error after its last chunk cannot undo that
+                if "error" in event:
+                    return self._failed(event)
+                now = anyio.current_time()
+                self.response_id = event.get("id", self.response_id)
+                if usage := event.get("usage"):
+                    self._prompt_tokens = usage.get("prompt_tokens", self._prompt_tokens)
+                for choice in event.get("choices") or ():
+                    chunk = self._chunk(choice, now)
+                    if chunk.finish_reason is not None and finish is None:
+                        self._finished_at = now
+                    if chunk.finish_reason is not None or finish is not None:
+                        finish = _merge(finish, chunk)  # held, with any tokens sent after it
+                    elif chunk.token_ids or chunk.text:
+                        return chunk
+        except httpx.TransportError:
+            if finish is None:
+                raise
+            # the connection dropped after the last chunk came: the request had ended
         if finish is None:
             raise ConnectionLostError(
                 f"the server at {self._client.base_url} ended request {self.request_id}'s "

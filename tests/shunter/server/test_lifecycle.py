@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import EngineDeadError
 from engine.params import SamplingParams, SchedulingParams
 from shunter.engine import Engine
-from shunter.remote import Client
+from shunter.remote import Client, ConnectionLostError
 from shunter.server.protocol import GenerationRequest, Shapes
 from shunter.server.run import GenerationResponse
 from shunter.server.settings import ServerSettings
@@ -150,3 +150,32 @@ async def test_an_engine_that_stops_mid_request_ends_each_answer_with_its_reason
     assert whole[0].status_code == 503
     error = whole[0].json()["error"]
     assert error["code"] == "engine_dead" and "scheduler actor failed" in error["message"]
+
+
+class _DroppedAfter(httpx.AsyncByteStream):
+    """A response body whose connection drops after these frames."""
+
+    def __init__(self, frames: str) -> None:
+        self._frames = frames.encode()
+
+    async def __aiter__(self):
+        yield self._frames
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete message")
+
+
+async def test_the_client_keeps_a_finished_request_whose_connection_dropped_after_its_end():
+    """The connection dropped after the last chunk, before the usage and `[DONE]`: the request
+    had ended, its tokens are all there (before: ConnectionLostError); a drop before the last
+    chunk still raises ConnectionLostError."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        ended = json.loads(request.content)["prompt"] == "ended"
+        frames = _event([4]) + (_event([5], "length") if ended else "")
+        return httpx.Response(200, stream=_DroppedAfter(frames),
+                              headers={"content-type": "text/event-stream"})
+
+    async with Client("http://double", model="m",
+                      transport=httpx.MockTransport(handler)) as client:
+        done = await client.complete("ended", SamplingParams(max_tokens=2))
+        assert (done.token_ids, done.finish_reason) == ((4, 5), "length")
+        with pytest.raises(ConnectionLostError, match="lost the connection"):
+            await client.complete("cut short", SamplingParams(max_tokens=2))
