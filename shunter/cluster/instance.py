@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 from collections.abc import Callable
 
 import anyio
@@ -40,7 +41,10 @@ from shunter.engine import Engine
 
 def instance_process(config: EngineConfig, host: str, conn, async_backend: str) -> None:
     """Entry point of a local instance process: `conn` (a multiprocessing pipe) gets the port
-    the instance listens on, or the error that stopped it from starting."""
+    the instance listens on, or the error that stopped it from starting. Ctrl-C in a terminal
+    signals the whole process group: it is the front door's to act on (it drains, then closes
+    the link, which ends this process), so SIGINT is ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         anyio.run(serve_instance, config, host, conn.send, backend=async_backend)
     except Exception as exc:  # noqa: BLE001 (reported to the front door, which names the instance)

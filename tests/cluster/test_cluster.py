@@ -4,14 +4,16 @@ its own requests while the cluster goes on serving."""
 
 from __future__ import annotations
 
+import signal
+import sys
+
 import anyio
 import pytest
 
 import shunter
 from shunter.cluster.cluster import Cluster
-from tests.reference import assert_matches, greedy_reference
-
 from tests.cluster.prompts import MAX_TOKENS, PROMPTS
+from tests.reference import assert_matches, greedy_reference
 
 
 async def _complete_all(cluster: Cluster, prompts, max_tokens: int) -> list[tuple[int, ...]]:
@@ -106,3 +108,19 @@ async def test_killing_an_instance_ends_only_its_requests_and_the_cluster_serves
         snap = await cluster.inspect()
         assert [v.alive for v in snap.views] == [True, True, False]
         assert snap.failures[2].startswith("instance 2 (pid ")
+
+
+def _ignored_signals(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        line = next(x for x in status if x.startswith("SigIgn:"))
+    return int(line.split()[1], 16)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_instance_processes_leave_ctrl_c_to_the_front_door(local_instances):
+    """Ctrl-C in a terminal signals the whole process group: the instances ignore SIGINT (each
+    ends when its front door's link closes), so `shunter serve --instances N` drains its
+    running requests as it does with one engine (before: each instance died of
+    KeyboardInterrupt at once, with a traceback, and its requests failed)."""
+    for inst in local_instances:
+        assert _ignored_signals(inst.pid) & (1 << (signal.SIGINT - 1)), inst.pid
