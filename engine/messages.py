@@ -200,6 +200,9 @@ class RequestSetup:
 
     request_id: int
     prompt_ids: Sequence[int]
+    """The tokens to set up: the prompt, and for a request set up again after it produced
+    tokens (KunServe: moved here, or recomputed after its group lost a member) its output so
+    far too (engine/step_plan.py)."""
     sampling: SamplingParams
     eos_token_ids: tuple[int, ...]
 
