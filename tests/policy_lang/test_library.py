@@ -235,7 +235,7 @@ def test_bros_without_a_cost_model_predicts_the_moving_average():
 def kv_view(iteration: int, free_blocks: int, queued_prompt: int):
     waiting = make_view(id=99, prompt_tokens=queued_prompt)
     return make_scheduler_view([waiting], iteration=iteration, free_blocks=free_blocks,
-                               total_blocks=100, block_size=16)
+                               total_blocks=100, block_size=16, now=0.05 * iteration)
 
 
 def test_kunserve_drops_after_two_overloaded_iterations_and_restores_below_half():
@@ -243,11 +243,12 @@ def test_kunserve_drops_after_two_overloaded_iterations_and_restores_below_half(
     # (free blocks, queued prompt tokens) per iteration; 4 free blocks = 96% used, 64 tokens free
     calm = [(60, 10)]  # 40% used: below half
     trace = ([(4, 100), (4, 100), (4, 100), (4, 10), (40, 10)] + calm * 39 + [(40, 10)]
-             + calm * 40 + [(4, 100)])
+             + calm * 41 + [(4, 100)])
     signals = [policy.decide(kv_view(i, free, queued)).overload
                for i, (free, queued) in enumerate(trace)]
-    # a lull of 39 rounds restores nothing; 40 running do (the hold: one round above resets it)
-    assert signals == [None, "drop", "drop"] + [None] * 81 + ["restore", None]
+    # iterations 50 ms apart: a lull of 39 (1.9 s) restores nothing; the 41st calm iteration
+    # running, 2 s after the lull began, does (the hold: one iteration above half resets it)
+    assert signals == [None, "drop", "drop"] + [None] * 82 + ["restore", None]
     n = len(trace)
     assert policy.decide(kv_view(n - 1, 4, 100)).overload is None  # same iteration: same answer
     assert policy.decide(kv_view(n, 4, 100)).overload == "drop"
