@@ -172,11 +172,13 @@ class InstanceGroups:
         if msg.not_formed is not None or cannot:  # another member could not join, or this
             from gpu.group_runner import abandon_members  # (the front door checks at start)
 
-            why, members = (msg.not_formed, msg.exported) if cannot is None else (
-                cannot, plan.members[1:])
+            # only the members that exported wait for this group's start
+            given_up = msg.not_formed is not None
+            members = msg.exported if given_up else plan.members[1:]
+            why = msg.not_formed if given_up else cannot
             await runner._thread.run(lambda: abandon_members(members, lost=-1, why=why))
             n = await self._recompute_here(msg.adopted, reqs)
-            if cannot is None:
+            if given_up:
                 return {"adopted": n, "formed": False}
             raise GroupNotFormed(f"group {plan.members} not formed ({cannot}); the {n} "
                                  f"requests handed over are recomputed at instance "
