@@ -319,11 +319,16 @@ class Cluster:
     async def replace_policy(self, policy: Policy | str, *, base_dir: Path | None = None) -> Policy:
         """Compile `policy` here (errors point into it, the running one stays), then send its
         text to every live instance, each of which compiles and runs it from its next
-        iteration; the coordinator dispatches by its `dispatch` rule from now on."""
+        iteration; the coordinator dispatches by its `dispatch` rule from now on. An instance
+        found down meanwhile is marked down and skipped (it serves nothing more)."""
         new = replacement(policy, self.policy, self.capabilities, base_dir)
         for inst in self.instances:
-            if inst.alive:
+            if not inst.alive:
+                continue
+            try:
                 await inst.replace_policy(new.source)
+            except EngineDeadError as exc:
+                await inst.mark_down(str(exc))
         await self._coordinator.send(SetDispatchRule(rule=DISPATCH_RULES[new.settings.dispatch]))
         if self.groups is not None:  # KunServe: the monitor's triggers follow the policy
             await self._coordinator.send(SetTriggers(triggers=policy_triggers(new)))

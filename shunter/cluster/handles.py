@@ -283,6 +283,8 @@ class RemoteInstance(_Relay):
 
     async def replace_policy(self, text: str) -> None:
         answer: PolicyReplaced = await self._ask(lambda k: ReplacePolicyText(key=k, text=text))
+        if answer.engine_stopped:
+            raise EngineDeadError(f"instance {self.index}: {answer.error}")
         if answer.error is not None:
             raise PolicyError(f"instance {self.index}: {answer.error}")
 
@@ -359,7 +361,10 @@ class InProcessInstance(_Relay):
         return summarize(await self.engine.inspect())
 
     async def replace_policy(self, text: str) -> None:
-        await self.engine.replace_policy(text)
+        try:
+            await self.engine.replace_policy(text)
+        except EngineDeadError as exc:
+            raise EngineDeadError(f"instance {self.index}: {exc}") from None
 
     async def close(self, *, detach: bool = False) -> None:
         self._end_live()

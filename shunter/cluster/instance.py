@@ -207,12 +207,14 @@ class InstanceServer:
         await self.send(Stats(key=key, stats=stats, error=error))
 
     async def _replace(self, key: int, text: str) -> None:
+        error, stopped = None, False
         try:
             await self._engine.replace_policy(text)
-            error = None
-        except (PolicyError, EngineDeadError) as exc:
+        except PolicyError as exc:
             error = str(exc)
-        await self.send(PolicyReplaced(key=key, error=error))
+        except EngineDeadError as exc:
+            error, stopped = str(exc), True
+        await self.send(PolicyReplaced(key=key, error=error, engine_stopped=stopped))
 
 
 def stopped_chunk(reason: str) -> GenerationChunk:

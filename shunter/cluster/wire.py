@@ -101,6 +101,8 @@ class Stats:
 class PolicyReplaced:
     key: int
     error: str | None = None
+    engine_stopped: bool = False
+    """The instance's engine had stopped: the error is its, not the policy's."""
 
 
 @attrs.frozen(kw_only=True)

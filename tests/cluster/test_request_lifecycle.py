@@ -31,10 +31,13 @@ from shunter.cluster.wire import (
     Detach,
     Hello,
     Output,
+    PolicyReplaced,
+    ReplacePolicyText,
     Shutdown,
     Snapshot,
     SubmitRequest,
 )
+from shunter.policy_source import engine_capabilities, initial_policy
 
 pytestmark = pytest.mark.anyio
 
@@ -377,6 +380,35 @@ async def test_questions_pending_when_a_marked_down_instance_dies_are_answered()
         assert "scheduler actor failed" in str(answers[0])
 
 
+async def test_a_policy_replaced_while_instances_go_down_reaches_every_live_one():
+    """Instance 0's link broke (its process died) and instance 1's engine stopped, neither
+    marked down yet: the policy goes to instance 2, the cluster runs it, and the two are marked
+    down (before: the replacement raised EngineDeadError, a 500 from `PUT /admin/policy`, or a
+    PolicyError blaming the policy for instance 1's dead engine, after some instances had
+    switched and the cluster had not)."""
+    config = EngineConfig(backend="sim")
+    capabilities = engine_capabilities(config)
+    async with stand_in_cluster(3) as (cluster, links, _):
+        cluster.policy, cluster.capabilities = initial_policy(config, None, capabilities), \
+            capabilities
+        links[0].broken = True
+
+        async def instances() -> None:
+            ask = await links[1].next_sent()
+            await links[1].peer_send.send(PolicyReplaced(key=ask.key, error=str(DIED),
+                                                         engine_stopped=True))
+            ask = await links[2].next_sent()
+            await links[2].peer_send.send(PolicyReplaced(key=ask.key))
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(instances)
+            new = await cluster.replace_policy("policy lb { dispatch least_load }")
+        assert cluster.policy is new and cluster.policy_version == 2
+        assert [i.alive for i in cluster.instances] == [False, False, True]
+        assert cluster.instances[1].failure == f"instance 1: {DIED}"
+        assert [v.alive for v in await views(cluster)] == [False, False, True]
+
+
 # ------------------------------------------------------------------ the instance's side
 
 class StandInEngine:
@@ -404,6 +436,10 @@ class StandInEngine:
 
     async def inspect(self):
         raise EngineDeadError("a stand-in engine has no snapshot")
+
+    async def replace_policy(self, text: str) -> None:
+        if self.stopped is not None:
+            raise EngineDeadError(self.stopped)
 
     async def next_submitted(self):
         with anyio.fail_after(GUARD_S):
@@ -512,4 +548,16 @@ async def test_a_cancel_that_comes_before_the_engine_admitted_the_request_applie
         sub.outputs.send_nowait(Admitted(request_id=11))
         assert (await link.next_sent()).output == Admitted(request_id=11)
         assert engine.cancelled == [11]
+        await link.peer_send.send(Shutdown())
+
+
+async def test_an_instance_whose_engine_stopped_says_so_when_asked_to_replace_its_policy():
+    engine, link = StandInEngine(), Link()
+    engine.stopped = str(DIED)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(InstanceServer(engine, link).run)
+        await link.next_sent()  # Hello
+        await link.peer_send.send(ReplacePolicyText(key=3, text="policy x { }"))
+        assert await link.next_sent() == PolicyReplaced(key=3, error=str(DIED),
+                                                        engine_stopped=True)
         await link.peer_send.send(Shutdown())
