@@ -48,7 +48,7 @@ cache blocks"): RT requests that find no free block wait, rather than evicting B
 recompute as `bros_no_bicache` does (Fig. 5 case 2); `--ablations` adds it."""
 SETUPS = {
     "sim": {
-        "rates": (4.0, 8.0, 12.0), "workload": "rtbe:rate={rate},duration=120,seed=9",
+        "rates": (4.0, 8.0, 12.0, 13.0, 14.0), "workload": "rtbe:rate={rate},duration=120,seed=9",
         # max_num_seqs 256: vLLM's default for its V0 engine (vllm-project/vllm
         # vllm/engine/arg_utils.py, EngineArgs.__post_init__: `256 if not envs.VLLM_USE_V1
         # else 1024`), the engine §7 compares with (whole prompts, prefill before decode), for
