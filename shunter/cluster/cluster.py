@@ -256,6 +256,10 @@ class Cluster:
             await tell(msg.outputs, refusal(key, Rejected(error=EngineDeadError(str(exc))),
                                             announced=announced))
             return
+        if self._closed:  # it shut down during the round trip: the request ends as the live did
+            self._coordinator.send_nowait(RequestEnded(instance=index, demand_tokens=demand))
+            msg.outputs.close()
+            return
         self._where[key] = (index, demand)
         await self.instances[index].submit(key, msg, announced=announced)
 

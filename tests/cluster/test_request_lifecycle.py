@@ -308,6 +308,28 @@ async def test_requests_in_flight_end_when_the_cluster_shuts_down():
         assert Shutdown() in links[0].sent and Shutdown() in links[1].sent
 
 
+async def test_a_request_dispatched_while_the_cluster_shuts_down_ends():
+    """The cluster shut down during the request's coordinator round trip: its client gets
+    EngineDeadError (before: it was sent to a closed instance handle and waited for ever)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
+        cluster._coordinator = scripted[0]
+
+        async def coordinator() -> None:
+            async for msg in scripted[1]:
+                if isinstance(msg, ChooseInstance):
+                    await cluster._close_instances(detach=False)  # while it waits for this
+                await real.send(msg)
+
+        got: list = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(coordinator)
+            await read_all(cluster.generate([1, 2, 3], params()), got)
+            tg.cancel_scope.cancel()
+        assert isinstance(got[-1], EngineDeadError) and str(got[-1]) == "the cluster shut down"
+        assert not any(isinstance(m, SubmitRequest) for link in links for m in link.sent)
+
+
 async def test_an_instance_dying_while_the_cluster_shuts_down_fails_only_its_requests():
     """Its unstreamed request cannot be dispatched again: the client gets EngineDeadError
     (before: the hand-back raised in the handle's task and took the cluster down)."""
