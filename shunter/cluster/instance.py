@@ -151,6 +151,8 @@ class InstanceServer:
                         detached = True
                         break
             tg.cancel_scope.cancel()
+        for request_id in self._ids.values():  # nobody hears them now: free their blocks at once
+            self._engine._cancel_nowait(request_id)
         with contextlib.suppress(Exception):
             await self._link.aclose()
         return detached

@@ -583,3 +583,19 @@ async def test_an_instance_whose_engine_stopped_says_so_when_asked_to_replace_it
         assert await link.next_sent() == PolicyReplaced(key=3, error=str(DIED),
                                                         engine_stopped=True)
         await link.peer_send.send(Shutdown())
+
+
+async def test_an_instance_left_by_its_front_door_cancels_what_it_was_serving():
+    """The front door detached (or its link dropped) while a request streamed: the instance
+    cancels it at once (before: its engine held the request, and its blocks, until its next
+    output found nobody listening, which for a waiting or swapped request may be long)."""
+    engine, link = StandInEngine(), Link()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(InstanceServer(engine, link).run)
+        await link.next_sent()  # Hello
+        await link.peer_send.send(submit_request(5))
+        sub = await engine.next_submitted()
+        sub.outputs.send_nowait(Admitted(request_id=11))
+        assert (await link.next_sent()).output == Admitted(request_id=11)
+        await link.peer_send.send(Detach())
+    assert engine.cancelled == [11]
