@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pickle
 import struct
-from typing import Any, Union
+from typing import Any
 
 import anyio
 import attrs
@@ -70,8 +70,8 @@ class Detach:
     attached to running instances, such as the tests' shared ones)."""
 
 
-ToInstance = Union[SubmitRequest, CancelRequest, AskSnapshot, AskStats, ReplacePolicyText,
-                   Shutdown, Detach]
+ToInstance = (SubmitRequest | CancelRequest | AskSnapshot | AskStats | ReplacePolicyText
+              | Shutdown | Detach)
 
 
 # ---------------------------------------------------------------- instance -> front door
@@ -115,7 +115,7 @@ class Hello:
     policy_source: str
 
 
-FromInstance = Union[Output, Snapshot, Stats, PolicyReplaced, Hello]
+FromInstance = Output | Snapshot | Stats | PolicyReplaced | Hello
 
 
 def summarize(snap: EngineSnapshot) -> InstanceStats:
