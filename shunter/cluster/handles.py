@@ -7,7 +7,10 @@ A handle relays each request's outputs to the client's stream under the cluster'
 When its instance dies, a request that has streamed nothing yet is handed back to the cluster
 to be dispatched again (`Redispatch`); one that has streamed tokens ends with finish reason
 `error` naming the instance and why it died (its tokens cannot be taken back, and a sampled
-continuation elsewhere would not be the same request).
+continuation elsewhere would not be the same request). A request that an instance's stopped
+engine refused before admitting it is handed back the same way, the instance marked down.
+A client found gone has its request cancelled on the instance (one that left before its
+`Admitted` had no id to cancel with), and at shutdown every live request's stream is ended.
 """
 
 from __future__ import annotations
