@@ -135,9 +135,13 @@ class Link:
         self._lock = anyio.Lock()
 
     async def send(self, msg: Any) -> None:
+        """Send one message whole: a sender cancelled once its frame has started (trio writes
+        a socket in parts, with checkpoints between) still finishes the frame, else the peer
+        would read the next message's bytes as the rest of this one."""
         data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
         async with self._lock:
-            await self._stream.send(_HEADER.pack(len(data)) + data)
+            with anyio.CancelScope(shield=True):
+                await self._stream.send(_HEADER.pack(len(data)) + data)
 
     async def receive(self) -> Any:
         """The next message; raises anyio.EndOfStream (or a broken-resource error) when the
