@@ -9,9 +9,10 @@ microbatch times, so whether a prefill is divided there depends on the load; her
 `StageFits` never gets enough samples to fit (`min_samples` out of reach), so every cut balances
 tokens (`TOKEN_COUNT`, engine/cluster/stage_fits.py `StageFits.cut`): a long prompt beside a
 few decodes is cut into several pieces, and each later piece runs in a later microbatch against
-the KV its earlier pieces wrote. Stand-ins: the data plane only (a mailbox per (source, tag) in
-place of gloo between the two threads: with two members a message's source names its
-destination).
+the KV its earlier pieces wrote; the decodes beside them are of requests the head started
+alone, whose KV for the member's layers was exchanged as the group formed. Stand-ins: the data
+plane only (a mailbox per (source, tag) in place of gloo between the two threads: with two
+members a message's source names its destination).
 
 Planted bugs checked by hand in stage_fits.pieces (/work/notes/lookahead_split_test.md): every
 piece of a cut prompt starting at its first token (`L3: step 0: engine 173, reference 172`); a
@@ -79,8 +80,7 @@ def _runner(model_dir):
     runner = build_backend(EngineConfig(model=model_dir, device="cpu", threads=1,
                                         num_blocks=SOLO_BLOCKS, block_size=BLOCK,
                                         cpu_swap_blocks=0)).runner
-    runner._load()
-    return runner
+    return runner, runner._load()
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -89,12 +89,13 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
         monkeypatch, kunserve_model):
-    """Three short requests decode while two long prompts arrive, one after the other (the
-    second with a short one); each long prompt's step is cut by tokens into 4 microbatches
-    (2 x the members), the prompt's chunk divided between at least two of them, its later
-    pieces starting past its first token, and a piece that does not end its prompt shares a
-    microbatch with another request's work. Every request's greedy tokens equal
-    transformers'; the group then restores and the member leaves its loop with no
+    """Three short requests run two steps on the head alone, then the group forms (their KV
+    for layers 2-3 goes to the member) and they decode while two long prompts arrive, one
+    after the other (the second with a short one); each long prompt's step is cut by tokens
+    into 4 microbatches (2 x the members), the prompt's chunk divided between at least two of
+    them, its later pieces starting past its first token, and a piece that does not end its
+    prompt shares a microbatch with another request's work. Every request's greedy tokens
+    equal transformers'; the group then restores and the member leaves its loop with no
     sequence."""
     import gpu.group_member as gm
     import gpu.group_runner as gr
@@ -117,7 +118,7 @@ def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
     monkeypatch.setattr(gr, "data_plane", lambda: planes[0])
     monkeypatch.setattr(gm, "data_plane", lambda: planes[1])
 
-    head, member = _runner(kunserve_model), _runner(kunserve_model)
+    (head, solo_ids), (member, _) = _runner(kunserve_model), _runner(kunserve_model)
     served: list = []
 
     def serve() -> None:
@@ -133,16 +134,19 @@ def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
         fits = StageFits(2, min_samples=10**9)  # never fitted: every cut balances tokens
         head.stage_fits[((0, 2), (2, 4))] = fits
         head.microbatch = "lookahead"
-        pool, own = head.form(plan, ())
-        assert own == () and head.group.fits is fits and head.group.microbatches == 4
 
         rng = random.Random(3)
-        sched = Scheduler(pool, BLOCK)
+        sched = Scheduler(solo_ids, BLOCK)
         # before step k: (kind, prompt tokens, max tokens) of each request arriving
         arrive = {0: [("S", 6, 8)] * 3, 2: [("L", 37, 4)], 4: [("S", 5, 4), ("L", 29, 4)]}
         reqs: list = []
         cuts = {}  # long request id -> (its index in the step, the cut of its prompt's step)
         while sched.live() or sched.step_id <= max(arrive):
+            if sched.step_id == 2:  # the short requests' KV goes to the member's layers
+                pool, own = head.form(plan, ())
+                assert own == (0, 1, 2) and head.group.fits is fits, own
+                assert head.group.microbatches == 4
+                sched.grow(pool)
             for kind, n, most in arrive.get(sched.step_id, ()):
                 reqs.append(Req(f"{kind}{len(reqs)}", _prompt(rng, n), most, rid=len(reqs)))
                 sched.add(reqs[-1])
@@ -170,6 +174,7 @@ def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
         thread.join(timeout=WAIT_S)
         assert not thread.is_alive() and len(served) == 1, served
         assert isinstance(served[0], dict) and "abandoned" not in served[0], served
+        assert served[0]["chunks_received"] >= 3 and served[0]["received_bytes"] > 0, served
         assert member._seqs == {} and head.group is None
     finally:
         if thread.is_alive():  # the test failed with the member waiting: let it go
