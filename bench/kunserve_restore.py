@@ -30,10 +30,10 @@ VARIANTS = {
     "kv_usage < 50%": "kv_usage < 50%",
     "and waiting == 0": "kv_usage < 50% and waiting == 0",
     "for 20 iterations": "kv_usage < 50% for 20 iterations",
-    "for 40 iterations (kunserve)": "kv_usage < 50% for 40 iterations",
+    "for 40 iterations": "kv_usage < 50% for 40 iterations",
     "for 100 iterations": "kv_usage < 50% for 100 iterations",
     "for 1s": "kv_usage < 50% for 1s",
-    "for 2s": "kv_usage < 50% for 2s",
+    "for 2s (kunserve)": "kv_usage < 50% for 2s",
     "for 4s": "kv_usage < 50% for 4s",
     "kv_usage < 40%": "kv_usage < 40%",
 }
