@@ -250,18 +250,22 @@ class Cluster:
         key = key or next(self._keys)
         prompt = len(msg.prompt_ids) if msg.prompt_ids is not None else len(msg.prompt or "")
         demand = prompt + msg.sampling.max_tokens
-        try:
-            index = await self._choose(demand)
-        except NoInstanceError as exc:
-            await tell(msg.outputs, refusal(key, Rejected(error=EngineDeadError(str(exc))),
-                                            announced=announced))
-            return
-        if self._closed:  # it shut down during the round trip: the request ends as the live did
-            self._coordinator.send_nowait(RequestEnded(instance=index, demand_tokens=demand))
-            msg.outputs.close()
-            return
-        self._where[key] = (index, demand)
-        await self.instances[index].submit(key, msg, announced=announced)
+        # the client's task may be cancelled meanwhile (its HTTP client hung up): the dispatch
+        # still completes, so that what the coordinator counts ends (the handle, finding the
+        # client gone, cancels the request on its instance)
+        with anyio.CancelScope(shield=True):
+            try:
+                index = await self._choose(demand)
+            except NoInstanceError as exc:
+                await tell(msg.outputs, refusal(key, Rejected(error=EngineDeadError(str(exc))),
+                                                announced=announced))
+                return
+            if self._closed:  # it shut down during the round trip: it ends as the live did
+                self._coordinator.send_nowait(RequestEnded(instance=index, demand_tokens=demand))
+                msg.outputs.close()
+                return
+            self._where[key] = (index, demand)
+            await self.instances[index].submit(key, msg, announced=announced)
 
     async def _choose(self, demand: int) -> int:
         """The coordinator's pick for a request of `demand` tokens (one round trip)."""

@@ -187,6 +187,42 @@ async def test_a_client_that_leaves_before_its_admission_has_its_request_cancell
         assert [v.in_flight for v in await views(cluster)] == [0]
 
 
+async def test_a_client_cancelled_during_its_dispatch_leaves_nothing_counted():
+    """The client's task was cancelled while the coordinator chose its instance (an HTTP
+    client hanging up): the dispatch completes, the request is cancelled on its instance once
+    it answers, and nothing stays counted in flight (before: the coordinator counted the
+    request on instance 0 for ever, and `wait_idle` never returned)."""
+    async with stand_in_cluster() as (cluster, links, _):
+        real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
+        cluster._coordinator = scripted[0]
+        left, client = anyio.Event(), anyio.CancelScope()
+
+        async def coordinator() -> None:
+            async for msg in scripted[1]:
+                if isinstance(msg, ChooseInstance):
+                    client.cancel()  # while the client's task waits for this answer
+                real.send_nowait(msg)  # (no checkpoint between: the choice is always made)
+
+        async def wait_for_admission() -> None:
+            with client:
+                async with cluster.generate([1, 2, 3], params(1000)) as stream:
+                    await stream.__anext__()
+            left.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(coordinator)
+            tg.start_soon(wait_for_admission)
+            await left.wait()
+            cluster._coordinator = real  # what follows reaches the coordinator in order
+            if links[0].sent:  # dispatched whole: the instance answers, the request is cancelled
+                sub = links[0].sent[0]
+                await links[0].answer(sub.key, Admitted(request_id=1))
+                assert await links[0].next_sent() == sub
+                assert await links[0].next_sent() == CancelRequest(key=sub.key)
+            tg.cancel_scope.cancel()
+        assert [v.in_flight for v in await views(cluster)] == [0, 0]
+
+
 async def test_a_request_whose_client_left_is_not_dispatched_again_when_its_instance_dies():
     """The cancel raced with the hand-back (the client left before the request's `Admitted`,
     or while it was being dispatched again): nothing is sent to another instance."""
