@@ -144,9 +144,9 @@ class Cluster:
                     if overload is None and launcher is not None:  # torch instance processes
                         overload = torch_overload_monitor(policy, config, backend.runner,
                                                           cluster._count)
-                    await tg.start(Coordinator(table=cluster.table,
-                                               rule=DISPATCH_RULES[policy.settings.dispatch],
-                                               inbox=recv, overload=overload).run)
+                    await tg.start(cluster._run_coordinator, Coordinator(
+                        table=cluster.table, rule=DISPATCH_RULES[policy.settings.dispatch],
+                        inbox=recv, overload=overload), recv)
                     if launcher is None:
                         await cluster._start_in_process(engines, tg)
                     else:
@@ -176,6 +176,23 @@ class Cluster:
             if launcher is not None:
                 await anyio.to_thread.run_sync(launcher.shutdown)
 
+    async def _run_coordinator(self, coordinator: Coordinator, inbox, *,
+                               task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED
+                               ) -> None:
+        """The coordinator actor; once it stops, questions left or later sent fail, so that no
+        dispatch (shielded from its client's cancellation) waits for an answer for ever."""
+        try:
+            await coordinator.run(task_status=task_status)
+        finally:
+            while True:
+                try:
+                    msg = inbox.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    break
+                if isinstance(getattr(msg, "reply", None), Reply):
+                    msg.reply.fail(EngineDeadError(self.stopped_reason()))
+            inbox.close()
+
     async def _start_remote(self, launcher: Launcher, tg: anyio.abc.TaskGroup) -> None:
         launched = [None] * self._count
 
@@ -204,7 +221,8 @@ class Cluster:
             await tg.start(handle.run)
 
     async def _instance_down(self, index: int, reason: str) -> None:
-        await self._coordinator.send(InstanceDown(instance=index, reason=reason))
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+            await self._coordinator.send(InstanceDown(instance=index, reason=reason))
         lost = getattr(self.groups, "instance_down", None)
         if lost is not None:  # torch groups: a lost head's members serve alone from now on
             await lost(index)
@@ -250,9 +268,8 @@ class Cluster:
         key = key or next(self._keys)
         prompt = len(msg.prompt_ids) if msg.prompt_ids is not None else len(msg.prompt or "")
         demand = prompt + msg.sampling.max_tokens
-        # the client's task may be cancelled meanwhile (its HTTP client hung up): the dispatch
-        # still completes, so that what the coordinator counts ends (the handle, finding the
-        # client gone, cancels the request on its instance)
+        # shielded from the client's cancellation (an HTTP client hanging up), so that what the
+        # coordinator counts ends; the handle, finding the client gone, cancels the request
         with anyio.CancelScope(shield=True):
             try:
                 index = await self._choose(demand)
@@ -260,35 +277,38 @@ class Cluster:
                 await tell(msg.outputs, refusal(key, Rejected(error=EngineDeadError(str(exc))),
                                                 announced=announced))
                 return
-            if self._closed:  # it shut down during the round trip: it ends as the live did
-                self._coordinator.send_nowait(RequestEnded(instance=index, demand_tokens=demand))
+            except EngineDeadError:  # the cluster stopped before it chose: the client is told
                 msg.outputs.close()
                 return
             self._where[key] = (index, demand)
+            if self._closed:  # it shut down during the round trip: it ends as the live did
+                self._ended(key)
+                msg.outputs.close()
+                return
             await self.instances[index].submit(key, msg, announced=announced)
 
     async def _choose(self, demand: int) -> int:
         """The coordinator's pick for a request of `demand` tokens (one round trip)."""
         reply = Reply[int]()
-        await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
+        try:
+            await self._coordinator.send(ChooseInstance(demand_tokens=demand, reply=reply))
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            raise EngineDeadError(self.stopped_reason()) from None
         return await reply.wait()
 
     async def _redispatch(self, key: int, msg: Submit, announced: bool) -> None:
         """A request its dead instance had not streamed from: serve it elsewhere, under the id
         its client has or will be told (`announced`: whether the dead instance's `Admitted`
-        reached the client; if not, the new instance's does). Not if its client has gone (its
-        cancel went to the dead instance), nor once the cluster shuts down (the client's
-        stream ends: EngineDeadError, as for every request still live then)."""
+        reached the client; if not, the new instance's does). Not if its client has gone, nor
+        once the cluster shuts down (its stream ends, as every live request's does then)."""
         if msg.outputs.statistics().open_receive_streams == 0:
             return
         if self._closed:
-            msg.outputs.close()
-            return
+            return msg.outputs.close()
         await self._submit(msg, key=key, announced=announced)
 
     async def _close_instances(self, *, detach: bool) -> None:
-        """The cluster shuts down: refuse new requests, stop (or detach from) every instance,
-        and end the requests still live (their clients raise EngineDeadError)."""
+        """Refuse new requests, stop (or detach from) every instance, end what is live."""
         self._closed = True
         for inst in self.instances:
             await inst.close(detach=detach)
@@ -296,7 +316,9 @@ class Cluster:
     def _ended(self, key: int) -> None:
         where = self._where.pop(key, None)
         if where is not None:
-            self._coordinator.send_nowait(RequestEnded(instance=where[0], demand_tokens=where[1]))
+            with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._coordinator.send_nowait(RequestEnded(instance=where[0],
+                                                           demand_tokens=where[1]))
 
     def _cancel_nowait(self, request_id: int) -> None:
         where = self._where.get(request_id)

@@ -98,8 +98,8 @@ async def stand_in_cluster(count: int = 2) -> AsyncIterator[tuple[Cluster, list[
 
     with anyio.fail_after(GUARD_S):  # a client left waiting for ever fails the test
         async with anyio.create_task_group() as tg:
-            await tg.start(Coordinator(table=cluster.table, rule=DISPATCH_RULES["round_robin"],
-                                       inbox=recv).run)
+            await tg.start(cluster._run_coordinator, Coordinator(
+                table=cluster.table, rule=DISPATCH_RULES["round_robin"], inbox=recv), recv)
             for i, link in enumerate(links):
                 handle = RemoteInstance(i, link, on_end=cluster._ended,
                                         redispatch=cluster._redispatch,
@@ -364,6 +364,31 @@ async def test_a_request_dispatched_while_the_cluster_shuts_down_ends():
             tg.cancel_scope.cancel()
         assert isinstance(got[-1], EngineDeadError) and str(got[-1]) == "the cluster shut down"
         assert not any(isinstance(m, SubmitRequest) for link in links for m in link.sent)
+
+
+async def test_a_choice_left_in_the_coordinator_inbox_when_it_stops_fails():
+    """The cluster shut down (its coordinator cancelled) with a choice still unanswered in
+    the coordinator's inbox: the choice fails with EngineDeadError, and a later one cannot be
+    asked (a dispatch is shielded from its client's cancellation, so without this it would
+    wait for ever)."""
+
+    class Unanswering:
+        async def run(self, *, task_status) -> None:
+            task_status.started()
+            await anyio.sleep_forever()
+
+    cluster = Cluster(EngineConfig(backend="sim"), None, 1, 1.0, None, None)
+    cluster._coordinator, inbox = anyio.create_memory_object_stream(math.inf)
+    reply = Reply()
+    async with anyio.create_task_group() as tg:
+        await tg.start(cluster._run_coordinator, Unanswering(), inbox)
+        await cluster._coordinator.send(ChooseInstance(demand_tokens=10, reply=reply))
+        await cluster._close_instances(detach=False)
+        tg.cancel_scope.cancel()  # as the cluster's task group is at the end of its block
+    with anyio.fail_after(GUARD_S), pytest.raises(EngineDeadError, match="the cluster shut down"):
+        await reply.wait()
+    with pytest.raises(EngineDeadError, match="the cluster shut down"):
+        await cluster._choose(10)
 
 
 async def test_an_instance_dying_while_the_cluster_shuts_down_fails_only_its_requests():
