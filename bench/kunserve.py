@@ -37,13 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kunserve_ladder import ladder, ladder_lines
+from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.benchmark.driver import Driver
 from shunter.cluster.cluster import Cluster
-from shunter.workloads import load_workload
 from sim.group import GroupNetwork, SimGroup
 from sim.network import LINKS
 from sim.profile import load_profile
@@ -171,11 +171,8 @@ def memory_demand(result, capacity_tokens: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default="azure-code",
-                    choices=["azure-code", "azure-conv", "mooncake-conv"])
-    ap.add_argument("--rate", default="1x")
-    ap.add_argument("--start", type=float, default=780.0)
-    ap.add_argument("--duration", type=float, default=180.0)
+    add_trace_args(ap, trace="azure-code", start=780.0, duration=180.0,
+                   traces=["azure-code", "azure-conv", "mooncake-conv"])
     ap.add_argument("--instances", type=int, default=4)
     ap.add_argument("--num-blocks", type=int, default=None,
                     help="KV blocks per instance (default: what the profile's GPU leaves)")
@@ -185,9 +182,6 @@ def main() -> None:
                     help="a prompt cut across a group's microbatches holds the step until its "
                          "last piece is through (pipelines' first tokens exact, throughput a "
                          "lower bound; default: the steady-state period)")
-    ap.add_argument("--lengths", default="",
-                    help="more workload keys, e.g. scale_lengths=5,max_input=12000 (LongBench-"
-                         "like prompts on the trace's arrivals)")
     ap.add_argument("--profile", default="llama3-8b-a10")
     ap.add_argument("--link-scale", type=float, default=1.0,
                     help="multiply the pipeline link's bandwidth (KV exchange and activations; "
@@ -203,15 +197,9 @@ def main() -> None:
         out.with_suffix(".md").write_text(table(report))
         plot(report, out.with_suffix(".png"))
         return
-    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
-    if args.lengths:
-        spec += f",{args.lengths}"
-    workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
-    base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
-                        max_num_seqs=256, max_batched_tokens=2048)
+    spec, workload = trace_workload(args)
+    base = sim_instance(args.profile, args.num_blocks or None)
     profile = load_profile(args.profile)
-    if args.num_blocks:
-        base = attrs.evolve(base, num_blocks=args.num_blocks)
     if args.link_scale != 1.0:  # this process only: every run of the bench sees the same link
         link = LINKS[base.pipeline_link]
         LINKS[base.pipeline_link] = attrs.evolve(link, bytes_per_s=link.bytes_per_s * args.link_scale)

@@ -21,30 +21,21 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.kunserve as bench
+from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
 from engine.cluster.dispatch import DispatchTable
-from engine.config import EngineConfig
 from policies import policy_path
-from shunter.workloads import load_workload
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default="azure-conv")
-    ap.add_argument("--start", type=float, default=1560.0)
-    ap.add_argument("--duration", type=float, default=90.0)
-    ap.add_argument("--rate", default="1x")
-    ap.add_argument("--lengths", default="")
+    add_trace_args(ap)
     ap.add_argument("--policies", default="vllm_dp,kunserve",
                     help="vllm_dp (fcfs, recompute) or shipped KunServe policy names")
     ap.add_argument("--rules", default="least_load,freeness")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_dispatch"))
     args = ap.parse_args()
-    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
-    if args.lengths:
-        spec += f",{args.lengths}"
-    workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
-    base = EngineConfig(backend="sim", profile="llama3-8b-a10", cpu_swap_blocks=8192,
-                        max_num_seqs=256, max_batched_tokens=2048)
+    spec, workload = trace_workload(args)
+    base = sim_instance()
     out = Path(args.out)
     policy_dir = out.parent / "kunserve_policies"
     policy_dir.mkdir(parents=True, exist_ok=True)

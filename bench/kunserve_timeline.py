@@ -25,12 +25,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import bench.kunserve as bench
+from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
 from engine.cluster.dispatch import DispatchTable
 from engine.cluster.overload import OverloadMonitor
-from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.groups import SimGroups
-from shunter.workloads import load_workload
 from sim.exchange import SimExchange
 
 
@@ -118,22 +117,14 @@ def show(label: str, log: dict, result, lo: float, hi: float) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", default="azure-conv")
-    ap.add_argument("--start", type=float, default=1560.0)
-    ap.add_argument("--duration", type=float, default=90.0)
-    ap.add_argument("--rate", default="1x")
-    ap.add_argument("--lengths", default="")
+    add_trace_args(ap)
     ap.add_argument("--profile", default="llama3-8b-a10")
     ap.add_argument("--num-blocks", type=int, default=None)
     ap.add_argument("--runs", default="kunserve_drop,kunserve_exchange")
     ap.add_argument("--window", default="0,1e9", help="seconds: rounds printed in this window")
     args = ap.parse_args()
-    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
-    if args.lengths:
-        spec += f",{args.lengths}"
-    workload = load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
-    base = EngineConfig(backend="sim", profile=args.profile, cpu_swap_blocks=8192,
-                        max_num_seqs=256, max_batched_tokens=2048, num_blocks=args.num_blocks)
+    _, workload = trace_workload(args)
+    base = sim_instance(args.profile, args.num_blocks)
     lo, hi = (float(x) for x in args.window.split(","))
     for label in args.runs.split(","):
         log = {"rounds": [], "exchanges": [], "dispatch": [], "forms": [], "moves": []}

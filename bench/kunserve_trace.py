@@ -1,0 +1,40 @@
+"""What the KunServe simulator benches share: a trace window from the command line (`--trace
+--start --duration --rate --lengths`), its arrivals, and the cluster's per-instance engine
+settings (the simulator, vLLM's 256 sequences and 2,048 batched tokens, host swap space)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from engine.config import EngineConfig
+from shunter.workloads import load_workload
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def add_trace_args(ap: argparse.ArgumentParser, *, trace: str = "azure-conv",
+                   start: float = 1560.0, duration: float = 90.0, rate: str = "1x",
+                   traces: list[str] | None = None) -> None:
+    ap.add_argument("--trace", default=trace, choices=traces)
+    ap.add_argument("--start", type=float, default=start)
+    ap.add_argument("--duration", type=float, default=duration)
+    ap.add_argument("--rate", default=rate)
+    ap.add_argument("--lengths", default="",
+                    help="more workload keys, e.g. scale_lengths=5,max_input=12000 (LongBench-"
+                         "like prompts on the trace's arrivals)")
+
+
+def trace_workload(args: argparse.Namespace):
+    """(its spec, the workload): the window of the shared trace the arguments name (seed 0:
+    every run the same)."""
+    spec = f"{args.trace}:start={args.start},duration={args.duration},rate={args.rate}"
+    if args.lengths:
+        spec += f",{args.lengths}"
+    return spec, load_workload(spec, traces_dir=ROOT.parent / "shared" / "traces", seed=0)
+
+
+def sim_instance(profile: str = "llama3-8b-a10", num_blocks: int | None = None) -> EngineConfig:
+    """One instance of the cluster (`num_blocks`: None = what the profile's GPU leaves)."""
+    return EngineConfig(backend="sim", profile=profile, cpu_swap_blocks=8192, max_num_seqs=256,
+                        max_batched_tokens=2048, num_blocks=num_blocks)
