@@ -133,6 +133,21 @@ async def read_all(stream, into: list) -> None:
         into.append(exc)
 
 
+def leaving_client(cluster: Cluster, max_tokens: int = 4):
+    """(its cancel scope, an event set once it has left, the task to start): a client of a
+    3-token prompt waiting for its first answer, which the test makes leave, as an HTTP client
+    hanging up, by cancelling the scope."""
+    client, left = anyio.CancelScope(), anyio.Event()
+
+    async def wait_for_admission() -> None:
+        with client:
+            async with cluster.generate([1, 2, 3], params(max_tokens)) as stream:
+                await stream.__anext__()
+        left.set()
+
+    return client, left, wait_for_admission
+
+
 def tokens(chunks: list) -> list[int]:
     return [t for c in chunks if isinstance(c, GenerationChunk) for t in c.token_ids]
 
@@ -168,13 +183,7 @@ async def test_a_client_that_leaves_before_its_admission_has_its_request_cancell
     """It had no id to cancel with: the front door, finding it gone when `Admitted` comes,
     cancels the request on its instance (before: the instance ran it to its end)."""
     async with stand_in_cluster(1) as (cluster, links, _):
-        left, client = anyio.Event(), anyio.CancelScope()
-
-        async def wait_for_admission() -> None:
-            with client:
-                async with cluster.generate([1, 2, 3], params(1000)) as stream:
-                    await stream.__anext__()
-            left.set()
+        client, left, wait_for_admission = leaving_client(cluster, 1000)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait_for_admission)
@@ -195,19 +204,13 @@ async def test_a_client_cancelled_during_its_dispatch_leaves_nothing_counted():
     async with stand_in_cluster() as (cluster, links, _):
         real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
         cluster._coordinator = scripted[0]
-        left, client = anyio.Event(), anyio.CancelScope()
+        client, left, wait_for_admission = leaving_client(cluster, 1000)
 
         async def coordinator() -> None:
             async for msg in scripted[1]:
                 if isinstance(msg, ChooseInstance):
                     client.cancel()  # while the client's task waits for this answer
                 real.send_nowait(msg)  # (no checkpoint between: the choice is always made)
-
-        async def wait_for_admission() -> None:
-            with client:
-                async with cluster.generate([1, 2, 3], params(1000)) as stream:
-                    await stream.__anext__()
-            left.set()
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(coordinator)
@@ -227,13 +230,7 @@ async def test_a_request_whose_client_left_is_not_dispatched_again_when_its_inst
     """The cancel raced with the hand-back (the client left before the request's `Admitted`,
     or while it was being dispatched again): nothing is sent to another instance."""
     async with stand_in_cluster() as (cluster, links, ended):
-        left, client = anyio.Event(), anyio.CancelScope()
-
-        async def wait_for_admission() -> None:
-            with client:
-                async with cluster.generate([1, 2, 3], params(1000)) as stream:
-                    await stream.__anext__()
-            left.set()
+        client, left, wait_for_admission = leaving_client(cluster, 1000)
 
         async with anyio.create_task_group() as tg:
             tg.start_soon(wait_for_admission)
@@ -410,13 +407,7 @@ async def test_a_client_that_left_while_every_instance_went_down_takes_nothing_d
     async with stand_in_cluster(1) as (cluster, links, ended):
         real, scripted = cluster._coordinator, anyio.create_memory_object_stream(math.inf)
         cluster._coordinator = scripted[0]
-        left, client = anyio.Event(), anyio.CancelScope()
-
-        async def wait_for_tokens() -> None:
-            with client:
-                async with cluster.generate([1, 2, 3], params()) as stream:
-                    await stream.__anext__()
-            left.set()
+        client, left, wait_for_tokens = leaving_client(cluster)
 
         async def coordinator() -> None:
             async for msg in scripted[1]:
