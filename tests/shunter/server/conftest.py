@@ -22,6 +22,7 @@ from policies import policy_dir
 from shunter import Engine, EngineConfig
 from shunter.server import ServerSettings, build_app
 from shunter.server.serve import serve_app
+from tests.http_serving import serving_app
 
 
 async def _inspect(request: Request) -> JSONResponse:
@@ -52,14 +53,8 @@ async def serving(config: EngineConfig, settings: ServerSettings | None = None, 
                   backend: object = None, extra_routes: Sequence = ()) -> AsyncIterator[Served]:
     async with Engine.start(config, backend=backend) as engine:
         app = build_app(engine, settings, extra_routes=(*TEST_ROUTES, *extra_routes))
-        done = anyio.Event()  # hypercorn stops by its trigger, not by cancellation
-        async with anyio.create_task_group() as tg:
-            url = await tg.start(lambda task_status: serve_app(
-                app, shutdown_trigger=done.wait, task_status=task_status))
-            try:
-                yield Served(url=url, app=app, engine=engine)
-            finally:
-                done.set()
+        async with serving_app(app) as url:
+            yield Served(url=url, app=app, engine=engine)
 
 
 class ServerThread:
