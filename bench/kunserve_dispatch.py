@@ -20,8 +20,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench.kunserve as bench
-from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
+from bench.kunserve_trace import (
+    add_trace_args,
+    policy_dir,
+    run_row,
+    sim_instance,
+    trace_workload,
+)
 from engine.cluster.dispatch import DispatchTable
 from policies import policy_path
 
@@ -37,8 +42,7 @@ def main() -> None:
     spec, workload = trace_workload(args)
     base = sim_instance()
     out = Path(args.out)
-    policy_dir = out.parent / "kunserve_policies"
-    policy_dir.mkdir(parents=True, exist_ok=True)
+    policies = policy_dir(out)
     sent: list[int] = []
     dispatched = DispatchTable.dispatched
 
@@ -51,20 +55,15 @@ def main() -> None:
     for name in args.policies.split(","):
         parent = policy_path("fcfs" if name == "vllm_dp" else name)
         for rule in args.rules.split(","):
-            path = policy_dir / f"dispatch_{name}_{rule}.policy"
+            path = policies / f"dispatch_{name}_{rule}.policy"
             path.write_text(f'policy {name}_{rule} extends "{parent}" {{\n  dispatch {rule}\n}}\n')
             sent[:] = [0] * 4
             label = "vllm_dp" if name == "vllm_dp" else "kunserve"
-            result, cluster, _, wall = bench.run(label, path, workload, base, 4)
-            s = bench.summarize(result, None)
-            events = [[round(e["t"] - result.started, 1), e["event"], e["members"]]
-                      for e in (cluster or {}).get("events", [])]
             key = f"{name} / {rule}"
-            report["runs"][key] = {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms",
-                                                    "tpot_p99_ms")} | {
-                "sent": list(sent), "events": events, "wall_s": wall}
+            s = report["runs"][key] = run_row(label, path, workload, base) | {"sent": list(sent)}
             print(f"{key}: P99 TTFT {s['ttft_p99_s']:.3f} s, P50 TTFT {s['ttft_p50_s']:.3f} s, "
-                  f"P50 TPOT {s['tpot_p50_ms']:.1f} ms, sent {sent}, events {events}", flush=True)
+                  f"P50 TPOT {s['tpot_p50_ms']:.1f} ms, sent {sent}, events {s['events']}",
+                  flush=True)
     DispatchTable.dispatched = dispatched
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# Dispatch rules: {spec}, 4 x llama3-8b-a10", "",

@@ -21,8 +21,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import bench.kunserve as bench
-from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
+from bench.kunserve_trace import (
+    add_trace_args,
+    policy_dir,
+    run_row,
+    sim_instance,
+    trace_workload,
+)
 from policies import policy_path
 
 VARIANTS = {
@@ -47,12 +52,11 @@ def main() -> None:
     spec, workload = trace_workload(args)
     base = sim_instance()
     out = Path(args.out)
-    policy_dir = out.parent / "kunserve_policies"
-    policy_dir.mkdir(parents=True, exist_ok=True)
+    policies = policy_dir(out)
     runs = [("never (kunserve_lookahead)", Path(policy_path("kunserve_lookahead")))]
     keep = set(args.only.split(",")) if args.only else None
     for k, (name, rule) in enumerate(VARIANTS.items()):
-        path = policy_dir / f"restore_variant_{k}.policy"
+        path = policies / f"restore_variant_{k}.policy"
         path.write_text(f'policy restore_variant_{k} extends "{policy_path("kunserve_lookahead")}"'
                         f' {{\n  overload restore when {rule}\n}}\n')
         runs.append((name, path))
@@ -60,15 +64,9 @@ def main() -> None:
     for name, path in runs:
         if keep is not None and name not in keep:
             continue
-        result, cluster, _, wall = bench.run("kunserve", path, workload, base, 4)
-        s = bench.summarize(result, None)
-        events = [[round(e["t"] - result.started, 1), e["event"], e["members"]]
-                  for e in (cluster or {}).get("events", [])]
-        report["runs"][name] = {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms",
-                                                 "tpot_p99_ms")} | {"events": events,
-                                                                     "wall_s": wall}
+        s = report["runs"][name] = run_row("kunserve", path, workload, base)
         print(f"{name}: P99 TTFT {s['ttft_p99_s']:.3f} s, P50 TPOT {s['tpot_p50_ms']:.1f} ms, "
-              f"events {events}", flush=True)
+              f"events {s['events']}", flush=True)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# KunServe restore rule varied: {spec}, 4 x llama3-8b-a10", "",
              ("| restore when | P50 TTFT s | P99 TTFT s | P50 TPOT ms | P99 TPOT ms | "

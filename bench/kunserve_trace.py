@@ -38,3 +38,24 @@ def sim_instance(profile: str = "llama3-8b-a10", num_blocks: int | None = None) 
     """One instance of the cluster (`num_blocks`: None = what the profile's GPU leaves)."""
     return EngineConfig(backend="sim", profile=profile, cpu_swap_blocks=8192, max_num_seqs=256,
                         max_batched_tokens=2048, num_blocks=num_blocks)
+
+
+def policy_dir(out: Path) -> Path:
+    """Where a bench writes the policy files of its variants (beside its results)."""
+    path = out.parent / "kunserve_policies"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def run_row(label: str, policy_file: Path, workload, base: EngineConfig,
+            instances: int = 4) -> dict:
+    """One cluster run as a row of the variant benches: P50/P99 TTFT and TPOT, the monitor's
+    groups and restores as [seconds from the start, event, members], the run's wall time."""
+    import bench.kunserve as bench  # (it imports this module)
+
+    result, cluster, _, wall = bench.run(label, policy_file, workload, base, instances)
+    s = bench.summarize(result, None)
+    events = [[round(e["t"] - result.started, 1), e["event"], e["members"]]
+              for e in (cluster or {}).get("events", [])]
+    return {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms")} | {
+        "events": events, "wall_s": wall}
