@@ -145,13 +145,10 @@ class _Relay:
             if not live.streamed:
                 await self._redispatch(key, live.submit, live.announced)
                 continue
-            chunk = GenerationChunk(request_id=key, token_ids=(), text="", finish_reason="error",
-                                    error=f"{reason}; the request had streamed tokens, so it "
-                                          f"was not sent to another instance")
-            try:
-                await live.submit.outputs.send(chunk)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                pass
+            await tell(live.submit.outputs, GenerationChunk(
+                request_id=key, token_ids=(), text="", finish_reason="error",
+                error=f"{reason}; the request had streamed tokens, so it was not sent to another "
+                      f"instance"))
 
 
 def _final(out) -> bool:
