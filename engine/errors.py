@@ -46,6 +46,12 @@ class RequestFailedError(ShunterError):
     """A request was admitted but ended with finish reason `error`; the message says why."""
 
 
+class StreamClosedError(ShunterError):
+    """A request's stream was closed (`aclose()`, usually from another task) before its last
+    chunk; the request was cancelled. Raised to whoever still reads the stream, so a reader is
+    never left with a stream that ended silently short of its finish reason."""
+
+
 class EngineDeadError(ShunterError):
     """The engine stopped (an actor failed or the engine shut down) while the request was live."""
 

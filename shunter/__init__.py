@@ -19,7 +19,7 @@ from engine.config import EngineConfig
 from engine.errors import (
     AdmissionError, ConfigError, EngineDeadError, InvalidRequestError, ModelLoadError, PolicyCheckError,
     PolicyError, PolicySyntaxError, PromptTooLongError, QueueFullError, RequestFailedError,
-    RequestTooLongError, ShunterError,
+    RequestTooLongError, ShunterError, StreamClosedError,
 )
 from engine.outputs import GenerationChunk
 from engine.params import SamplingParams, SchedulingParams
@@ -34,5 +34,5 @@ __all__ = [
     "EngineConfig", "EngineDeadError", "EngineSnapshot", "GenerationChunk", "GenerationStream", "InvalidRequestError",
     "ModelLoadError", "PolicyCheckError", "PolicyError", "PolicySyntaxError",
     "PromptTooLongError", "QueueFullError", "RequestFailedError", "RequestTimeline", "RequestTooLongError",
-    "SamplingParams", "SchedulingParams", "ShunterError", "UnauthorizedError",
+    "SamplingParams", "SchedulingParams", "ShunterError", "StreamClosedError", "UnauthorizedError",
 ]

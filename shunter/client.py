@@ -9,7 +9,7 @@ from typing import Protocol
 import anyio
 import attrs
 
-from engine.errors import EngineDeadError, RequestFailedError
+from engine.errors import EngineDeadError, RequestFailedError, StreamClosedError
 from engine.messages import ClientOutput, Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from engine.params import SamplingParams, SchedulingParams
@@ -39,7 +39,9 @@ class Completion:
 
 class GenerationStream:
     """`async for chunk in engine.generate(...)`. Leaving the loop, closing the stream or
-    cancelling the task that reads it cancels the request and frees its KV blocks."""
+    cancelling the task that reads it cancels the request and frees its KV blocks. A stream
+    closed before its last chunk (`aclose()` from another task) raises StreamClosedError to
+    whoever reads it, then or later."""
 
     def __init__(self, engine: RequestSink, prompt: str | Sequence[int],
                  sampling: SamplingParams, scheduling: SchedulingParams, *,
@@ -52,6 +54,7 @@ class GenerationStream:
                               scheduling=scheduling, outputs=self._send, stream=stream)
         self.request_id: int | None = None
         self._done = False
+        self._closed = False  # aclose() before the last chunk
 
     def __aiter__(self) -> GenerationStream:
         return self
@@ -63,6 +66,8 @@ class GenerationStream:
         await self.aclose()
 
     async def __anext__(self) -> GenerationChunk:
+        if self._closed:
+            raise self._closed_error()
         if self._done:
             raise StopAsyncIteration
         try:
@@ -73,6 +78,8 @@ class GenerationStream:
             except anyio.EndOfStream:
                 self._done = True
                 raise EngineDeadError(self._engine.stopped_reason()) from None
+        except anyio.ClosedResourceError:  # aclose() from another task while this one read
+            raise self._closed_error() from None
         except BaseException:
             self._cancel_nowait()
             raise
@@ -99,7 +106,15 @@ class GenerationStream:
                                       f"before Admitted or Rejected")
 
     async def aclose(self) -> None:
+        if not self._done:
+            self._closed = True
         self._cancel_nowait()
+
+    def _closed_error(self) -> StreamClosedError:
+        which = ("a request not yet admitted" if self.request_id is None
+                 else f"request {self.request_id}")
+        return StreamClosedError(f"the stream of {which} was closed (aclose()) before its last "
+                                 f"chunk; the request was cancelled")
 
     def _cancel_nowait(self) -> None:
         if self._done:

@@ -30,6 +30,7 @@ from engine.errors import (
     RequestFailedError,
     RequestTooLongError,
     ShunterError,
+    StreamClosedError,
 )
 from engine.outputs import GenerationChunk
 from engine.params import SamplingParams, SchedulingParams
@@ -220,6 +221,7 @@ class RemoteStream:
         self._response: httpx.Response | None = None
         self._events: AsyncGenerator[str, None] | None = None
         self._done = False
+        self._closed = False  # aclose() before the last chunk
         self._arrival = self._finished_at = 0.0
         self._token_times: list[float] = []
         self._prompt_tokens = 0 if isinstance(prompt, str) else len(prompt)
@@ -234,27 +236,41 @@ class RemoteStream:
         await self.aclose()
 
     async def __anext__(self) -> GenerationChunk:
+        if self._closed:
+            raise self._closed_error()
         if self._done:
             raise StopAsyncIteration
         try:
             if self._response is None:
                 await self._start()
             chunk = await self._next_chunk()
-        except httpx.TransportError as exc:
-            await self.aclose()
-            raise self._client.lost(exc) from None
-        except BaseException:
-            await self.aclose()
+        except BaseException as exc:
+            await self._shut()
+            if self._closed and not isinstance(exc, anyio.get_cancelled_exc_class()):
+                raise self._closed_error() from None  # aclose() from another task while we read
+            if isinstance(exc, httpx.TransportError):
+                raise self._client.lost(exc) from None
             raise
         if chunk.finish_reason is not None:
-            await self.aclose()
+            await self._shut()
         return chunk
 
     async def aclose(self) -> None:
-        """Close the HTTP stream; a request still running is cancelled by the server."""
+        """Close the HTTP stream; a request still running is cancelled by the server. A task
+        reading the stream meanwhile, or later, gets StreamClosedError."""
+        if not self._done:
+            self._closed = True
+        await self._shut()
+
+    def _closed_error(self) -> StreamClosedError:
+        return StreamClosedError(f"the stream of request {self.request_id} was closed (aclose()) "
+                                 f"before its last chunk; the server cancels the request")
+
+    async def _shut(self) -> None:
         self._done = True
         with anyio.CancelScope(shield=True):
-            if self._events is not None:
+            # a generator another task is inside ends with the error the response's close gives it
+            if self._events is not None and not self._events.ag_running:
                 await self._events.aclose()
             if self._response is not None:
                 await self._response.aclose()
