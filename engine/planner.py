@@ -10,6 +10,8 @@ Pure mechanism, no I/O and no policy names. Two passes, as in vLLM's scheduler:
    arriving) and joins the running batch once the swap pool reports it.
 A packed policy (BROS) names its batch, the first `Decision.batch` requests of its order: only
 they get work, and the rest of the order only ranks the running requests as victims.
+With `prefill separate` (vLLM V0) the passes run the other way round and exclude each other:
+whole prompts first, and decodes only in an iteration that took none (`separate_phases`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Budget:
     """Per-class limit on running requests."""
     async_swap_in: bool = False
     """Swapped requests admitted now are swapped in asynchronously (no work this iteration)."""
+    separate_prefill: bool = False
+    """`prefill separate`: whole prompts alone, else decodes (`_Planner.separate_phases`)."""
 
     @classmethod
     def for_view(cls, view: SchedulerView, settings: PolicySettings, *,
@@ -47,11 +51,11 @@ class Budget:
         return cls(
             free_blocks=view.free_blocks, total_blocks=view.total_blocks,
             block_size=view.block_size, max_num_seqs=view.max_num_seqs,
-            max_batched_tokens=view.max_batched_tokens,
+            max_batched_tokens=settings.token_budget or view.max_batched_tokens,
             can_preempt=settings.preempt_mode != "never",
             max_running={k.name: k.max_running for k in settings.classes
                          if k.max_running is not None},
-            async_swap_in=async_swap_in)
+            async_swap_in=async_swap_in, separate_prefill=settings.prefill == "separate")
 
 
 @attrs.define
@@ -194,10 +198,10 @@ class _Planner:
             else:
                 self.blocked_without_preemption = True
 
-    def admission_pass(self) -> None:
+    def admission_pass(self, states: tuple[str, ...] = ("waiting", "swapped")) -> None:
         limits = self.budget.max_running
         for r in self.order:
-            if r.state not in ("waiting", "swapped") or r.id in self.preempted_ids:
+            if r.state not in states or r.id in self.preempted_ids:
                 continue
             if self.full():
                 return
@@ -226,6 +230,52 @@ class _Planner:
             if limits:  # the only reader of per_class
                 self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
 
+    def separate_phases(self) -> None:
+        """vLLM V0 without chunked prefill (vllm-project/vllm vllm/core/scheduler.py,
+        `Scheduler._schedule_default`, read at commit 0054e1fa0f8ac79f0524b6b1f4d7c02f9e37eca1):
+        when nothing is swapped out, whole waiting prompts in order (`_schedule_prefills`) while
+        they fit the token budget, the sequence cap counted with the running requests and the
+        free blocks, the first that does not fit stopping it; only if none was taken, the
+        running requests' decodes (`_schedule_running`, preempting from the end of the order),
+        then swapped requests if nobody was preempted (`_schedule_swapped`). Differences: a
+        prompt longer than the whole budget, which vLLM refuses (`prompt_limit`), is chunked
+        here so that it still ends; vLLM also keeps 1% of blocks free when admitting
+        (`BlockSpaceManagerV1` watermark), which is not modelled."""
+        if not any(r.state == "swapped" for r in self._requests):
+            self.prompt_pass()
+        if self.plan.work:
+            return
+        self.running_pass()
+        if not self.plan.preempted:
+            self.admission_pass(states=("swapped",))
+
+    def prompt_pass(self) -> None:
+        limits = self.budget.max_running
+        seqs = sum(1 for r in self._requests
+                   if r.state == "running" and r.id not in self.preempted_ids)
+        for r in self.order:
+            if r.state != "waiting" or r.id in self.preempted_ids:
+                continue
+            if seqs + len(self.plan.work) >= self.seq_limit:
+                return
+            if limits and self.per_class.get(r.request_class, 0) >= limits.get(r.request_class,
+                                                                                1 << 62):
+                continue
+            n = r.remaining_tokens - r.cached_tokens
+            if n > self.tokens:
+                if self.plan.work:
+                    return
+                n = self.tokens  # longer than the whole budget: chunked (vLLM refuses it)
+            need = self.need(r, n)
+            if self.displace:
+                self.make_room(r, need)
+            if need > self.free:
+                return
+            self.commit(r, n, need)
+            self.plan.admitted.append(r)
+            if limits:
+                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+
     def break_deadlock(self) -> None:
         """Nothing could run, yet running requests hold memory (they all wait for blocks and
         the policy forbids preemption): preempt the least deserving one anyway."""
@@ -240,10 +290,11 @@ def plan_iteration(decision: Decision, requests: Sequence[RequestView], budget: 
     """Choose this iteration's work. `requests` are all live requests; `decision.order` the
     policy's ranking of (a subset of) them."""
     p = _Planner(decision, requests, budget)
-    p.running_pass()
-    p.admission_pass()
+    steps = (p.separate_phases,) if budget.separate_prefill else (p.running_pass, p.admission_pass)
+    for step in steps:
+        step()
     if p.blocked_without_preemption and not p.plan.work:
         p.break_deadlock()
-        p.running_pass()
-        p.admission_pass()
+        for step in steps:
+            step()
     return p.plan

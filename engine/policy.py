@@ -221,6 +221,13 @@ class PolicySettings:
     dispatch: str = "round_robin"
     """A cluster's rule for which instance a new request goes to (`dispatch` statement; one
     of engine.cluster.dispatch.DISPATCH_RULES)."""
+    prefill: Literal["mixed", "separate"] = "mixed"
+    """`mixed`: prompts are chunked into the token budget beside decodes. `separate` (vLLM V0
+    without chunked prefill): an iteration that takes prompts takes whole prompts and no
+    decodes; otherwise it runs decodes (engine/planner.py, `_Planner.separate_phases`)."""
+    token_budget: int | None = None
+    """The policy's own tokens per iteration (`prefill separate(budget = N tokens)`); None:
+    the engine's max_batched_tokens."""
 
     def class_spec(self, name: str | None) -> ClassSpec | None:
         wanted = name or self.default_class

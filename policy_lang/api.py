@@ -7,6 +7,7 @@ from pathlib import Path
 from engine.errors import PolicyError
 from engine.policy import EngineCapabilities
 from policy_lang.check import check
+from policy_lang.prefill import check_prefill
 from policy_lang.compile import build
 from policy_lang.diagnostics import check_error
 from policy_lang.loader import load_rules
@@ -25,7 +26,7 @@ def compile_policy(text: str, *, filename: str = "<string>", base_dir: Path | No
         base_dir = Path(filename).parent if not filename.startswith("<") else Path.cwd()
     rules, diags = load_rules(text, filename, base_dir)
     if not diags:
-        diags = check(rules)
+        diags = check(rules) + check_prefill(rules)
     if diags:
         raise check_error(diags, rules.sources)
     policy = build(rules, source=text, filename=filename, base_dir=base_dir)

@@ -180,6 +180,13 @@ class BatchAdaptive(Node):
 
 
 @attrs.frozen(kw_only=True)
+class Prefill(Node):
+    mode: Ident
+    """`mixed` (prompts chunked beside decodes) or `separate` (vLLM V0)."""
+    args: tuple[Arg, ...]
+
+
+@attrs.frozen(kw_only=True)
 class Preempt(Node):
     mode: Ident
     displace: bool
@@ -211,7 +218,8 @@ class Memory(Node):
 
 
 Statement = Union[Include, ClassDecl, DefaultClass, PriorityRule, Precedence, Alternate, Rerank,
-                  Fair, Pack, BatchMax, BatchAdaptive, Preempt, Overload, Memory, Dispatch]
+                  Fair, Pack, BatchMax, BatchAdaptive, Prefill, Preempt, Overload, Memory,
+                  Dispatch]
 
 
 @attrs.frozen(kw_only=True)
@@ -250,6 +258,8 @@ def rule_keys(stmt: Statement) -> tuple[RuleKey, ...]:
             return (("pack",),)
         case BatchMax() | BatchAdaptive():
             return (("batch",),)
+        case Prefill():
+            return (("prefill",),)
         case Preempt():
             return (("preempt",),)
         case Dispatch():

@@ -20,7 +20,7 @@ from policy_lang.loader import RuleSet
 @attrs.frozen(kw_only=True)
 class Param:
     kind: str
-    """number, whole, share (0..1, or a percentage), duration, symbol"""
+    """number, whole, share (0..1, or a percentage), duration, symbol, tokens (whole tokens)"""
     default: object = None
     minimum: float = 0.0
     symbols: tuple[str, ...] = ()
@@ -68,7 +68,7 @@ def read_value(e: ast.Expr, p: Param) -> object:
         return e.name  # type: ignore[union-attr]
     c = constant(e)
     assert c is not None
-    return int(c[1]) if p.kind == "whole" else c[1]
+    return int(c[1]) if p.kind in ("whole", "tokens") else c[1]
 
 
 def read_args(args: tuple[ast.Arg, ...], spec: dict[str, Param]) -> dict[str, object]:
@@ -119,13 +119,13 @@ class Checker:
             self.error(e, f"{what} must be a fixed value, not an expression over fields")
             return
         t, v = c
-        want = {"duration": (Type.DURATION,), "share": (Type.NUMBER, Type.FRACTION)}.get(
-            p.kind, (Type.NUMBER,))
+        want = {"duration": (Type.DURATION,), "share": (Type.NUMBER, Type.FRACTION),
+                "tokens": (Type.TOKENS,)}.get(p.kind, (Type.NUMBER,))
         if t not in want:
             self.error(e, self.unit_message(what, want[0], t, e))
         elif p.kind == "share" and not 0.0 <= v <= 1.0:
             self.error(e, f"{what} must be between 0 and 1 (or 0% and 100%), got {fmt(v)}")
-        elif p.kind == "whole" and (not float(v).is_integer() or v < p.minimum):
+        elif p.kind in ("whole", "tokens") and (not float(v).is_integer() or v < p.minimum):
             self.error(e, f"{what} must be a whole number >= {fmt(p.minimum)}, got {fmt(v)}")
         elif (p.kind in ("duration", "number") and v < 0) or (p.kind == "duration" and v == 0):
             self.error(e, f"{what} must be {'> 0' if p.kind == 'duration' else '>= 0'}, got "

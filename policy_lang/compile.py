@@ -28,6 +28,7 @@ from policy_lang.exprs import constant, literal_value
 from policy_lang.fields import FIELDS, Scope, Type
 from policy_lang.loader import RuleSet
 from policy_lang.packing import Env, IterationTimer, PackOrder, Replace, Take
+from policy_lang.prefill import read_prefill
 from policy_lang.runtime import (
     AlternateOrder,
     ClassSplit,
@@ -174,10 +175,12 @@ def build(rules: RuleSet, *, source: str, filename: str, base_dir: Path) -> Comp
     if pack is not None:
         observers.append(timer.observe)
     preempt = rules.get("preempt")
+    prefill, token_budget = read_prefill(rules)
     settings = PolicySettings(
         name=rules.name, classes=tuple(_class_spec(rules, c) for c in classes),
         default_class=default, preempt_mode=preempt.mode.name if preempt else "recompute",
-        memory=_memory(rules), dispatch=_dispatch(rules))
+        memory=_memory(rules), dispatch=_dispatch(rules), prefill=prefill,
+        token_budget=token_budget)
     spans = {m.name.name: m.span for m in rules.all("memory")}
     if preempt is not None:
         spans["preempt"] = preempt.span

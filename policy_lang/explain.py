@@ -16,6 +16,7 @@ from policy_lang.check import (
 from policy_lang.exprs import constant, fmt
 from policy_lang.fields import FIELDS, Type
 from policy_lang.loader import RuleSet
+from policy_lang.prefill import explain_prefill
 
 _PREEMPT = {
     "recompute": "by recompute: a preempted request drops its KV cache and computes it again "
@@ -54,8 +55,8 @@ _MEMORY = {
 
 def explain(rules: RuleSet) -> str:
     x = _Explainer(rules)
-    sections = [x.header(), x.classes(), x.order(), x.rerank(), x.fair(), x.batch(), x.preempt(),
-                x.overload(), x.memory(), x.dispatch()]
+    sections = [x.header(), x.classes(), x.order(), x.rerank(), x.fair(), x.batch(),
+                explain_prefill(rules), x.preempt(), x.overload(), x.memory(), x.dispatch()]
     return "\n\n".join(s for s in sections if s) + "\n"
 
 

@@ -19,7 +19,7 @@ from policy_lang.fields import UNIT_TYPES
 
 STATEMENT_KEYWORDS = ("alternate", "batch", "class", "default", "dispatch", "every", "fair", "frequency",
                       "include", "memory", "overload", "pack", "precedence", "preempt",
-                      "priority", "rerank")
+                      "prefill", "priority", "rerank")
 
 
 @functools.cache
@@ -264,6 +264,10 @@ class _Build(Transformer):
 
     def batch_adaptive(self, meta, children):
         return ast.BatchAdaptive(span=self._span(meta), args=tuple(children))
+
+    def prefill(self, meta, children):
+        return ast.Prefill(span=self._span(meta), mode=self._ident(children[0]),
+                           args=tuple(children[1:]))
 
     def preempt(self, meta, children):
         return ast.Preempt(span=self._span(meta), mode=self._ident(children[0]),

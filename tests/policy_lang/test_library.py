@@ -21,7 +21,7 @@ SHIPPED = ["bros", "bros_no_bicache", "fastswitch_markov", "fastswitch_random", 
            "groups_random", "kunserve", "kunserve_drop", "kunserve_exchange",
            "kunserve_lookahead", "priority", "reuse_markov", "reuse_random",
            "round_robin_rtbe", "rtbe_classes", "vllm_baseline_markov", "vllm_baseline_random",
-           "vllm_prefix_markov", "vllm_prefix_random", "vtc"]
+           "vllm_prefix_markov", "vllm_prefix_random", "vllm_v0", "vtc"]
 
 # iteration time = 10 ms + 1 ms per decoding sequence + 0.1 ms per prefill token
 COST = CostModel(a_ms=10.0, b_ms_per_prefill_token=0.1, c_ms_per_prefill_token_sq=0.0,
@@ -72,6 +72,7 @@ CITED = {  # the paper sections each file's header comment cites, in order
     "vllm_baseline_random": ["FastSwitch §4"],
     "vllm_prefix_markov": ["FastSwitch §4"],
     "vllm_prefix_random": ["FastSwitch §4"],
+    "vllm_v0": ["BROS §7", "§2.2", "§6"],
     "vtc": ["FastSwitch §2.2"],
 }
 

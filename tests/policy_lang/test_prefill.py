@@ -1,0 +1,52 @@
+"""The `prefill` statement (policy_lang/prefill.py): parsed, checked with file:line:col,
+compiled into the settings the planner reads, explained."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies import policy_path
+from policy_lang import compile_policy, load_policy_file
+from shunter import PolicyCheckError
+
+PACKED = ("policy p {\n  class rt { ttft 400ms }\n  class be { }\n  default class be\n"
+          "  pack { rt while est_iteration < min_slack; be fill }\n  prefill separate\n}\n")
+
+
+@pytest.mark.parametrize(("text", "mode", "budget"), [
+    ("policy p { }", "mixed", None),
+    ("policy p { prefill separate }", "separate", None),
+    ("policy p { prefill separate(budget = 2048 tokens) }", "separate", 2048),
+    ("policy p { prefill mixed(1024 tokens) }", "mixed", 1024),
+])
+def test_settings(text: str, mode: str, budget: int | None) -> None:
+    s = compile_policy(text).settings
+    assert (s.prefill, s.token_budget) == (mode, budget)
+
+
+@pytest.mark.parametrize(("text", "error"), [
+    ("policy p {\n  prefill seperate\n}\n",
+     "t.policy:2:11: prefill must be one of mixed, separate, got 'seperate'; did you mean "
+     "'separate'?"),
+    ("policy p {\n  prefill separate(budget = 2048)\n}\n",
+     "t.policy:2:29: budget needs tokens (tokens), got a plain number; write 2048 tokens"),
+    ("policy p {\n  prefill separate(budget = 0 tokens)\n}\n",
+     "t.policy:2:29: budget must be a whole number >= 1, got 0"),
+    ("policy p {\n  prefill separate(budgte = 8 tokens)\n}\n",
+     "t.policy:2:20: unknown argument 'budgte' of prefill separate; did you mean 'budget'? "
+     "(arguments: budget)"),
+    (PACKED, "t.policy:6:3: prefill separate cannot be used with pack: pack builds each batch "
+             "itself, prompt chunks beside decodes (BROS §6); remove one of them"),
+])
+def test_errors_point_at_the_setting(text: str, error: str) -> None:
+    with pytest.raises(PolicyCheckError) as e:
+        compile_policy(text, filename="t.policy")
+    assert str(e.value).splitlines()[0] == error
+
+
+def test_the_shipped_vllm_v0_policy() -> None:
+    p = load_policy_file(policy_path("vllm_v0"))
+    assert (p.settings.prefill, p.settings.token_budget, p.settings.preempt_mode) == (
+        "separate", 2048, "recompute")
+    assert ("an iteration takes whole waiting prompts in order, up to 2048 tokens, and no "
+            "decodes" in p.explain())
