@@ -26,17 +26,17 @@ def test_settings(text: str, mode: str, budget: int | None) -> None:
 
 @pytest.mark.parametrize(("text", "error"), [
     ("policy p {\n  prefill seperate\n}\n",
-     "t.policy:2:11: prefill must be one of mixed, separate, got 'seperate'; did you mean "
-     "'separate'?"),
+     ("t.policy:2:11: prefill must be one of mixed, separate, got 'seperate'; did you mean "
+     "'separate'?")),
     ("policy p {\n  prefill separate(budget = 2048)\n}\n",
      "t.policy:2:29: budget needs tokens (tokens), got a plain number; write 2048 tokens"),
     ("policy p {\n  prefill separate(budget = 0 tokens)\n}\n",
      "t.policy:2:29: budget must be a whole number >= 1, got 0"),
     ("policy p {\n  prefill separate(budgte = 8 tokens)\n}\n",
-     "t.policy:2:20: unknown argument 'budgte' of prefill separate; did you mean 'budget'? "
-     "(arguments: budget)"),
-    (PACKED, "t.policy:6:3: prefill separate cannot be used with pack: pack builds each batch "
-             "itself, prompt chunks beside decodes (BROS §6); remove one of them"),
+     ("t.policy:2:20: unknown argument 'budgte' of prefill separate; did you mean 'budget'? "
+     "(arguments: budget)")),
+    (PACKED, ("t.policy:6:3: prefill separate cannot be used with pack: pack builds each batch "
+             "itself, prompt chunks beside decodes (BROS §6); remove one of them")),
 ])
 def test_errors_point_at_the_setting(text: str, error: str) -> None:
     with pytest.raises(PolicyCheckError) as e:
