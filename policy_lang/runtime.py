@@ -12,6 +12,8 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
+
 from engine.policy import (
     Decision,
     EngineCapabilities,
@@ -136,6 +138,8 @@ class CompiledPolicy:
         """Named runtime state (`rerank`, `fair`, `batch`, `overload`) for tests and the REPL."""
 
     def decide(self, view: SchedulerView) -> Decision:
+        if self.settings.token_budget:  # `prefill ...(budget = N tokens)`: packing's budget too
+            view = attrs.evolve(view, max_batched_tokens=self.settings.token_budget)
         self._env.begin(view)
         for hook in self._before:
             hook(view)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from policies import policy_path
+from engine.cost_model import CostModel
+from policies import policy_dir, policy_path
 from policy_lang import compile_policy, load_policy_file
 from shunter import PolicyCheckError
+from tests.factories import make_scheduler_view, make_view
 
 PACKED = ("policy p {\n  class rt { ttft 400ms }\n  class be { }\n  default class be\n"
           "  pack { rt while est_iteration < min_slack; be fill }\n  prefill separate\n}\n")
@@ -50,3 +52,22 @@ def test_the_shipped_vllm_v0_policy() -> None:
         "separate", 2048, "recompute")
     assert ("an iteration takes whole waiting prompts in order, up to 2048 tokens, and no "
             "decodes" in p.explain())
+
+
+def test_packing_reads_the_policys_budget() -> None:
+    """bros with `prefill mixed(budget = 2048 tokens)` on an engine of 512: a 1,500-token RT
+    prompt with 170 ms of slack needs 3 chunks of 61 ms at 512 tokens (late, so it goes after a
+    request that can make it) but one of 160 ms at 2,048 (it leads, by slack, and the other no
+    longer fits its deadline beside it)."""
+    cost = CostModel(a_ms=10.0, b_ms_per_prefill_token=0.1, c_ms_per_prefill_token_sq=0.0,
+                     d_ms_per_decode_seq=1.0, e_ms_per_decode_context_token=0.0)
+    requests = [make_view(id=1, state="waiting", prompt_tokens=1500, request_class="rt",
+                          slack_ms=170.0),
+                make_view(id=2, state="waiting", prompt_tokens=100, request_class="rt",
+                          slack_ms=300.0)]
+    view = make_scheduler_view(requests, cost=cost, max_batched_tokens=512)
+    orders = []
+    for extra in ("", "prefill mixed(budget = 2048 tokens)"):
+        p = compile_policy(f'policy b extends "bros.policy" {{ {extra} }}', base_dir=policy_dir())
+        orders.append([r.id for r in p.decide(view).order])
+    assert orders == [[2, 1], [1]]
