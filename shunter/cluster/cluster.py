@@ -262,7 +262,8 @@ class Cluster:
         return await collect(GenerationStream(self, prompt, params or SamplingParams(),
                                               scheduling or SchedulingParams(), stream=False))
 
-    async def _submit(self, msg: Submit, key: int | None = None, announced: bool = False) -> None:
+    async def _submit(self, msg: Submit, key: int | None = None, announced: bool = False,
+                      since: float | None = None) -> None:
         if self._closed:
             raise EngineDeadError(self.stopped_reason())
         key = key or next(self._keys)
@@ -285,7 +286,7 @@ class Cluster:
                 self._ended(key)
                 msg.outputs.close()
                 return
-            await self.instances[index].submit(key, msg, announced=announced)
+            await self.instances[index].submit(key, msg, announced=announced, since=since)
 
     async def _choose(self, demand: int) -> int:
         """The coordinator's pick for a request of `demand` tokens (one round trip)."""
@@ -296,7 +297,7 @@ class Cluster:
             raise EngineDeadError(self.stopped_reason()) from None
         return await reply.wait()
 
-    async def _redispatch(self, key: int, msg: Submit, announced: bool) -> None:
+    async def _redispatch(self, key: int, msg: Submit, announced: bool, since: float) -> None:
         """A request its dead instance had not streamed from: serve it elsewhere, under the id
         its client has or will be told (`announced`: whether the dead instance's `Admitted`
         reached the client; if not, the new instance's does). Not if its client has gone, nor
@@ -305,7 +306,7 @@ class Cluster:
             return
         if self._closed:
             return msg.outputs.close()
-        await self._submit(msg, key=key, announced=announced)
+        await self._submit(msg, key=key, announced=announced, since=since)
 
     async def _close_instances(self, *, detach: bool) -> None:
         """Refuse new requests, stop (or detach from) every instance, end what is live."""

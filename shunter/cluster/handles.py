@@ -47,9 +47,9 @@ from shunter.cluster.wire import (
 )
 from shunter.engine import Engine
 
-Redispatch = Callable[[int, Submit, bool], Awaitable[None]]
-"""(cluster request id, the client's submission, whether the client already got `Admitted`):
-serve it on another instance."""
+Redispatch = Callable[[int, Submit, bool, float], Awaitable[None]]
+"""(cluster request id, the client's submission, whether the client already got `Admitted`,
+when the front door first took it): serve it on another instance."""
 Ended = Callable[[int], None]
 """Told once per request when its last output has been relayed (or it was handed back)."""
 Down = Callable[[int, str], Awaitable[None]]
@@ -61,8 +61,20 @@ class _Live:
     submit: Submit
     announced: bool
     """The client already got `Admitted` (from this instance or an earlier, dead one)."""
+    since: float
+    """When the front door first took the request (its clock): the request's timeline counts
+    from there, so a handed-back request's TTFT includes its time at the dead instance."""
+    earlier_s: float
+    """How long before this instance got it the front door took it (a duration, so it holds
+    whatever clock the instance's timeline is in)."""
     streamed: bool = False
     """A chunk with tokens has reached the client."""
+
+
+def _live(submit: Submit, announced: bool, since: float | None) -> _Live:
+    now = anyio.current_time()
+    return _Live(submit=submit, announced=announced, since=now if since is None else since,
+                 earlier_s=0.0 if since is None else now - since)
 
 
 class _Relay:
@@ -94,7 +106,7 @@ class _Relay:
             # the request never started there: served elsewhere, as a dead process's would be
             self._finish(key)
             await self.mark_down(f"instance {self.index}: {out.error}")
-            await self._redispatch(key, live.submit, live.announced)
+            await self._redispatch(key, live.submit, live.announced, live.since)
             return
         send = live.submit.outputs
         try:
@@ -108,7 +120,7 @@ class _Relay:
                     await send.send(refusal(key, out, announced=live.announced))
                 case GenerationChunk():
                     live.streamed = live.streamed or bool(out.token_ids)
-                    await send.send(attrs.evolve(out, request_id=key))
+                    await send.send(_from_the_front_door(out, key, live.earlier_s))
                     if out.finish_reason is None:
                         return
         except (anyio.BrokenResourceError, anyio.ClosedResourceError):
@@ -143,12 +155,21 @@ class _Relay:
         for key, live in list(self._live.items()):
             self._finish(key)
             if not live.streamed:
-                await self._redispatch(key, live.submit, live.announced)
+                await self._redispatch(key, live.submit, live.announced, live.since)
                 continue
             await tell(live.submit.outputs, GenerationChunk(
                 request_id=key, token_ids=(), text="", finish_reason="error",
                 error=f"{reason}; the request had streamed tokens, so it was not sent to another "
                       f"instance"))
+
+
+def _from_the_front_door(chunk: GenerationChunk, key: int, earlier_s: float) -> GenerationChunk:
+    """An instance's chunk under the cluster's id, its timeline (on the last chunk) counted
+    from when the front door took the request."""
+    timeline = chunk.timeline
+    if timeline is not None and earlier_s > 0:
+        timeline = attrs.evolve(timeline, arrival=timeline.arrival - earlier_s)
+    return attrs.evolve(chunk, request_id=key, timeline=timeline)
 
 
 def _final(out) -> bool:
@@ -233,12 +254,14 @@ class RemoteInstance(_Relay):
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
                 return
 
-    async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
+    async def submit(self, key: int, submit: Submit, *, announced: bool = False,
+                     since: float | None = None) -> None:
+        live = _live(submit, announced, since)
         if self.failure is not None:  # chosen just before the coordinator heard of the death
             self._on_end(key)  # what the coordinator counted in flight here
-            await self._redispatch(key, submit, announced)
+            await self._redispatch(key, submit, announced, live.since)
             return
-        self._live[key] = _Live(submit=submit, announced=announced)
+        self._live[key] = live
         ids = None if submit.prompt_ids is None else tuple(submit.prompt_ids)
         try:
             await self._link.send(SubmitRequest(
@@ -318,8 +341,9 @@ class InProcessInstance(_Relay):
             task_status.started()
             await anyio.sleep_forever()
 
-    async def submit(self, key: int, submit: Submit, *, announced: bool = False) -> None:
-        self._live[key] = _Live(submit=submit, announced=announced)
+    async def submit(self, key: int, submit: Submit, *, announced: bool = False,
+                     since: float | None = None) -> None:
+        self._live[key] = _live(submit, announced, since)
         send, recv = anyio.create_memory_object_stream(math.inf)
         own = attrs.evolve(submit, outputs=send)
         try:

@@ -2,7 +2,9 @@
 when its instance dies carries whether its client was already told `Admitted`, so the next
 instance's `Admitted` reaches a client still waiting for one (before: every hand-back counted as
 announced, the client took the new instance's first chunk for its admission answer and lost
-that token), and a refusal after admission reaches the client as a last chunk."""
+that token), and a refusal after admission reaches the client as a last chunk. A handed-back
+request keeps when the front door first took it, and its timeline counts from there (before:
+its TTFT left out the time it spent at the dead instance)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import shunter
 from engine.errors import QueueFullError
 from engine.messages import Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
+from engine.timeline import RequestTimeline
 from shunter.cluster.handles import RemoteInstance
 from shunter.cluster.wire import Output, SubmitRequest
 
@@ -42,12 +45,12 @@ def _submit() -> tuple[Submit, anyio.abc.ObjectReceiveStream]:
                   scheduling=shunter.SchedulingParams(), outputs=send, stream=True), recv
 
 
-async def _die_after(outputs: list[object]) -> list[tuple[int, bool]]:
+async def _die_after(outputs: list[object], since: float | None = None) -> list[tuple]:
     """Submit request 7, let the instance send `outputs`, kill it; what was handed back."""
     link, handed_back = _Link(), []
 
-    async def redispatch(key: int, submit: Submit, announced: bool) -> None:
-        handed_back.append((key, announced))
+    async def redispatch(key: int, submit: Submit, announced: bool, since: float) -> None:
+        handed_back.append((key, announced, since))
 
     async def on_down(index: int, reason: str) -> None:
         pass
@@ -58,7 +61,7 @@ async def _die_after(outputs: list[object]) -> list[tuple[int, bool]]:
     submit, _ = _submit()
     async with anyio.create_task_group() as tg:
         await tg.start(handle.run)
-        await handle.submit(7, submit)
+        await handle.submit(7, submit, since=since)
         assert isinstance(link.sent[0], SubmitRequest)
         for out in outputs:
             await link.peer_send.send(Output(key=7, output=out))
@@ -68,12 +71,48 @@ async def _die_after(outputs: list[object]) -> list[tuple[int, bool]]:
 
 @pytest.mark.anyio
 async def test_a_request_its_dead_instance_never_admitted_is_handed_back_unannounced():
-    assert await _die_after([]) == [(7, False)]
+    before = anyio.current_time()
+    [(key, announced, since)] = await _die_after([])
+    assert (key, announced) == (7, False) and before <= since <= anyio.current_time()
 
 
 @pytest.mark.anyio
 async def test_a_request_whose_admission_reached_the_client_is_handed_back_announced():
-    assert await _die_after([Admitted(request_id=3)]) == [(7, True)]
+    # handed back a second time: it keeps when the front door first took it
+    assert await _die_after([Admitted(request_id=3)], since=12.5) == [(7, True, 12.5)]
+
+
+@pytest.mark.anyio
+async def test_a_handed_back_request_is_timed_from_when_the_front_door_took_it():
+    link = _Link()
+
+    async def never(*args) -> None:
+        raise AssertionError("nothing is handed back here")
+
+    handle = RemoteInstance(1, link, on_end=lambda key: None, redispatch=never, on_down=never,
+                            describe_death=lambda: "", kill=lambda: None)
+    moved, moved_out = _submit()
+    fresh, fresh_out = _submit()
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(handle.run)
+            await handle.submit(2, moved, announced=True, since=anyio.current_time() - 5.0)
+            await handle.submit(3, fresh)
+            await link.peer_send.send(Output(key=3, output=Admitted(request_id=9)))
+            for key in (2, 3):  # the instance's clock: it got both at 100.0, a token at 100.25
+                timeline = RequestTimeline(
+                    request_id=9, request_class="default", tenant="default",
+                    conversation_id=None, prompt_tokens=3, arrival=100.0, first_scheduled=100.1,
+                    token_times=(100.25,), finished_at=100.3, finish_reason="length")
+                await link.peer_send.send(Output(key=key, output=GenerationChunk(
+                    request_id=9, token_ids=(4,), text="", finish_reason="length",
+                    timeline=timeline)))
+            assert isinstance(await fresh_out.receive(), Admitted)
+            moved_ttft = (await moved_out.receive()).timeline.ttft_s
+            fresh_ttft = (await fresh_out.receive()).timeline.ttft_s
+            tg.cancel_scope.cancel()
+    assert 5.25 <= moved_ttft < 5.25 + 1.0  # its 5 s at the dead instance, and the 0.25 s here
+    assert fresh_ttft == pytest.approx(0.25)
 
 
 @pytest.mark.anyio

@@ -551,7 +551,7 @@ async def test_the_instance_refuses_what_its_stopped_engine_never_admitted():
 async def test_the_in_process_handle_hands_on_what_its_stopped_engine_never_admitted():
     engine, handed_back, down, handed = StandInEngine(), [], [], anyio.Event()
 
-    async def redispatch(key: int, submit, announced: bool) -> None:
+    async def redispatch(key: int, submit, announced: bool, since: float) -> None:
         handed_back.append((key, announced))
         handed.set()
 
