@@ -1,7 +1,15 @@
 """The data plane between instance processes: one torch.distributed world (rank = instance
-index; gloo on CPU, NCCL on CUDA), the instance's transfer queue (gpu/transfer.py: activations
-before KV), and the few typed control messages a pipeline group's head sends its members
-(pickled attrs messages as byte tensors; no other link exists between instances).
+index; gloo on CPU, NCCL on CUDA) for the few typed control messages a pipeline group's head
+sends its members (pickled attrs messages as byte tensors), and a channel of its own per
+pipeline group for the group's tensors (activations, KV chunks, restored weights).
+
+A group's channel (`open_channel`) is a process group of only its members, made over the world's
+store under a prefix no other group uses, with its own transfer queue (gpu/transfer.py:
+activations before KV). gloo cannot cancel a posted send or receive, and a group that breaks
+while its KV exchange runs leaves some (a receive for a chunk its sender never sent, a send whose
+receiver left): on the world they would match a later group's messages between the same
+instances (same tags), and a chunk of the wrong size kills the receiving process. On the
+channel of a group that is gone, nothing is ever sent or received again.
 
 Tags keep the traffic apart: activations use gpu.pipeline_stage's step/microbatch tags (below
 2**28), KV chunks count up from 2**28 per (source, destination), control from 2**29.
@@ -10,15 +18,18 @@ Tags keep the traffic apart: activations use gpu.pipeline_stage's step/microbatc
 from __future__ import annotations
 
 import datetime
+import itertools
 import pickle
 import socket
+from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 import attrs
 import torch
 import torch.distributed as dist
 
-from gpu.transfer import TransferQueue
+from gpu.transfer import Sender, TransferQueue
 
 KV_TAG = 1 << 28
 CONTROL_TAG = 1 << 29
@@ -39,12 +50,90 @@ class GroupMemberLost(RuntimeError):
 class DataPlane:
     rank: int
     world_size: int
-    queue: TransferQueue
+    store: dist.Store | None = None
+    """The world's rendezvous store (groups' channels meet under prefixes of it)."""
+    backend: str = "gloo"
+    timeout_s: float = 60.0
 
-    def renew_queue(self) -> None:
-        """A fresh sending thread (after a failed send killed the old one)."""
-        self.queue.close()
-        self.queue = TransferQueue()
+
+Receiver = Callable[[torch.Tensor, int, int], None]
+"""(tensor, source rank, tag): receives one tensor into `tensor`."""
+
+
+class Channel:
+    """One pipeline group's link between its members: `queue` sends (activations before KV),
+    `recv_tensor` receives; both name world ranks. Stand-ins for tests pass their own `send`
+    and `recv`."""
+
+    def __init__(self, ranks: Sequence[int], rank: int, send: Sender, recv: Receiver,
+                 pg: Any = None) -> None:
+        self.ranks = tuple(ranks)
+        self.rank = rank
+        """This instance's world rank."""
+        self.queue = TransferQueue(send)
+        self._recv = recv
+        self._pg = pg
+
+    def recv_tensor(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
+        try:
+            self._recv(t, src, tag)
+        except RuntimeError as exc:
+            raise GroupMemberLost(src, what, exc) from exc
+
+    def close(self, *, broken: bool = False) -> None:
+        """The group is over. `broken`: it ended without its last transfers (a member was
+        lost): a sending thread blocked for good is not waited for, and the process group is
+        aborted; what it left posted can never match anything again."""
+        self.queue.close(timeout=0.0 if broken else 5.0)
+        if broken and self._pg is not None:
+            self._pg.abort()
+        self._pg = None
+
+
+_plane: DataPlane | None = None
+_keys = itertools.count(1)
+
+
+def new_channel_key(plane: DataPlane) -> str:
+    """A key for the channel of a group this instance leads, used by no other group of the
+    cluster (the leader's rank and its own count)."""
+    return f"{plane.rank}.{next(_keys)}"
+
+
+def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
+    """The group `ranks`' channel (blocks until every member opened it with the same `key`)."""
+    ranks = tuple(ranks)
+    if plane.rank not in ranks:
+        raise ValueError(f"instance {plane.rank} is not a member of group {ranks}")
+    if not key:
+        raise ValueError(f"group {ranks}: a channel needs a key (new_channel_key)")
+    if plane.store is None:
+        raise RuntimeError("this data plane has no store: groups cannot open channels on it")
+    store = dist.PrefixStore(f"shunter/group/{key}/", plane.store)
+    timeout = datetime.timedelta(seconds=plane.timeout_s)
+    me = ranks.index(plane.rank)
+    try:
+        if plane.backend == "nccl":
+            pg = dist.ProcessGroupNCCL(store, me, len(ranks))
+        else:
+            pg = dist.ProcessGroupGloo(store, me, len(ranks), timeout)
+    except RuntimeError as exc:  # a member never came (it went away first)
+        raise GroupMemberLost(-1, f"the group {ranks}'s channel was being opened", exc) from exc
+    index = {r: i for i, r in enumerate(ranks)}
+
+    def member(rank: int) -> int:
+        if rank not in index:
+            raise ValueError(f"instance {rank} is not a member of this group's channel "
+                             f"(members {ranks}); a grown group opens a channel of its own")
+        return index[rank]
+
+    def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
+        pg.send([tensor], member(dst), tag).wait()
+
+    def recv(tensor: torch.Tensor, src: int, tag: int) -> None:
+        pg.recv([tensor], member(src), tag).wait()
+
+    return Channel(ranks, plane.rank, send, recv, pg)
 
 
 _plane: DataPlane | None = None
@@ -60,13 +149,20 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def join_data_plane(init_method: str, rank: int, world_size: int, *,
                     timeout_s: float = 60.0, backend: str = "gloo") -> DataPlane:
-    """Join the cluster's world (blocks until every instance joined). Once per process."""
+    """Join the cluster's world (blocks until every instance joined). Once per process.
+    `init_method`: tcp://host:port, the rendezvous store's address (instance 0 serves it)."""
     global _plane
     if _plane is not None:
         raise RuntimeError(f"this process already joined the data plane as rank {_plane.rank}")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=timeout_s))
-    _plane = DataPlane(rank=rank, world_size=world_size, queue=TransferQueue())
+    url = urlsplit(init_method)
+    if url.scheme != "tcp" or not url.hostname or not url.port:
+        raise ValueError(f"data plane rendezvous {init_method!r}: expected tcp://host:port")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+    _plane = DataPlane(rank=rank, world_size=world_size, store=store, backend=backend,
+                       timeout_s=timeout_s)
     return _plane
 
 
@@ -79,7 +175,6 @@ def data_plane() -> DataPlane:
 def leave_data_plane() -> None:
     global _plane
     if _plane is not None:
-        _plane.queue.close()
         dist.destroy_process_group()
         _plane = None
 
@@ -104,10 +199,3 @@ def recv_obj(src: int, tag: int, what: str) -> Any:
     except RuntimeError as exc:
         raise GroupMemberLost(src, what, exc) from exc
     return pickle.loads(data.numpy().tobytes())
-
-
-def recv_tensor(t: torch.Tensor, src: int, tag: int, what: str) -> None:
-    try:
-        dist.recv(t, src=src, tag=tag)
-    except RuntimeError as exc:
-        raise GroupMemberLost(src, what, exc) from exc

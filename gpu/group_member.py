@@ -52,7 +52,15 @@ def serve_member(solo, head_rank: int) -> dict:
             assert isinstance(msg, GroupGo), msg
             go = msg
     me = start.ranks.index(plane.rank)
-    stage = GroupStage(solo._model, plane, start, me, solo._seqs)
+    try:
+        stage = GroupStage(solo._model, plane, start, me, solo._seqs)
+    except GroupMemberLost as exc:  # a member never opened the group's channel: none started
+        solo._seqs.clear()  # the requests handed over are the head's now
+        try:  # the head, whose channel failed too, lets every member go
+            recv_obj(head_rank, CONTROL_TAG, "the group was formed")
+        except GroupMemberLost:
+            pass
+        return {"abandoned": f"the group was not formed: {exc}", "formed": False}
     solo._seqs.clear()
     while True:
         try:
@@ -78,7 +86,7 @@ def serve_member(solo, head_rank: int) -> dict:
         for rid in msg.release:
             stage.seqs.pop(rid, None)
         transfers = restore_transfers(stage, start.layers)
-        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 1,
+        send_transfers(stage.plane, start.ranks, me, transfers, start.chunk_blocks, 1,
                        lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
                        stage.stats)
         restore_weights(stage, start.ranks, start.layers, msg.source)
@@ -96,5 +104,5 @@ def serve_member(solo, head_rank: int) -> dict:
 def _abandon(stage: GroupStage, why: str) -> dict:
     """A member leaves a broken group: its dropped layers from its host copy, no sequences."""
     restore_layers(stage.model)
-    data_plane().renew_queue()
+    stage.plane.close(broken=True)  # nothing left on the group's channel matches anything
     return {"abandoned": why}

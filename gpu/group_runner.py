@@ -34,8 +34,8 @@ from gpu.data_plane import (
     WEIGHTS_TAG,
     GroupMemberLost,
     data_plane,
+    new_channel_key,
     recv_obj,
-    recv_tensor,
     send_obj,
 )
 from gpu.group_stage import (
@@ -116,7 +116,8 @@ class GroupRunner:
                      for rid, s in self.solo._seqs.items())
         start = GroupStart(ranks=self.ranks, layers=self.layers, group=self.pool, seqs=seqs,
                            adopted=self.adopted, chunk_blocks=self.chunk_blocks,
-                           microbatches=self.microbatches, kv_exchange=self.kv_exchange)
+                           microbatches=self.microbatches, kv_exchange=self.kv_exchange,
+                           channel=new_channel_key(plane))
         for msg in (start, GroupGo()):  # a member starts only once every member got its start
             for rank in self.ranks[1:]:
                 try:
@@ -131,7 +132,6 @@ class GroupRunner:
             abandon_members(self.ranks[1:], lost=-1, why=f"the head could not join: {exc}")
             if getattr(self.solo._model, "drop_state", None) is not None:
                 restore_layers(self.solo._model)
-            plane.renew_queue()
             raise
         self.exchange = self.stage.stats
         """The head's exchange counters (bytes, chunks, per-request arrival times)."""
@@ -258,7 +258,7 @@ class GroupRunner:
         receiver = KvReceiver(self.ranks, 0, transfers, self.chunk_blocks, 1,
                               (2, stage.block_size, stage.model.config.num_kv_heads,
                                stage.model.config.head_dim), stage.model.arena.dtype,
-                              stage.stats)
+                              stage.stats, link=stage.plane)
         own = {rid: stage.read_layers(s.table) for rid, s in stage.seqs.items()}
         weights_s = restore_weights(stage, self.ranks, self.layers, source)
         arena = stage.model.arena
@@ -295,7 +295,7 @@ class GroupRunner:
             if t.request_id in stage.seqs:
                 stage.seqs[t.request_id].tokens.append(t.token_id)
         restore_layers(stage.model)
-        data_plane().renew_queue()
+        stage.plane.close(broken=True)  # nothing left on the group's channel matches anything
         for rid, s in stage.seqs.items():
             self.solo._seqs[rid] = _solo_seq(self.solo, s, [])
         self.stage = None
@@ -379,8 +379,8 @@ def restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[ra
             kb = _kept_blocks(stage, keep)
             if k != stage.me and blocks.start <= kb.start and kb.stop <= blocks.stop:
                 lo = (kb.start - blocks.start) * per
-                recv_tensor(dst[lo:lo + len(kb) * per], ranks[k], WEIGHTS_TAG,
-                            "its layers were being restored")
+                plane.recv_tensor(dst[lo:lo + len(kb) * per], ranks[k], WEIGHTS_TAG,
+                                  "its layers were being restored")
 
     restore_layers(stage.model, fill)
     plane.queue.flush()

@@ -24,7 +24,7 @@ from engine.cluster.stage_fits import Cut, pieces
 from engine.messages import ExecuteStep, SampledToken, SeqWork
 from engine.params import SamplingParams
 from gpu.block_map import BlockMap
-from gpu.data_plane import DataPlane, GroupMemberLost, recv_tensor
+from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
 from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, send_transfers
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
@@ -86,6 +86,9 @@ class GroupStart:
     kv_exchange: str = "coordinated"
     """The policy's `kv_exchange`: `fifo` sends every member's KV chunks and activations in
     one queue, in order (gpu/transfer.py `TransferQueue.fifo`), for the group's life."""
+    channel: str = ""
+    """The key of the group's own channel (gpu/data_plane.py `open_channel`; the head makes it
+    with `new_channel_key`): every tensor of the group goes over it, never over the world."""
 
 
 @attrs.frozen(kw_only=True)
@@ -170,7 +173,18 @@ class GroupStage:
                  owned: Mapping[int, object], generators: Mapping[int, torch.Generator | None]
                  = {}) -> None:
         """`owned`: this member's solo sequences (old request id -> an object with `.table`),
-        whose KV the adopted requests it owned still hold."""
+        whose KV the adopted requests it owned still hold. Opens the group's channel first
+        (every member does: it blocks until all did); `self.plane` is that channel."""
+        link = open_channel(plane, start.channel, start.ranks)
+        try:
+            self._build(model, link, start, me, owned, generators)
+        except BaseException:
+            link.close(broken=True)
+            raise
+
+    def _build(self, model, plane: Channel, start: GroupStart, me: int,
+               owned: Mapping[int, object], generators: Mapping[int, torch.Generator | None]
+               ) -> None:
         self.model, self.plane, self.start, self.me = model, plane, start, me
         arena = model.arena
         self.block_size = arena.block_size
@@ -212,7 +226,8 @@ class GroupStage:
                     self.map.assign(s.request_id, i, g)
         self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, 0,
                                    (2, self.block_size, model.config.num_kv_heads,
-                                    model.config.head_dim), arena.dtype, self.stats)
+                                    model.config.head_dim), arena.dtype, self.stats,
+                                   link=plane)
         self._hidden = model.config.hidden_size
 
     # ------------------------------------------------------------------ steps
@@ -252,10 +267,9 @@ class GroupStage:
                            arrived=tuple(self.receiver.take_arrived()))
 
     def end_exchange(self) -> None:
-        """The group has restored: every queued tensor sent, and the queue back to its two
-        lanes for whatever comes next (`kv_exchange fifo` made it one at the start)."""
+        """The group has restored: every queued tensor sent; its channel is closed."""
         self.plane.queue.flush()
-        self.plane.queue.fifo = False
+        self.plane.close()
 
     def _book(self, step: ExecuteStep) -> None:
         for rid in step.release:
@@ -320,7 +334,7 @@ class GroupStage:
             began = time.perf_counter()
             x = torch.empty(len(inputs.input_ids), self._hidden, dtype=self.model.arena.dtype,
                             device=device)  # [T, hidden]
-            recv_tensor(x, ranks[self.me - 1], tag, "activations were due")
+            self.plane.recv_tensor(x, ranks[self.me - 1], tag, "activations were due")
             waited = time.perf_counter() - began
         began, cpu = time.perf_counter(), time.thread_time()
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)

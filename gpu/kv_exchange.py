@@ -1,4 +1,5 @@
-"""KV exchange between the members of a pipeline group (KunServe §4.2), over the data plane.
+"""KV exchange between the members of a pipeline group (KunServe §4.2), over the group's own
+channel of the data plane (gpu/data_plane.py `open_channel`).
 
 A `KvTransfer` is one request's KV for a range of layers, from one member to another. Both ends
 cut the transfers between a pair into the same chunks of `chunk_blocks` blocks, in the same
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from gpu.data_plane import KV_TAG, DataPlane, GroupMemberLost, recv_tensor
+from gpu.data_plane import KV_TAG, Channel, GroupMemberLost
 
 _EPOCH = 1 << 23
 
@@ -63,7 +64,7 @@ class ExchangeStats:
     """Request id -> seconds from the exchange's start until all its chunks were in."""
 
 
-def send_transfers(plane: DataPlane, ranks: Sequence[int], me: int,
+def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
                    transfers: Sequence[KvTransfer], chunk_blocks: int, epoch: int,
                    gather: Callable[[KvTransfer], torch.Tensor], stats: ExchangeStats) -> None:
     """Gather every transfer this member sends ([blocks, layers, 2, bs, Hkv, D] each), then
@@ -85,8 +86,10 @@ class KvReceiver:
 
     def __init__(self, ranks: Sequence[int], me: int, transfers: Sequence[KvTransfer],
                  chunk_blocks: int, epoch: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, stats: ExchangeStats) -> None:
-        """`block_shape`: one layer of one block, (2, block_size, Hkv, D)."""
+                 dtype: torch.dtype, stats: ExchangeStats, *, link: Channel) -> None:
+        """`block_shape`: one layer of one block, (2, block_size, Hkv, D); `link`: the group's
+        channel the chunks come over."""
+        self._link = link
         self._mine = [t for t in transfers if t.dst == me]
         self.staging = {id(t): torch.empty((t.blocks, len(t.layers), *block_shape), dtype=dtype)
                         for t in self._mine}
@@ -113,7 +116,7 @@ class KvReceiver:
         for seq, (t, lo, hi) in enumerate(chunks):
             dst = self.staging[id(t)][lo:hi]
             try:
-                recv_tensor(dst, rank, _tag(epoch, seq), "its KV was being exchanged")
+                self._link.recv_tensor(dst, rank, _tag(epoch, seq), "its KV was being exchanged")
             except GroupMemberLost as exc:
                 with self._cond:
                     self._error = exc

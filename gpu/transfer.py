@@ -86,12 +86,14 @@ class TransferQueue:
             if self._error is not None:
                 raise RuntimeError(f"the transfer thread failed: {self._error}")
 
-    def close(self) -> None:
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the sending threads (what is still queued is not sent); a thread blocked in a
+        send (its receiver never posted the receive) is left behind after `timeout`."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=timeout)
 
     def _loop(self, kind: str) -> None:
         lane, acts = self._lanes[kind], self._lanes["activation"]

@@ -100,21 +100,24 @@ def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
     import gpu.group_member as gm
     import gpu.group_runner as gr
     import gpu.group_stage as gs
-    import gpu.kv_exchange as kx
     from engine.cluster.drop_plan import GroupPlan
     from engine.cluster.stage_fits import StageFits
-    from gpu.data_plane import DataPlane
-    from gpu.transfer import TransferQueue
+    from gpu.data_plane import Channel, DataPlane
     from tests.gpu.kunserve_driver import Req, Scheduler
 
     box = Mailbox()
-    planes = [DataPlane(rank=r, world_size=2, queue=TransferQueue(box.send_tensor))
-              for r in range(2)]
+    planes = [DataPlane(rank=r, world_size=2) for r in range(2)]
+    channels: list = []
+
+    def open_channel(plane, key, ranks):  # the group's channel: the mailbox as well
+        channels.append(Channel(ranks, plane.rank, box.send_tensor,
+                                lambda t, src, tag: box.recv_tensor(t, src, tag, "")))
+        return channels[-1]
+
     for mod in (gr, gm):
         monkeypatch.setattr(mod, "send_obj", box.send_obj)
         monkeypatch.setattr(mod, "recv_obj", box.recv_obj)
-    for mod in (gr, gs, kx):
-        monkeypatch.setattr(mod, "recv_tensor", box.recv_tensor)
+    monkeypatch.setattr(gs, "open_channel", open_channel)
     monkeypatch.setattr(gr, "data_plane", lambda: planes[0])
     monkeypatch.setattr(gm, "data_plane", lambda: planes[1])
 
@@ -182,5 +185,5 @@ def test_lookahead_cuts_prompts_between_microbatches_with_transformers_outputs(
             thread.join(timeout=WAIT_S)
         head.close()
         member.close()
-        for p in planes:
-            p.queue.close()
+        for c in channels:
+            c.queue.close()

@@ -148,16 +148,16 @@ def test_a_later_members_start_failing_leaves_the_earlier_member_serving_alone(
         if dst == 1:
             to_member.append(obj)
 
-    class Plane:
+    class Plane:  # the data plane, and the stage's channel of the group (what it closes)
         def __init__(self, rank):
-            self.rank, self.renewed = rank, 0
+            self.rank, self.closed = rank, []
 
-        def renew_queue(self):
-            self.renewed += 1
+        def close(self, *, broken=False):
+            self.closed.append(broken)
 
     class Stage:  # member 1's: built once it may start (its layers dropped, KV queued)
         def __init__(self, model, plane, start, me, seqs):
-            self.model, self.me, self.seqs = model, me, dict(seqs)
+            self.model, self.me, self.seqs, self.plane = model, me, dict(seqs), plane
             built.append(me)
 
     head_plane, member_plane, restored, built = Plane(0), Plane(1), [], []
@@ -189,4 +189,4 @@ def test_a_later_members_start_failing_leaves_the_earlier_member_serving_alone(
     if fails == "GroupStart":
         assert out["formed"] is False and built == [] and restored == [], out
     else:
-        assert built == [1] and restored == ["member 1's model"] and member_plane.renewed == 1
+        assert built == [1] and restored == ["member 1's model"] and member_plane.closed == [True]

@@ -13,11 +13,12 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
     import faulthandler
     import signal
 
+    import attrs
     import torch
 
     from engine.config import EngineConfig
     from gpu.config import ModelConfig
-    from gpu.data_plane import GroupMemberLost, data_plane, join_data_plane
+    from gpu.data_plane import GroupMemberLost, join_data_plane
     from gpu.group_member import serve_member
     from gpu.kunserve_runner import GroupLost, KunServeTorchRunner
 
@@ -47,11 +48,26 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
                 done = runner.execute(args[0])
                 group = runner.group
                 conn.send(("ok", (done, tuple(group.arrived()) if group is not None else ())))
+            elif cmd == "grow":  # the group this instance leads grows (gpu/group_grow.py)
+                conn.send(("ok", runner.grow(*args)))
+            elif cmd == "grow_stats":
+                g = runner.group or runner.last_group
+                conn.send(("ok", attrs.asdict(g.grow_stats)))
             elif cmd == "expect_adopted":
                 runner.expect_adopted(args[0])
                 conn.send(("ok", None))
             elif cmd == "member":
                 conn.send(("ok", serve_member(runner, args[0])))
+            elif cmd == "die_after_go":  # a member that goes away as its group starts: it
+                # joins the group's channel, then exits before taking or sending a chunk
+                import os
+
+                from gpu.data_plane import CONTROL_TAG, data_plane, open_channel, recv_obj
+
+                start = recv_obj(args[0], CONTROL_TAG, "the group was formed")
+                recv_obj(args[0], CONTROL_TAG, "the group was formed")  # GroupGo
+                open_channel(data_plane(), start.channel, start.ranks)
+                os._exit(0)
             elif cmd == "group_stats":
                 g = runner.last_group or runner.group
                 ex = g.exchange
@@ -61,8 +77,6 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
             elif cmd == "recover":  # the failed step already restored from the host copy
                 assert runner.group is None and runner.lost is not None, runner.lost
                 conn.send(("ok", sorted(runner._seqs)))
-            elif cmd == "queue_bytes":
-                conn.send(("ok", dict(data_plane().queue.sent_bytes)))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
         except (GroupMemberLost, GroupLost) as exc:
