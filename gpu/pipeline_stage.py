@@ -13,6 +13,7 @@ samples. Tensors travel only over torch.distributed; the pipes carry attrs messa
 from __future__ import annotations
 
 import os
+import signal
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -202,7 +203,10 @@ def _tag(step_id: int, microbatch: int) -> int:
 
 
 def stage_main(spec: StageSpec, conn) -> None:  # conn: multiprocessing Connection
-    """The stage process: join the group, load the layers, then answer the driver's messages."""
+    """The stage process: join the group, load the layers, then answer the driver's messages.
+    Ctrl-C in a terminal signals the whole process group: stopping is the driver's to decide
+    (it drains, then sends `StageStop` or closes the pipe), so SIGINT is ignored here."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         if spec.threads:
             torch.set_num_threads(spec.threads)

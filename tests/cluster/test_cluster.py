@@ -4,7 +4,6 @@ its own requests while the cluster goes on serving."""
 
 from __future__ import annotations
 
-import signal
 import sys
 
 import anyio
@@ -13,6 +12,7 @@ import pytest
 import shunter
 from shunter.cluster.cluster import Cluster
 from tests.cluster.prompts import MAX_TOKENS, PROMPTS
+from tests.proc_status import ignores_sigint
 from tests.reference import assert_matches, greedy_reference
 
 
@@ -110,12 +110,6 @@ async def test_killing_an_instance_ends_only_its_requests_and_the_cluster_serves
         assert snap.failures[2].startswith("instance 2 (pid ")
 
 
-def _ignored_signals(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as status:
-        line = next(x for x in status if x.startswith("SigIgn:"))
-    return int(line.split()[1], 16)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
 def test_instance_processes_leave_ctrl_c_to_the_front_door(local_instances):
     """Ctrl-C in a terminal signals the whole process group: the instances ignore SIGINT (each
@@ -123,4 +117,4 @@ def test_instance_processes_leave_ctrl_c_to_the_front_door(local_instances):
     running requests as it does with one engine (before: each instance died of
     KeyboardInterrupt at once, with a traceback, and its requests failed)."""
     for inst in local_instances:
-        assert _ignored_signals(inst.pid) & (1 << (signal.SIGINT - 1)), inst.pid
+        assert ignores_sigint(inst.pid), inst.pid

@@ -4,6 +4,8 @@ transformers."""
 
 from __future__ import annotations
 
+import sys
+
 import anyio
 import attrs
 import pytest
@@ -12,9 +14,9 @@ import shunter
 from gpu.config import ModelConfig
 from gpu.pipeline import PipelineRunner
 from shunter.backends import build_backend
-from tests.reference import assert_matches, greedy_reference
-
 from tests.cluster.prompts import MAX_TOKENS, PROMPTS
+from tests.proc_status import ignores_sigint
+from tests.reference import assert_matches, greedy_reference
 
 
 async def _serve_all(engine: shunter.Engine) -> list[tuple[int, ...]]:
@@ -57,3 +59,14 @@ async def test_two_stage_pipeline_equals_one_instance_and_transformers(tiny_llam
     big = [r for r in runner.records if len(r.compute_s[0]) == 4]
     assert big, [len(r.compute_s[0]) for r in runner.records]
     assert all(len(r.compute_s[1]) == 4 for r in big)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+def test_stage_processes_leave_ctrl_c_to_the_driver(pipeline_group):
+    """Ctrl-C in a terminal signals the whole process group: the stages ignore SIGINT (they end
+    when the driver stops them), so an engine serving through a pipeline drains on Ctrl-C as
+    one without does (before: each stage raised KeyboardInterrupt out of its message loop at
+    once and exited with a traceback, and the driver lost it)."""
+    assert pipeline_group.pids
+    for pid in pipeline_group.pids:
+        assert ignores_sigint(pid), pid
