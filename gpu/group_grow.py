@@ -1,0 +1,267 @@
+"""A running pipeline group grows (KunServe §4.1: Algorithm 6 merges a group that cannot hold
+its queued demand with the smallest other group; here the other group is an instance serving
+alone). The group (head A, members B, ...) takes instance C: the plan's layer split
+(engine/cluster/plan.py `stage_layers`) over A, B, ..., C, in that order (the running head
+stays the head, the new members come last).
+
+This is a full re-split of every old member, not an incremental one: each old member reads the
+KV it holds of every live request (its old layers) to the host, sends the layers another member
+keeps now over the data plane (the exchange of group formation, activations first, its own tag
+epoch), takes its whole model back from its host copy (gpu/stage_view.py `restore_layers`),
+drops again to its new range (a new stage view and block map) and writes the KV of the layers it
+keeps back into its new blocks. The new member C joins as a member joins a forming group
+(gpu/group_member.py), receiving its layers of every request from those that held them, and
+sends its own requests' KV as formation does. Requests stay alive: their tables (the group's
+block ids) do not change, the pool only grows, and a request waits only for its own chunks.
+Costs (counted in `GrowStats`): the whole dropped weights of every old member are copied back
+and the newly dropped ones saved again, and every kept layer's KV makes a host round trip; an
+incremental re-split would copy only the layers a member gains and re-place KV only where the
+new view's stride differs.
+
+The protocol: the head sends every member (old and new) the new `GroupStart` (with `held`: the
+layers each member holds now); each old member answers with the seeded generators it sampled
+with (the last stage moves to C); the head then sends `GroupGo` carrying those generators, and
+everyone re-splits. The head refuses to grow while the group's previous exchange has not
+settled (a request still waiting for its KV, or adopted and not yet set up): the caller tries
+later.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+
+import attrs
+import torch
+
+from gpu.block_map import BlockMap
+from gpu.data_plane import (
+    CONTROL_TAG,
+    REPLY_TAG,
+    data_plane,
+    new_channel_key,
+    open_channel,
+    recv_obj,
+    send_obj,
+)
+from gpu.group_stage import (
+    Adopted,
+    GroupAbandon,
+    GroupGo,
+    GroupStage,
+    GroupStart,
+    MemberReply,
+    SeqState,
+    _Seq,
+    generator_state,
+    overlap,
+    restored_generator,
+    start_transfers,
+)
+from gpu.kv_exchange import KvReceiver, send_transfers
+from gpu.stage_view import drop_layers, group_pool_blocks, restore_layers
+
+GROW_EPOCH = 2
+"""First tag epoch of a growth's exchange (0: forming, 1: restoring)."""
+
+
+class NotSettled(RuntimeError):
+    """The group's previous exchange is still running: it cannot grow now (try later)."""
+
+
+@attrs.define
+class GrowStats:
+    """What one member's re-split copied (bytes)."""
+
+    weights_restored: int = 0
+    """Dropped weights copied back from the host copy."""
+    weights_saved: int = 0
+    """Newly dropped weights copied to the host (the next restore's copy)."""
+    kv_local: int = 0
+    """KV of the layers this member keeps, read to the host and written back."""
+    kv_sent: int = 0
+    kv_received: int = 0
+    """KV over the data plane (received: counted by the receiver as chunks come in; this is
+    the total due)."""
+    seconds: float = 0.0
+    """The head's re-split, wall time (its own stage; not waiting for its chunks)."""
+
+
+class ResplitStage(GroupStage):
+    """An old member's stage after the group grew: built from its previous stage (not from a
+    solo model), keeping `start.layers[me]`."""
+
+    def __init__(self, old: GroupStage, start: GroupStart, me: int) -> None:
+        model = old.model
+        for rid in list(old.seqs):  # every chunk of the last exchange in its blocks first
+            old._place(rid)
+        old.plane.queue.flush()  # and every chunk it sent taken: the old channel is done
+        old.plane.close()
+        plane = open_channel(data_plane(), start.channel, start.ranks)  # the grown group's
+        self.model, self.plane, self.start, self.me = model, plane, start, me
+        arena = model.arena
+        self.block_size = arena.block_size
+        self.keep = start.layers[me]
+        self.stats = old.stats  # the group's counters go on
+        self.grown = GrowStats()
+        transfers = start_transfers(start, self.block_size)
+        tables = {s.request_id: list(s.table) for s in start.seqs}
+        was = old.keep
+
+        def held(table: Sequence[int], layers: range) -> torch.Tensor:
+            return old.read_layers(table)[:, layers.start - was.start:layers.stop - was.start]
+
+        plane.queue.fifo = start.kv_exchange == "fifo"
+        sent = self.stats.sent_bytes
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
+                       lambda t: held(tables[t.request_id][:t.blocks], t.layers), self.stats)
+        self.grown.kv_sent = self.stats.sent_bytes - sent
+        stay = overlap(was, self.keep)
+        local = {s.request_id: held(s.table, stay) for s in start.seqs if s.table and len(stay)}
+        self.grown.kv_local = sum(x.numel() * x.element_size() for x in local.values())
+        self.grown.weights_restored = sum(t.numel() * t.element_size()
+                                          for t in model.drop_state.host_copy.values())
+        restore_layers(model)
+        self.drop = drop_layers(model, self.keep)
+        self.grown.weights_saved = self.drop.freed_bytes
+        self.map = BlockMap(self.drop.view, start.group)
+        self.seqs = {}
+        for s in start.seqs:
+            prev = old.seqs.get(s.request_id)
+            seq = _Seq(tokens=list(s.tokens), table=list(s.table), sampling=s.sampling,
+                       generator=None if prev is None else prev.generator)
+            self.seqs[s.request_id] = seq
+            for i, g in enumerate(s.table):
+                self.map.assign(s.request_id, i, g)
+            if s.request_id in local:
+                self.write_layers(torch.tensor(self.map.locals(s.table)), stay,
+                                  local[s.request_id])
+        self._owned_gens = {}
+        mine = [t for t in transfers if t.dst == me]
+        self.grown.kv_received = sum(
+            t.blocks * len(t.layers) * 2 * self.block_size * model.config.num_kv_heads
+            * model.config.head_dim * arena.buffer.element_size() for t in mine)
+        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, start.epoch,
+                                   (2, self.block_size, model.config.num_kv_heads,
+                                    model.config.head_dim), arena.dtype, self.stats,
+                                   link=plane)
+        self._hidden = model.config.hidden_size
+
+
+def take_generators(stage: GroupStage, states) -> None:
+    """The last stage samples: the seeded generators of the member that sampled before go on
+    here."""
+    if not states or not stage.model.last_stage:
+        return
+    for rid, state in (states or {}).items():
+        seq = stage.seqs.get(rid)
+        if seq is not None:
+            seq.generator = restored_generator(seq.sampling, rid, stage.model.arena.device,
+                                               state)
+
+
+def regrow_member(stage: GroupStage, start: GroupStart, head_rank: int) -> GroupStage | None:
+    """An old member's part (in `serve_member`'s loop, on its device thread): answer with the
+    generators it sampled with, then re-split at `GroupGo`. None: the head abandoned the
+    group instead (the caller leaves it)."""
+    states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
+               if q.generator is not None} if stage.model.last_stage else None)
+    send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,
+             "the group was growing")
+    go = recv_obj(head_rank, CONTROL_TAG, "the group was growing")
+    if isinstance(go, GroupAbandon):
+        return None
+    assert isinstance(go, GroupGo), go
+    new = ResplitStage(stage, start, start.ranks.index(stage.plane.rank))
+    take_generators(new, go.generator_states)
+    return new
+
+
+def grown_plan(ranks: Sequence[int], old_ranks: Sequence[int]) -> tuple[int, ...]:
+    """The grown group's pipeline order: the running group's, then the new members by index."""
+    new = sorted(set(ranks) - set(old_ranks))
+    if not set(old_ranks) <= set(ranks) or not new:
+        raise ValueError(f"group {tuple(ranks)} does not grow group {tuple(old_ranks)}")
+    return tuple(old_ranks) + tuple(new)
+
+
+def unsettled(group, live: Collection[int] | None) -> set[int]:
+    """Requests of `group` (a GroupRunner) whose KV is still moving: waiting for chunks on
+    some member, or adopted and not set up yet (their KV is in a receiver's staging or
+    reserved on their owner, not in blocks every member maps). `live`: the engine's live
+    request ids (None: all count)."""
+    pending = set(group.exchanging()) | {a.request_id for a in group.adopted
+                                         if a.request_id not in group.stage.seqs}
+    return pending if live is None else pending & set(live)
+
+
+def check_grow(group, plan) -> range:
+    """The grown pool's block ids if `plan` can grow `group` (a GroupRunner): its members
+    first, a valid split, and a pool larger than the group's (an uneven split whose largest
+    stage keeps as many layers as before frees nothing: 4 layers in 3 stages keep 2 | 1 | 1).
+    Raises ValueError otherwise."""
+    from gpu.group_runner import check_plan
+
+    arena = group.stage.model.arena
+    ranks, layers = tuple(plan.members), tuple(plan.layers)
+    n_old = len(group.ranks)
+    if ranks[:n_old] != group.ranks or len(ranks) <= n_old:
+        raise ValueError(f"plan {ranks} does not grow group {group.ranks} (its members first)")
+    check_plan(ranks, layers, group.stage.model.config.num_layers)
+    pool = range(arena.weight_blocks, arena.weight_blocks + group_pool_blocks(
+        group.stage.model.config, arena.block_size, arena.dtype, arena.total_blocks, layers))
+    if len(pool) <= len(group.pool):
+        raise ValueError(f"the grown group's pool of {len(pool)} blocks is not larger than the "
+                         f"group's {len(group.pool)} (split {[len(r) for r in layers]})")
+    return pool
+
+
+def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
+               ) -> tuple[range, tuple[int, ...]]:
+    """On the head's device thread: `group` (a GroupRunner) grows to `plan`, whose members
+    are the group's in order, then the new ones, which handed `adopted` over. Returns the
+    grown pool's block ids and the live requests whose KV moves (each gets its arrival).
+    Raises `NotSettled` (nothing sent) while the last exchange runs."""
+    stage = group.stage
+    ranks, layers = tuple(plan.members), tuple(plan.layers)
+    n_old = len(group.ranks)
+    pool = check_grow(group, plan)
+    waiting = unsettled(group, live)
+    if waiting:
+        raise NotSettled(f"requests {sorted(waiting)} still wait for the group's last KV "
+                         f"exchange")
+    for t in group._fed_back:  # the head is not the last stage: tokens it has not appended
+        if t.request_id in stage.seqs:
+            stage.seqs[t.request_id].tokens.append(t.token_id)
+    group._fed_back = ()
+    group.grows = getattr(group, "grows", 0) + 1
+    start = GroupStart(
+        ranks=ranks, layers=layers, group=pool, adopted=tuple(adopted),
+        seqs=tuple(SeqState(request_id=rid, tokens=tuple(s.tokens), table=tuple(s.table),
+                            sampling=s.sampling) for rid, s in stage.seqs.items()),
+        chunk_blocks=group.chunk_blocks, microbatches=2 * len(ranks),
+        kv_exchange=group.kv_exchange, held=group.layers + (range(0),) * (len(ranks) - n_old),
+        epoch=GROW_EPOCH + (group.grows - 1) % 14, channel=new_channel_key(data_plane()))
+    for rank in ranks[1:]:
+        send_obj(start, rank, CONTROL_TAG, "the group was growing")
+    states: dict = {}
+    for rank in group.ranks[1:]:
+        reply: MemberReply = recv_obj(rank, REPLY_TAG, "the group was growing")
+        states.update(reply.generator_states or {})
+    for rank in ranks[1:]:
+        send_obj(GroupGo(generator_states=states), rank, CONTROL_TAG, "the group was growing")
+    began = time.perf_counter()
+    new = ResplitStage(stage, start, 0)
+    new.grown.seconds = time.perf_counter() - began
+    group.stage, group.ranks, group.layers, group.pool = new, ranks, layers, pool
+    group.adopted, group.fits, group.microbatches = tuple(adopted), fits, 2 * len(ranks)
+    group.exchange = new.stats
+    group._expect, group._ready = {}, []
+    transfers = start_transfers(start, new.block_size)
+    for t in transfers:
+        group._expect.setdefault(t.request_id, set()).add(t.dst)
+    group._ready = [a.request_id for a in adopted if a.request_id not in group._expect]
+    group._note_arrived(0, new.receiver.take_arrived())
+    group.grow_stats = new.grown
+    own = tuple(sorted({t.request_id for t in transfers if t.request_id in new.seqs}))
+    return pool, own

@@ -1,0 +1,106 @@
+"""`GrowGroup` in the instance process that leads a running pipeline group (KunServe §4.1: the
+drop plan merged the group with an instance serving alone; the front door's side:
+shunter/cluster/remote_grow.py). The new members handed their requests over first
+(`ExportGroup`, as when a group forms) and wait for the head's `GroupStart`.
+
+The head takes the requests over (their client streams made again here), then re-splits the
+group on its device thread (`KunServeTorchRunner.grow`, gpu/group_grow.py) once the group's last
+KV exchange has settled (retried every few milliseconds meanwhile: the steps that set up the
+requests adopted last time keep running), then its scheduler adopts the new requests, grows the
+pool and marks every request whose KV moves as waiting for it (`Regroup`); the arrivals task
+(shared with the group's forming) turns their arrivals into `SwapDone`. A growth that cannot
+start (the plan refused, the exchange not settled in time) lets the new members go with nothing
+dropped and recomputes the requests they handed over here; the group goes on as it was.
+"""
+
+from __future__ import annotations
+
+import anyio
+import structlog
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.messages import Regroup
+from gpu.group_stage import Adopted
+
+log = structlog.get_logger(actor="instance-groups")
+
+SETTLE_S = 10.0
+"""How long the head waits for its group's last exchange to settle before it gives up on a
+growth (the requests adopted then must have run a step here; on these CPU tests a step takes
+milliseconds)."""
+SETTLE_POLL_S = 0.01
+
+
+async def grow_here(ig, msg, tg) -> dict:
+    """`ig`: the instance's `InstanceGroups`; `msg`: a `GrowGroup`."""
+    from gpu.data_plane import GroupMemberLost
+    from gpu.group_grow import NotSettled, check_grow
+    from gpu.group_runner import abandon_members
+    from shunter.cluster.instance_groups import GroupNotFormed, _ask
+
+    eng, runner, plan = ig.engine, ig.runner, msg.plan
+    group = getattr(runner, "group", None)
+    if group is None:
+        raise RuntimeError("this instance leads no group")
+    if msg.check:
+        pool = await runner._thread.run(check_grow, group, plan)
+        return {"pool_blocks": len(pool)}
+    adopted, reqs = [], []
+    for (owner, mv), (old, q) in zip(msg.adopted, await ig._take_over(
+            [mv for _, mv in msg.adopted]), strict=True):
+        if q.computed_tokens and q.state != "swapped":
+            adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
+                                   kv_tokens=q.computed_tokens))
+        reqs.append(q)
+    new_members = tuple(plan.members[len(group.ranks):])
+    deadline = anyio.current_time() + SETTLE_S
+    tries = 0
+    while True:
+        live = (await eng.inspect()).scheduler.live_requests
+        try:
+            pool, own = await runner._thread.run(runner.grow, plan, tuple(adopted), live)
+            break
+        except NotSettled as exc:
+            tries += 1
+            if anyio.current_time() < deadline:
+                await anyio.sleep(SETTLE_POLL_S)
+                continue
+            why = str(exc)
+        except GroupMemberLost as exc:  # the group broke while it grew: recomputed, alone
+            await _broken(ig, runner, exc, msg, reqs)
+            raise GroupNotFormed(f"group {plan.members} lost a member while it grew ({exc}); "
+                                 f"every request is recomputed at instance "
+                                 f"{plan.members[0]}") from exc
+        except Exception as exc:  # noqa: BLE001 (refused before anything was sent: goes on)
+            why = f"{type(exc).__name__}: {exc}"
+        await runner._thread.run(lambda w=why: abandon_members(new_members, lost=-1, why=w))
+        n = await ig._recompute_here(msg.adopted, reqs)
+        raise GroupNotFormed(f"group {group.ranks} did not grow to {plan.members} ({why}); the "
+                             f"{n} requests handed over are recomputed at instance "
+                             f"{plan.members[0]}")
+    waiting = await _ask(eng._scheduler_send, lambda r: Regroup(
+        adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
+    for (_, mv), q in zip(msg.adopted, reqs, strict=True):
+        await ig.server.cancel_if_asked(mv.cluster_key, q.id)
+    ig.watch_arrivals({q.id for q in waiting}, tg)
+    grown = runner.group.grow_stats
+    log.info("group grew", members=plan.members, pool_blocks=len(pool), settle_tries=tries)
+    return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
+            "exchanging": len(waiting), "settle_tries": tries,
+            "weights_copied_bytes": grown.weights_restored + grown.weights_saved,
+            "kv_local_bytes": grown.kv_local, "kv_sent_bytes": grown.kv_sent}
+
+
+async def _broken(ig, runner, exc, msg, reqs) -> None:
+    """A member lost while the group grew: the head serves alone from its host copy and
+    recomputes every request, the new ones included (not tested with processes)."""
+    from shunter.cluster.instance_groups import _ask
+
+    if runner.group is not None:
+        await runner._thread.run(runner.lose_group, exc)
+    me = msg.plan.members[0]
+    solo = GroupPlan(group_id=-1, members=(me,), layers=(
+        range(runner._model_config.num_layers),))
+    await _ask(ig.engine._scheduler_send, lambda r: Regroup(
+        recompute=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
+    await ig._recompute_here(msg.adopted, reqs)
