@@ -69,6 +69,16 @@ async def _die_after(outputs: list[object], since: float | None = None) -> list[
     return handed_back
 
 
+def _living_handle(link: _Link) -> RemoteInstance:
+    """A handle on an instance that does not die in the test: nothing is handed back."""
+
+    async def never(*args) -> None:
+        raise AssertionError("nothing is handed back here")
+
+    return RemoteInstance(1, link, on_end=lambda key: None, redispatch=never, on_down=never,
+                          describe_death=lambda: "", kill=lambda: None)
+
+
 @pytest.mark.anyio
 async def test_a_request_its_dead_instance_never_admitted_is_handed_back_unannounced():
     before = anyio.current_time()
@@ -85,12 +95,7 @@ async def test_a_request_whose_admission_reached_the_client_is_handed_back_annou
 @pytest.mark.anyio
 async def test_a_handed_back_request_is_timed_from_when_the_front_door_took_it():
     link = _Link()
-
-    async def never(*args) -> None:
-        raise AssertionError("nothing is handed back here")
-
-    handle = RemoteInstance(1, link, on_end=lambda key: None, redispatch=never, on_down=never,
-                            describe_death=lambda: "", kill=lambda: None)
+    handle = _living_handle(link)
     moved, moved_out = _submit()
     fresh, fresh_out = _submit()
     with anyio.fail_after(10):
@@ -118,12 +123,7 @@ async def test_a_handed_back_request_is_timed_from_when_the_front_door_took_it()
 @pytest.mark.anyio
 async def test_a_refusal_after_admission_reaches_the_client_as_an_error_chunk():
     link = _Link()
-
-    async def never(*args) -> None:
-        raise AssertionError("nothing is handed back here")
-
-    handle = RemoteInstance(1, link, on_end=lambda key: None, redispatch=never, on_down=never,
-                            describe_death=lambda: "", kill=lambda: None)
+    handle = _living_handle(link)
     fresh, fresh_out = _submit()
     moved, moved_out = _submit()
     full = Rejected(error=QueueFullError("the waiting queue is full (8 requests)"))
