@@ -123,18 +123,17 @@ class QueueStats(Protocol):
 
 
 def queue_moves(stats: Sequence[QueueStats | None], *, block_size: int, grouped: set[int],
-                heads: Sequence[int], alive: Sequence[bool],
-                to_queued_heads: bool = True) -> list[tuple[int, int]]:
+                heads: Sequence[int], alive: Sequence[bool]) -> list[tuple[int, int]]:
     """Where queued requests go while groups run (§4.1: queued requests are rescheduled onto
     the enlarged memory): each live instance serving alone whose queued demand exceeds its
     free memory sends its queue to the group head with the most free blocks, if that head can
-    hold it. Returns (instance, head) pairs; `stats[i]` is None for an instance that did not
-    answer. Both group managers (simulated and torch instances) move by this rule. With
-    `to_queued_heads` False a head with a queue of its own takes none: the moved requests would
-    only wait in another queue, and the instance, still overloaded, is left to the drop trigger
-    (Algorithm 6 then groups it; the simulator's manager, measured on azure-conv 1x)."""
+    hold it and has no queue of its own (moved there, the requests would only wait in another
+    queue; the instance, still overloaded, is left to the drop trigger and Algorithm 6 groups
+    it: measured with the simulator's manager on azure-conv 1x). Returns (instance, head)
+    pairs; `stats[i]` is None for an instance that did not answer. Both group managers
+    (simulated and torch instances) move by this rule."""
     live_heads = [h for h in heads if stats[h] is not None and alive[h]
-                  and (to_queued_heads or not stats[h].waiting)]
+                  and not stats[h].waiting]
     moves = []
     for i, st in enumerate(stats):
         if i in grouped or st is None or not alive[i] or not st.waiting:

@@ -199,8 +199,7 @@ class SimGroups:
         for i, best in queue_moves(
                 stats, block_size=self.instances[0].engine.config.block_size,
                 grouped={m for g in self.groups.values() for m in g.members},
-                heads=list(self.groups), alive=[inst.alive for inst in self.instances],
-                to_queued_heads=False):
+                heads=list(self.groups), alive=[inst.alive for inst in self.instances]):
             moved = await self._move(i, best, queued_only=True)
             self.counters.rescheduled_requests += len(moved)
 

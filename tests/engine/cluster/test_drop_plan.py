@@ -146,11 +146,10 @@ def test_queued_requests_move_to_the_head_with_most_room_only_when_they_do_not_f
                        alive=alive) == [(2, 0)]
 
 
-def test_a_head_with_its_own_queue_takes_no_queued_requests_when_asked():
+def test_a_head_with_its_own_queue_takes_no_queued_requests():
     stats = [_Stats(0, 0, 10), _Stats(0, 0, 0), _Stats(2, 64, 2), None, None,
              _Stats(1, 16, 30), _Stats(0, 0, 0)]  # head 5 has the most room, and a queue
     kw = {"block_size": 16, "grouped": {0, 1, 5, 6}, "heads": [0, 5], "alive": [True] * 7}
-    assert queue_moves(stats, **kw) == [(2, 5)]
-    assert queue_moves(stats, **kw, to_queued_heads=False) == [(2, 0)]
+    assert queue_moves(stats, **kw) == [(2, 0)]
     stats[0] = _Stats(1, 16, 10)
-    assert queue_moves(stats, **kw, to_queued_heads=False) == []  # every head queues
+    assert queue_moves(stats, **kw) == []  # every head queues
