@@ -172,8 +172,10 @@ class SimGroup:
         piece in the earlier microbatch."""
         k = len(self.shares)
         chunks = [(i, w.start, w.num_tokens) for i, w in enumerate(step.seqs)]
-        cost = self.fit if self.fit is not None else TOKEN_COUNT
-        return lookahead_split(chunks, k, cost, min_tokens=MIN_CHUNK_TOKENS)
+        if self.fit is None:  # a token budget per microbatch: what does not fit waits
+            return lookahead_split(chunks, k, TOKEN_COUNT, min_tokens=MIN_CHUNK_TOKENS,
+                                   fill=True)
+        return lookahead_split(chunks, k, self.fit, min_tokens=MIN_CHUNK_TOKENS)
 
     def _chain_s(self, step: ExecuteStep, keyed: list[list[tuple[int, int, int]]],
                  costs: list[float], trips: list[float]) -> float:

@@ -112,19 +112,26 @@ def fit_token_line(samples: Sequence[tuple[Sequence[tuple[int, int]], float]]) -
 
 
 def lookahead_split(chunks: Sequence[Chunk], parts: int, cost: ChunkCost, *,
-                    min_tokens: int = 1) -> list[list[Chunk]]:
+                    min_tokens: int = 1, fill: bool = False) -> list[list[Chunk]]:
     """Cut `chunks` into at most `parts` microbatches of balanced predicted cost, in order,
     never leaving a piece of a prefill chunk under `min_tokens` tokens. Every token of every
-    chunk lands in exactly one microbatch, in order; no microbatch is empty."""
+    chunk lands in exactly one microbatch, in order; no microbatch is empty.
+
+    A chunk that cannot be cut (a decode, or a prefill chunk under 2 x `min_tokens`) where the
+    balance falls goes to the side that leaves the costs closer to balance (§4.3: two
+    cost-balanced microbatches). `fill=True` instead always starts the next microbatch with it,
+    as a token budget fills a microbatch and the chunk that does not fit waits for the next
+    (the token-count formation lookahead is compared with, §4.3 Figure 9)."""
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
     work = [c for c in chunks if c[2] > 0]
     if not work:
         return []
-    return [mb for mb in _split(work, parts, cost, min_tokens) if mb]
+    return [mb for mb in _split(work, parts, cost, min_tokens, fill) if mb]
 
 
-def _split(chunks: list[Chunk], parts: int, cost: ChunkCost, min_tokens: int) -> list[list[Chunk]]:
+def _split(chunks: list[Chunk], parts: int, cost: ChunkCost, min_tokens: int,
+           fill: bool) -> list[list[Chunk]]:
     if parts == 1 or (len(chunks) == 1 and chunks[0][2] < 2 * min_tokens):
         return [chunks]
     lp = parts // 2
@@ -145,8 +152,10 @@ def _split(chunks: list[Chunk], parts: int, cost: ChunkCost, min_tokens: int) ->
         k = _cut(s, n, fits, min_tokens)
         if k > 0:
             left, right = chunks[:i] + [(key, s, k)], [(key, s + k, n - k)] + chunks[i + 1:]
-        elif i == 0:
-            left, right = chunks[:1], chunks[1:]
+        elif i == 0 or (not fill and i + 1 < len(chunks)
+                        and max((acc + costs[i]) / lp, after / rp)
+                        < max(acc / lp, (after + costs[i]) / rp)):
+            left, right = chunks[:i + 1], chunks[i + 1:]
         else:
             left, right = chunks[:i], chunks[i:]
         break
@@ -154,7 +163,8 @@ def _split(chunks: list[Chunk], parts: int, cost: ChunkCost, min_tokens: int) ->
         return [chunks]
     if not left or not right:
         return [chunks]
-    return _split(left, lp, cost, min_tokens) + _split(right, rp, cost, min_tokens)
+    return (_split(left, lp, cost, min_tokens, fill)
+            + _split(right, rp, cost, min_tokens, fill))
 
 
 def _cut(start: int, n: int, fits, min_tokens: int) -> int:
