@@ -146,6 +146,12 @@ class SchedulerView:
         return sum(r.remaining_tokens for r in self.requests if r.state != "running")
 
     @property
+    def pending_tokens(self) -> int:
+        """KV tokens the running requests still need for their prompts."""
+        return sum(max(0, r.prompt_tokens - r.computed_tokens) for r in self.requests
+                   if r.state == "running")
+
+    @property
     def head_tokens(self) -> int:
         """KV tokens the oldest waiting or swapped request needs to run."""
         return min(((r.arrival, r.context_tokens) for r in self.requests

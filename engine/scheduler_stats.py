@@ -119,4 +119,6 @@ class SchedulerStats:
             queued_tokens=sum(r.context_tokens for r in live if r.state in ("waiting", "swapped")),
             head_tokens=min(((r.arrival, r.context_tokens) for r in live
                              if r.state in ("waiting", "swapped")), default=(0.0, 0))[1],
+            pending_tokens=sum(max(0, r.prompt_tokens - r.computed_tokens - r.in_flight_tokens)
+                               for r in live if r.state == "running"),
         )

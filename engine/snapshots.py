@@ -34,6 +34,10 @@ class SchedulerSnapshot:
     head_tokens: int = 0
     """KV tokens the oldest queued request needs: when they exceed the free KV, admission is
     blocked by memory, not by the step's token budget (head-of-line demand, §2.2)."""
+    pending_tokens: int = 0
+    """KV tokens the running requests still need for their prompts (KV is reserved chunk by
+    chunk, so a prompt admitted into less free KV than its rest is preempted mid-prefill): the
+    running demand KunServe's monitor adds to the head-of-line demand (§4.1)."""
     cpu_free_blocks: int = 0
     cpu_total_blocks: int = 0
     cpu_copies: int = 0

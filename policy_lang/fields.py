@@ -122,6 +122,9 @@ FIELDS: dict[str, Field] = {f.name: f for f in (
     Field(name="head_tokens", type=Type.TOKENS, scope=_E, attr="head_tokens",
           doc="KV tokens the oldest waiting or swapped request needs (above free_tokens: "
               "memory, not the token budget, holds the queue)"),
+    Field(name="pending_tokens", type=Type.TOKENS, scope=_E, attr="pending_tokens",
+          doc="KV tokens the running requests still need for their prompts (KV is reserved "
+              "chunk by chunk: above free_tokens, prompts will be preempted mid-prefill)"),
     Field(name="waiting", type=Type.NUMBER, scope=_E, doc="requests waiting"),
     Field(name="running", type=Type.NUMBER, scope=_E, doc="requests running"),
     Field(name="last_iteration", type=Type.DURATION, scope=_E, attr="last_iteration_ms",

@@ -88,6 +88,8 @@ class InstanceStats:
     head_tokens: int = 0
     """KV tokens its oldest queued request needs (memory blocks admission when they exceed the
     free KV)."""
+    pending_tokens: int = 0
+    """KV tokens its running requests still need for their prompts (the running demand)."""
 
     @property
     def kv_usage(self) -> float:

@@ -8,7 +8,9 @@ thresholds are measured against the pre-drop capacity, not the grown pool);
 `free_blocks`/`free_tokens` are what is free now (a group's grown pool included);
 `queued_tokens` is the queued demand (the KV the requests not running need) and `head_tokens`
 the oldest queued request's (above `free_tokens`, memory rather than the token budget holds the
-queue). `OverloadMonitor` evaluates the policy's triggers on each unit once per monitor round
+queue); `pending_tokens` is the running demand (the KV running requests still need for their
+prompts: KV is reserved chunk by chunk, so prompts admitted into too little memory are
+preempted mid-prefill and recomputed, with nobody left waiting for the head-of-line rule to see). `OverloadMonitor` evaluates the policy's triggers on each unit once per monitor round
 and answers with an action: a drop plan by greedy grouping (engine/cluster/drop_plan.py), or
 the groups to restore. Plain and synchronous.
 """
@@ -42,17 +44,20 @@ class ClusterLoad:
     block_size: int
     queued_tokens: int
     head_tokens: int = 0
+    pending_tokens: int = 0
     waiting: int
     running: int
     last_iteration_ms: float = 0.0
 
     @property
     def kv_usage(self) -> float:
-        """Memory demand (§2.2, as Llumnix counts it): the KV held plus the KV the queued
-        requests need, over the pre-drop capacity; above 1 when demand exceeds it."""
+        """Memory demand (§2.2, as Llumnix counts it): the KV held plus the KV the running
+        requests' prompts and the queued requests still need, over the pre-drop capacity;
+        above 1 when demand exceeds it."""
         if not self.total_blocks:
             return 0.0
-        return (self.used_blocks + self.queued_tokens / self.block_size) / self.total_blocks
+        need = self.queued_tokens + self.pending_tokens
+        return (self.used_blocks + need / self.block_size) / self.total_blocks
 
     @property
     def free_tokens(self) -> int:
@@ -171,8 +176,8 @@ class OverloadMonitor:
             iteration=self.rounds, now=self.now, used_blocks=st.total_blocks - st.free_blocks,
             free_blocks=st.free_blocks, total_blocks=sum(self.base_pools[m] for m in members),
             block_size=self.block_size, queued_tokens=st.queued_tokens,
-            head_tokens=st.head_tokens, waiting=st.waiting, running=st.running,
-            last_iteration_ms=st.iteration_ms)
+            head_tokens=st.head_tokens, pending_tokens=st.pending_tokens, waiting=st.waiting,
+            running=st.running, last_iteration_ms=st.iteration_ms)
 
     def cluster_load(self, stats: Sequence[InstanceStats | None],
                      alive: Sequence[bool]) -> ClusterLoad:
@@ -187,6 +192,7 @@ class OverloadMonitor:
             total_blocks=sum(p for p, a in zip(self.base_pools, alive) if a),
             block_size=self.block_size, queued_tokens=sum(u.queued_tokens for u in units),
             head_tokens=max((u.head_tokens for u in units), default=0),
+            pending_tokens=sum(u.pending_tokens for u in units),
             waiting=sum(u.waiting for u in units), running=sum(u.running for u in units),
             last_iteration_ms=max((u.last_iteration_ms for u in units), default=0.0))
 
@@ -258,7 +264,8 @@ class OverloadMonitor:
             # a head's blocks live in its group's pool: the planner adds the members' pools
             # and the freed weights back, so its free blocks come out as the head's
             used = 0 if member else st.total_blocks - st.free_blocks
-            queued = st.head_tokens if head_only else st.queued_tokens
+            # the running requests' prompts still to come need their KV as much as the queue
+            queued = (st.head_tokens if head_only else st.queued_tokens) + st.pending_tokens
             caps.append(InstanceCapacity(
                 index=i, pool_blocks=self.base_pools[i], used_blocks=used,
                 queued_blocks=0 if member else -(-queued // bs)))

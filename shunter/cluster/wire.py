@@ -123,7 +123,8 @@ def summarize(snap: EngineSnapshot) -> InstanceStats:
     return InstanceStats(waiting=s.waiting, running=s.running, swapped=s.swapped,
                          free_blocks=s.free_blocks, total_blocks=s.total_blocks,
                          preemptions=s.preemptions, iteration_ms=s.iteration_ms,
-                         queued_tokens=s.queued_tokens, head_tokens=s.head_tokens)
+                         queued_tokens=s.queued_tokens, head_tokens=s.head_tokens,
+                         pending_tokens=s.pending_tokens)
 
 
 class Link:

@@ -71,6 +71,27 @@ def test_a_queue_held_by_the_token_budget_drops_nothing():
     assert isinstance(q.decide(stats, ALIVE), Drop)
 
 
+def test_prompts_admitted_into_too_little_memory_drop_layers_with_nobody_queued():
+    """Running demand (§4.1): KV is reserved chunk by chunk, so instance 0 has admitted
+    prompts whose rest (60 blocks) its 10 free blocks cannot hold: they will be preempted
+    mid-prefill and recomputed, while its queue stays empty (a preempted prompt is re-admitted
+    as soon as a block frees; on LongBench-like lengths a 12k-token prompt was preempted 37
+    times in 17 s and the head-of-line rule alone never held two rounds). The plan frees room
+    for those prompts; an instance whose running prompts fit drops nothing."""
+    m = _monitor()
+    pending = InstanceStats(waiting=0, running=6, swapped=0, free_blocks=10, total_blocks=100,
+                            pending_tokens=60 * BS)
+    stats = [pending] + [_stats(used=10)] * 3
+    assert m.decide(stats, ALIVE) is None  # `for 2 iterations`: first round
+    action = m.decide(stats, ALIVE)
+    assert isinstance(action, Drop) and m.fired == [0]
+    assert [g.members for g in action.new_groups] == [(0, 1)]
+    fits = InstanceStats(waiting=0, running=6, swapped=0, free_blocks=70, total_blocks=100,
+                         pending_tokens=60 * BS)
+    calm = _monitor()
+    assert [calm.decide([fits] + [_stats(used=10)] * 3, ALIVE) for _ in range(5)] == [None] * 5
+
+
 def test_groups_restore_on_the_whole_cluster_s_load_against_its_pre_drop_capacity():
     """§4.4: restore once the total KV usage is under 50% of what the cluster had before the
     drop, not when one group alone is calm."""
