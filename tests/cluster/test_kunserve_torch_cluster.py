@@ -165,16 +165,21 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     assert 0 <= pipe["bubble_ratio"] < 1, pipe
     assert report["kv_exchanged_bytes"] >= head["received_bytes"] > 0, report
     assert 0 <= report["bubble_ratio"] < 1 and report["pipeline_steps"] >= 1, report
-    # both long requests were generating before the drop, during the group and after restore
-    # (the one timing assumption left here: the restore comes before their last tokens; 22-27
-    # of their 40 came after it at load 4, issue16_torch_round5.md)
+    # what holds under any interleaving: both long requests streamed 2 tokens before the burst
+    # that forced the drop came, so before the group formed, and every token of theirs is
+    # transformers' (below). How many of the rest came in the group and after its restore
+    # depends on the load, and all may come before the restore (nothing holds a request back:
+    # 22-27 of their 40 came after it at load 4, issue16_torch_round5.md): printed, not
+    # asserted. Requests live across drop, exchange, pipelined steps and restore for certain,
+    # steps driven by hand: tests/gpu/test_kunserve_torch.py
+    assert formed["t"] <= restored["t"], (formed, restored)
     for i in range(2):
         t = times[f"L{i}"]
         before = sum(x < formed["t"] for x in t)
         after = sum(x > restored["t"] for x in t)
         print(f"L{i}: {before} tokens before the group, {len(t) - before - after} in it, "
               f"{after} after its restore")
-        assert before >= 2 and after >= 1 and before + after < len(t), (i, before, after, len(t))
+        assert before >= 2, (i, before, len(t))
     assert all(s is not None and s.idle for s in snap.snapshots)
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
