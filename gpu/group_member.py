@@ -13,7 +13,10 @@ its `GroupStart` came ends the member's wait the same way.
 
 from __future__ import annotations
 
+import attrs
+
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
+from gpu.group_grow import regrow_member, take_generators
 from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
@@ -61,6 +64,7 @@ def serve_member(solo, head_rank: int) -> dict:
         except GroupMemberLost:
             pass
         return {"abandoned": f"the group was not formed: {exc}", "formed": False}
+    take_generators(stage, go.generator_states)  # joining a running group as its last stage
     solo._seqs.clear()
     while True:
         try:
@@ -69,6 +73,15 @@ def serve_member(solo, head_rank: int) -> dict:
             return _abandon(stage, f"head lost: {exc}")
         if isinstance(msg, GroupAbandon):
             return _abandon(stage, msg.why or f"member instance {msg.lost} lost")
+        if isinstance(msg, GroupStart):  # the group grows: a new split (gpu/group_grow.py)
+            try:
+                grown = regrow_member(stage, msg, head_rank)
+            except GroupMemberLost as exc:
+                return _abandon(stage, f"lost while the group grew: {exc}")
+            if grown is None:
+                return _abandon(stage, "the group was abandoned while it grew")
+            stage, start = grown, msg
+            continue
         if isinstance(msg, StageStep):
             try:
                 reply = stage.run(msg)
@@ -87,7 +100,7 @@ def serve_member(solo, head_rank: int) -> dict:
             stage.seqs.pop(rid, None)
         transfers = restore_transfers(stage, start.layers)
         send_transfers(stage.plane, start.ranks, me, transfers, start.chunk_blocks, 1,
-                       lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
+                       lambda t, s=stage: s.read_layers(s.seqs[t.request_id].table[:t.blocks]),
                        stage.stats)
         restore_weights(stage, start.ranks, start.layers, msg.source)
         stage.end_exchange()
@@ -98,7 +111,8 @@ def serve_member(solo, head_rank: int) -> dict:
         stats = stage.stats
         return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
-                "copied_blocks": stage.map.copied_blocks}
+                "copied_blocks": stage.map.copied_blocks,
+                "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None}
 
 
 def _abandon(stage: GroupStage, why: str) -> dict:

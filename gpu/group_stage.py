@@ -86,6 +86,12 @@ class GroupStart:
     kv_exchange: str = "coordinated"
     """The policy's `kv_exchange`: `fifo` sends every member's KV chunks and activations in
     one queue, in order (gpu/transfer.py `TransferQueue.fifo`), for the group's life."""
+    held: tuple[range, ...] = ()
+    """A running group grows (gpu/group_grow.py): the layers whose KV of every request in
+    `seqs` member k holds now (empty for a member joining); () when a group forms: the head
+    holds all of its requests' layers."""
+    epoch: int = 0
+    """The exchange's tag epoch (gpu/kv_exchange.py): 0 forming, 1 restoring, 2+ growing."""
     channel: str = ""
     """The key of the group's own channel (gpu/data_plane.py `open_channel`; the head makes it
     with `new_channel_key`): every tensor of the group goes over it, never over the world."""
@@ -133,6 +139,10 @@ class GroupGo:
     did, so a member that cannot be reached leaves none of the others started (a started one
     would have queued its exchange with the head, which the head then never takes)."""
 
+    generator_states: Mapping[int, bytes] | None = None
+    """A group that grows (gpu/group_grow.py): the seeded generators of the member that
+    sampled until now, for the new last stage."""
+
 
 @attrs.frozen(kw_only=True)
 class GroupAbandon:
@@ -159,6 +169,12 @@ def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
     out = []
     n = len(start.ranks)
     for s in start.seqs:  # the head's own requests: all of their table (if any)
+        if start.held:  # a group grows: each member's new layers from those that hold them
+            out += [KvTransfer(request_id=s.request_id, src=j, dst=k, layers=part,
+                               blocks=len(s.table)) for k in range(n)
+                    for j, h in enumerate(start.held) if j != k and s.table
+                    and len(part := overlap(h, start.layers[k]))]
+            continue
         out += [KvTransfer(request_id=s.request_id, src=0, dst=k, layers=start.layers[k],
                            blocks=len(s.table)) for k in range(1, n) if s.table]
     for a in start.adopted:
@@ -166,6 +182,11 @@ def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
         out += [KvTransfer(request_id=a.request_id, src=a.owner, dst=k, layers=start.layers[k],
                            blocks=blocks) for k in range(n) if k != a.owner and blocks]
     return out
+
+
+def overlap(a: range, b: range) -> range:
+    """The layers both contiguous ranges hold."""
+    return range(max(a.start, b.start), max(max(a.start, b.start), min(a.stop, b.stop)))
 
 
 class GroupStage:
@@ -200,8 +221,8 @@ class GroupStage:
             return arena.kv[idx][:, t.layers.start:t.layers.stop].to("cpu")
 
         plane.queue.fifo = start.kv_exchange == "fifo"
-        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, 0, gather,
-                       self.stats)
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
+                       gather, self.stats)
         self.drop = drop_layers(model, self.keep)
         view = self.drop.view
         self.map = BlockMap(view, start.group)
@@ -224,7 +245,7 @@ class GroupStage:
                     self.map.pin(g, view.local_of_old(g))
                 else:
                     self.map.assign(s.request_id, i, g)
-        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, 0,
+        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                                    (2, self.block_size, model.config.num_kv_heads,
                                     model.config.head_dim), arena.dtype, self.stats,
                                    link=plane)

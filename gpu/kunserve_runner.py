@@ -75,6 +75,11 @@ class KunServeTorchRunner(TorchRunner):
         return serve_member(self, head)
 
     def _group(self, plan, adopted: Sequence[Adopted]) -> GroupRunner:
+        return GroupRunner(self, plan.members, plan.layers, adopted,
+                           chunk_blocks=self.chunk_blocks, microbatch=self.microbatch,
+                           fits=self._fits(plan), kv_exchange=self.kv_exchange)
+
+    def _fits(self, plan) -> StageFits:
         split = tuple((r.start, r.stop) for r in plan.layers)
         fits = self.stage_fits.get(split)
         if fits is None:
@@ -85,9 +90,7 @@ class KunServeTorchRunner(TorchRunner):
                 fits.seed(lambda chunks: cost.predict_ms(BatchShape.of(chunks)),
                           [len(r) / layers for r in plan.layers],
                           max_context=self._model_config.max_position_embeddings)
-        return GroupRunner(self, plan.members, plan.layers, adopted,
-                           chunk_blocks=self.chunk_blocks, microbatch=self.microbatch, fits=fits,
-                           kv_exchange=self.kv_exchange)
+        return fits
 
     def form(self, plan, adopted: Sequence[Adopted]) -> tuple[range, tuple[int, ...]]:
         """Open the group `plan` (members in pipeline order, this instance first) now, with the
@@ -109,6 +112,17 @@ class KunServeTorchRunner(TorchRunner):
         pool = group.open()
         self.group = group
         return pool, own
+
+    def grow(self, plan, adopted: Sequence[Adopted], live=None) -> tuple[range, tuple[int, ...]]:
+        """The group this instance leads grows to `plan` (its members first, then the new
+        ones, which handed `adopted` over): gpu/group_grow.py. Returns the grown pool's block
+        ids and the live requests whose KV moves. On the device thread; the step that carries
+        the plan then finds it open."""
+        from gpu.group_grow import grow_group
+
+        if self.group is None:
+            raise RuntimeError("this instance leads no group")
+        return grow_group(self.group, plan, adopted, fits=self._fits(plan), live=live)
 
     def dissolve_idle(self) -> bool:
         """Restore now when no request is live on this engine (none will step to carry the

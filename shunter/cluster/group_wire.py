@@ -74,6 +74,19 @@ class HeadGroup:
 
 
 @attrs.frozen(kw_only=True)
+class GrowGroup:
+    """The group this instance leads grows to `plan` (its members first, then the new ones,
+    which handed `adopted` over as for `HeadGroup`): gpu/group_grow.py re-splits it. With
+    `check`: only whether this plan can grow the group (nothing moves). The answer: a dict of
+    counts."""
+
+    key: int
+    plan: Any
+    adopted: tuple[tuple[int, Moved], ...] = ()
+    check: bool = False
+
+
+@attrs.frozen(kw_only=True)
 class ExportQueued:
     """An instance serving alone hands over its queued requests (no KV yet; §4.1: they are
     rescheduled onto a group's enlarged memory). The answer: a tuple of `Moved`."""
@@ -110,5 +123,5 @@ class GroupAnswer:
     """A restore asked for while the head's requests hold more blocks than its own pool."""
 
 
-GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, LeaveGroup, AskGroupStats, ExportQueued,
-                AdoptQueued, FreePort)
+GroupCommand = (JoinDataPlane, ExportGroup, HeadGroup, GrowGroup, LeaveGroup, AskGroupStats,
+                ExportQueued, AdoptQueued, FreePort)

@@ -47,6 +47,7 @@ from shunter.cluster.group_wire import (
     ExportQueued,
     FreePort,
     GroupAnswer,
+    GrowGroup,
     HeadGroup,
     JoinDataPlane,
     LeaveGroup,
@@ -70,6 +71,12 @@ class InstanceGroups:
         self.server = server
         self.member_stats: dict | None = None
         self.member_task: anyio.Event | None = None
+        self.arrivals: tuple[object, set[int]] | None = None
+        """The group the running arrivals task serves and the requests it waits for (a group
+        that grows adds its own)."""
+        self.unclaimed: set[int] = set()
+        """Arrivals the task took before their requests were watched (a growth's, between the
+        runner's re-split and the scheduler's `Regroup`): sent when they are."""
 
     @property
     def runner(self):
@@ -84,6 +91,10 @@ class InstanceGroups:
                     value = await self._export(msg, task_group)
                 case HeadGroup():
                     value = await self._head(msg, task_group)
+                case GrowGroup():
+                    from shunter.cluster.instance_grow import grow_here
+
+                    value = await grow_here(self, msg, task_group)
                 case LeaveGroup():
                     value = await self._leave()
                 case AskGroupStats():
@@ -197,7 +208,7 @@ class InstanceGroups:
             adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
         for (_, mv), q in zip(msg.adopted, reqs, strict=True):
             await self.server.cancel_if_asked(mv.cluster_key, q.id)
-        tg.start_soon(self._arrivals, {q.id for q in waiting})
+        await self.watch_arrivals({q.id for q in waiting}, tg)
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
 
@@ -247,8 +258,30 @@ class InstanceGroups:
             out.append((old, q))
         return out
 
+    async def watch_arrivals(self, ids: set[int], tg) -> None:
+        """Turn these requests' arrivals into `SwapDone`s (call once the scheduler marked them
+        waiting): added to the running task's set (one task takes the group's arrivals: two
+        would each drop the other's), else a new task."""
+        group = self.runner.group
+        if self.arrivals is not None and self.arrivals[0] is group:
+            early = set(ids) & self.unclaimed
+            self.unclaimed -= early
+            self.arrivals[1].update(set(ids) - early)
+            if early:
+                await self.engine._scheduler_send.send(SwapDone(request_ids=tuple(sorted(early))))
+        else:  # (a task of a group that ended leaves by itself)
+            self.arrivals, self.unclaimed = (group, set(ids)), set()
+            tg.start_soon(self._arrivals, self.arrivals[1])
+
     async def _arrivals(self, waiting: set[int]) -> None:
         """Each request's KV arrival on every member becomes a `SwapDone` for the scheduler."""
+        try:
+            await self._arrivals_loop(waiting)
+        finally:
+            if self.arrivals is not None and self.arrivals[1] is waiting:
+                self.arrivals = None
+
+    async def _arrivals_loop(self, waiting: set[int]) -> None:
         runner, idle = self.runner, 0
         group = runner.group
         while waiting and runner.group is group and group is not None:
@@ -260,6 +293,7 @@ class InstanceGroups:
                 await _ask(self.engine._scheduler_send, lambda r, solo=solo: Regroup(
                     recompute=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
                 return
+            self.unclaimed.update(r for r in got if r not in waiting)
             got = [r for r in got if r in waiting]
             idle = 0 if got else idle + 1
             if got:

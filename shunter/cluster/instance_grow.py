@@ -82,7 +82,7 @@ async def grow_here(ig, msg, tg) -> dict:
         adopt=tuple(reqs), exchange=tuple(own), pool_blocks=len(pool), group=plan, reply=r))
     for (_, mv), q in zip(msg.adopted, reqs, strict=True):
         await ig.server.cancel_if_asked(mv.cluster_key, q.id)
-    ig.watch_arrivals({q.id for q in waiting}, tg)
+    await ig.watch_arrivals({q.id for q in waiting}, tg)
     grown = runner.group.grow_stats
     log.info("group grew", members=plan.members, pool_blocks=len(pool), settle_tries=tries)
     return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),

@@ -14,7 +14,8 @@ waits for a later monitor round.
 
 Queued requests of instances serving alone move to a head with room (§4.1), as the
 simulator's manager does. The data plane's rendezvous is at instance 0's address (a local
-process or a Ray actor; tested on one machine). Not done: growing a running group.
+process or a Ray actor; tested on one machine). A plan that merges a running group with
+instances serving alone grows it (shunter/cluster/remote_grow.py).
 """
 
 from __future__ import annotations
@@ -156,10 +157,7 @@ class RemoteGroups:
             self.counters.drops += 1
             for g in action.new_groups:
                 if any(set(g.members) & set(old.members) for old in self.groups.values()):
-                    # a running torch group does not grow: the queued requests move instead
-                    self.counters.events.append({"t": anyio.current_time(),
-                                                 "event": "grow refused",
-                                                 "members": list(g.members)})
+                    await self._grow(g)  # gpu/group_grow.py; else the queued requests move
                     continue
                 try:
                     await self.form(g)
@@ -174,6 +172,22 @@ class RemoteGroups:
         elif isinstance(action, Restore):
             self.busy = True
             self._tg.start_soon(self._restore_all, action.heads)
+
+    async def _grow(self, g: GroupPlan) -> None:
+        """A plan that merges a running group with instances serving alone grows it
+        (shunter/cluster/remote_grow.py); any other merge with a running group is refused."""
+        from shunter.cluster.remote_grow import grow, grows
+
+        old = grows(self.groups, g)
+        event = {"t": anyio.current_time(), "members": list(g.members)}
+        if old is None or (self.leads is not None and not self.leads[old.head]):
+            self.counters.events.append({**event, "event": "grow refused"})
+            return
+        try:
+            await grow(self, old, g)
+        except (GroupCommandError, EngineDeadError) as exc:
+            log.error("group did not grow", members=g.members, error=str(exc))
+            self.counters.events.append({**event, "event": "grow failed", "error": str(exc)})
 
     async def form(self, g: GroupPlan) -> None:
         """Each member hands its requests over, then the head leads. A member that cannot

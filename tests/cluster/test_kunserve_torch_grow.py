@@ -1,0 +1,227 @@
+"""A running KunServe group of torch instance processes grows (shunter/cluster/remote_grow.py,
+instance_grow.py, gpu/group_grow.py): three instance processes of a tiny 6-layer Llama, two
+requests streaming on each; instances 0 and 1 form a group (layers 0-2 | 3-5), then instance 2
+joins it while every request streams (0-1 | 2-3 | 4-5): its two requests move to the head, every
+old member re-splits its KV, the pool grows. Every request goes on streaming across both changes
+and its tokens equal transformers' greedy ones; once idle the group restores and every instance
+serves alone with its own pool.
+
+Groups are formed and grown by hand (the monitor's rules cannot fire: `waiting > 100`), so what
+moves does not depend on the monitor's timing; the requests may run 80 tokens and are cancelled
+once each went 3 tokens past the growth (none can end before it on its own). The growth waits
+for the formation's exchange to settle (`settle_tries`); no assertion depends on how long.
+Plants checked by hand (README, "KunServe ... torch"): the re-split not writing back the KV of
+the layers a member keeps fails the token comparison.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import shunter
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.plan import stage_layers
+from shunter.cluster.cluster import Cluster
+from tests.reference import assert_matches, greedy_reference
+
+LAYERS = 6
+SOLO_BLOCKS = 48
+RUN_TOKENS = 80
+"""6 + 80 tokens: 22 blocks of 4; two fit an instance's 48-block pool."""
+
+
+@pytest.fixture(scope="module")
+def grow_model(tmp_path_factory):
+    from gpu.make_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("kunserve-grow-6l"), arch="llama",
+                              layers=LAYERS, hidden=64, heads=4, kv_heads=2, vocab=320, seed=3)
+
+
+@pytest.fixture(scope="module")
+def grow_config(grow_model, tmp_path_factory):
+    from engine.config import EngineConfig
+    from policies import policy_path
+
+    policy = tmp_path_factory.mktemp("kunserve-grow") / "kunserve_grow.policy"
+    policy.write_text(f'policy kunserve_grow extends "{policy_path("fcfs")}" {{\n'
+                      f'  dispatch round_robin\n'
+                      f'  overload drop when waiting > 100\n'
+                      f'  overload restore when waiting > 100\n}}\n')
+    return EngineConfig(model=grow_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
+                        block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
+
+
+@pytest.fixture(scope="module")
+def grow_instances(grow_config):
+    from shunter.cluster.launch import LocalLauncher
+
+    launcher = LocalLauncher("asyncio")
+    yield [launcher.start_process(i, grow_config) for i in range(3)]
+    launcher.shutdown(timeout_s=0)
+
+
+@pytest.mark.anyio
+async def test_a_running_group_grows_while_requests_stream(
+        anyio_backend, grow_config, grow_instances, grow_model):
+    from shunter.cluster.remote_grow import grow
+
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    rng = random.Random(21)
+    prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(6)]
+    got: dict[int, list[int]] = {i: [] for i in range(6)}
+    scopes: dict[int, anyio.CancelScope] = {}
+
+    async def one(i: int, started: anyio.Event) -> None:
+        with anyio.CancelScope() as scopes[i]:
+            async with cluster.generate(prompts[i], shunter.SamplingParams(
+                    max_tokens=RUN_TOKENS, temperature=0)) as stream:
+                async for chunk in stream:
+                    assert chunk.error is None, (i, chunk.error)
+                    got[i] += chunk.token_ids
+                    if len(got[i]) >= 2:
+                        started.set()
+
+    async def past(marks: dict[int, int], extra: int = 3) -> None:
+        while any(len(got[i]) < n + extra for i, n in marks.items()):
+            await anyio.sleep(0.005)
+
+    async with Cluster.start(grow_config, attach=grow_instances,
+                             monitor_interval_s=0.02) as cluster:
+        groups = cluster.groups
+        with anyio.fail_after(120):
+            async with anyio.create_task_group() as tg:
+                started = [anyio.Event() for _ in prompts]
+                for i in range(6):  # round robin: two on each instance
+                    tg.start_soon(one, i, started[i])
+                for ev in started:
+                    await ev.wait()
+                pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
+                await groups.form(pair)
+                await past({i: len(got[i]) for i in range(6)})
+                marks = {i: len(got[i]) for i in range(6)}
+                grown = await grow(groups, pair, GroupPlan(
+                    group_id=2, members=(0, 1, 2), layers=stage_layers(LAYERS, 3)))
+                await past(marks)
+                for scope in scopes.values():
+                    scope.cancel()
+            stats = await groups.stats(0)
+            await cluster.wait_idle()
+            assert await groups.restore(0)
+            snap = await cluster.wait_idle()
+            after = await cluster.complete(prompts[0], shunter.SamplingParams(
+                max_tokens=8, temperature=0))
+    events = {e["event"]: e for e in groups.counters.events}
+    print(f"\ngrow: {events['group']}; {events['grow']}; head {stats['head']['restore']}")
+    assert grown.members == (0, 1, 2) and grown.layers == (range(2), range(2, 4), range(4, 6))
+    g = events["grow"]
+    assert g["adopted"] == 2 and g["adopted_with_kv"] == 2, g
+    assert g["exchanging"] >= 4 and g["pool_blocks"] > events["group"]["pool_blocks"], g
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 3
+    for i, p in enumerate(prompts):
+        assert len(got[i]) >= marks[i] + 3, (i, marks[i], got[i])
+        assert_matches(got[i], greedy_reference(grow_model, p, len(got[i])), f"request {i}")
+    assert_matches(after.token_ids, greedy_reference(grow_model, prompts[0], 8), "after")
+
+
+def test_which_plans_grow_a_running_group():
+    """The front door grows a running group only when the plan adds instances serving alone to
+    exactly that group; the head stays, the new members come last, the layers split again."""
+    from shunter.cluster.remote_grow import grown_plan, grows
+
+    pair = GroupPlan(group_id=1, members=(1, 3), layers=stage_layers(LAYERS, 2))
+    other = GroupPlan(group_id=2, members=(0, 2), layers=stage_layers(LAYERS, 2))
+    merge = GroupPlan(group_id=3, members=(0, 1, 3), layers=stage_layers(LAYERS, 3))
+    assert grows({1: pair}, merge) is pair
+    assert grown_plan(pair, merge, LAYERS) == GroupPlan(
+        group_id=3, members=(1, 3, 0), layers=(range(2), range(2, 4), range(4, 6)))
+    both = GroupPlan(group_id=4, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
+    assert grows({1: pair, 0: other}, both) is None  # two running groups: not grown
+    part = GroupPlan(group_id=5, members=(1, 2), layers=stage_layers(LAYERS, 2))
+    assert grows({1: pair}, part) is None  # a member of a running group taken alone
+
+
+@pytest.mark.anyio
+async def test_the_monitors_merge_with_a_running_group_grows_it(monkeypatch):
+    """`RemoteGroups.act` on a drop whose plan merges a running group with an instance alone
+    calls the growth (before: refused, the queue moved instead); a merge of two running groups
+    is still refused."""
+    import shunter.cluster.remote_grow as rg
+    from engine.cluster.overload import Drop
+    from shunter.cluster.remote_groups import RemoteGroups
+
+    grown = []
+
+    async def fake_grow(groups, old, g):
+        grown.append((old.members, g.members))
+
+    monkeypatch.setattr(rg, "grow", fake_grow)
+    groups = RemoteGroups([], coordinator=None, base_pools=[8] * 4, num_layers=LAYERS)
+    groups.instances = [type("I", (), {"alive": True, "moved_to": {}})() for _ in range(4)]
+    pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
+    other = GroupPlan(group_id=2, members=(2, 3), layers=stage_layers(LAYERS, 2))
+
+    async def no_moves(stats):
+        return None
+
+    groups._reschedule_queued = no_moves
+    groups.groups = {0: pair}
+    merge = GroupPlan(group_id=3, members=(0, 1, 2), layers=stage_layers(LAYERS, 3))
+    await groups.act(Drop(plan=None, new_groups=(merge,)), [None] * 4)
+    assert grown == [((0, 1), (0, 1, 2))]
+    groups.groups = {0: pair, 2: other}
+    both = GroupPlan(group_id=4, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
+    await groups.act(Drop(plan=None, new_groups=(both,)), [None] * 4)
+    assert grown == [((0, 1), (0, 1, 2))]
+    assert groups.counters.events[-1]["event"] == "grow refused"
+
+
+@pytest.mark.anyio
+async def test_arrivals_taken_before_a_growth_is_watched_still_reach_the_scheduler():
+    """One arrivals task per group: after a growth's re-split and before the scheduler's
+    `Regroup` returns, the running task can take an arrival of the growth's exchange; it keeps
+    it (`unclaimed`) and `watch_arrivals` sends it then (dropping it left the request waiting for
+    its KV for good)."""
+    import types
+
+    from engine.messages import SwapDone
+    from shunter.cluster.instance_groups import InstanceGroups
+
+    sent = []
+    batches = [[1, 5], [], [], [], [], []]
+
+    class Group:
+        ranks = (0, 1)
+
+        def arrived(self):
+            return batches.pop(0) if batches else []
+
+        def poll(self, step_id):
+            return self.arrived()
+
+    class Thread:
+        async def run(self, fn, *args):
+            return fn(*args)
+
+    class Send:
+        async def send(self, msg):
+            sent.append(msg)
+
+    runner = types.SimpleNamespace(group=Group(), _thread=Thread())
+    engine = types.SimpleNamespace(backend=types.SimpleNamespace(runner=runner),
+                                   _scheduler_send=Send())
+    ig = InstanceGroups(engine, server=None)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await ig.watch_arrivals({1, 2}, tg)  # the forming's requests
+            while not sent:  # the task took [1, 5] (5: the growth's, not watched yet)
+                await anyio.sleep(0.001)
+            await ig.watch_arrivals({5}, tg)  # the growth's, once the scheduler marked it
+            await anyio.sleep(0.02)
+            runner.group = None  # the group restores: the task leaves
+    done = sorted(r for m in sent if isinstance(m, SwapDone) for r in m.request_ids)
+    assert done == [1, 5], sent
