@@ -138,3 +138,27 @@ def test_an_engine_reports_the_oldest_queued_request_s_kv_as_its_head_of_line_de
     snap = _virtual(main)
     assert (snap.running, snap.waiting) == (2, 2)
     assert snap.head_tokens == 200 and snap.queued_tokens == 550
+
+
+def test_an_engine_reports_the_kv_its_running_prompts_still_need():
+    """`pending_tokens` (the running demand KunServe's drop condition adds, §4.1): a 300-token
+    prompt prefilled 64 tokens a step is running with the rest of its prompt still to get KV."""
+    from shunter.engine import Engine
+
+    async def main():
+        config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=40,
+                              max_batched_tokens=64)
+        async with Engine.start(config) as engine, anyio.create_task_group() as tg:
+            tg.start_soon(_late, engine, 0.0, 300)
+            await anyio.sleep(0.001)  # mid-prefill: 5 steps of at most 64 tokens
+            snap = (await engine.inspect()).scheduler
+            tg.cancel_scope.cancel()
+        return snap
+
+    async def _late(engine, delay, n):
+        await anyio.sleep(delay)
+        await engine.complete([5] * n, shunter.SamplingParams(max_tokens=20, ignore_eos=True))
+
+    snap = _virtual(main)
+    assert (snap.running, snap.waiting) == (1, 0)
+    assert 0 < snap.pending_tokens < 300 and (300 - snap.pending_tokens) % 64 == 0
