@@ -4,19 +4,19 @@ alone). The group (head A, members B, ...) takes instance C: the plan's layer sp
 (engine/cluster/plan.py `stage_layers`) over A, B, ..., C, in that order (the running head
 stays the head, the new members come last).
 
-This is a full re-split of every old member, not an incremental one: each old member reads the
-KV it holds of every live request (its old layers) to the host, sends the layers another member
-keeps now over the data plane (the exchange of group formation, activations first, its own tag
-epoch), takes its whole model back from its host copy (gpu/stage_view.py `restore_layers`),
-drops again to its new range (a new stage view and block map) and writes the KV of the layers it
-keeps back into its new blocks. The new member C joins as a member joins a forming group
+Every old member re-splits: it reads the KV it holds of every live request (its old layers)
+to the host, sends the layers another member keeps now over the data plane (the exchange of
+group formation, activations first, on the grown group's own channel), changes the layers it
+keeps (`redrop_layers`: only the layers it gains come back from its host copy and only those it
+drops now go to the host; its host copy of the others stays as it is), views its arena again for
+its new range (new stage view and block map) and writes the KV of the layers it keeps back into
+its new blocks. The new member C joins as a member joins a forming group
 (gpu/group_member.py), receiving its layers of every request from those that held them, and
 sends its own requests' KV as formation does. Requests stay alive: their tables (the group's
 block ids) do not change, the pool only grows, and a request waits only for its own chunks.
-Costs (counted in `GrowStats`): the whole dropped weights of every old member are copied back
-and the newly dropped ones saved again, and every kept layer's KV makes a host round trip; an
-incremental re-split would copy only the layers a member gains and re-place KV only where the
-new view's stride differs.
+Costs (counted in `GrowStats`): the weights a member gains or drops, and a host round trip of
+every kept layer's KV (the new view's stride differs, so kept KV moves; on a GPU a device copy
+would do).
 
 The protocol: the head sends every member (old and new) the new `GroupStart` (with `held`: the
 layers each member holds now); each old member answers with the seeded generators it sampled
@@ -33,6 +33,7 @@ from collections.abc import Collection, Sequence
 
 import attrs
 import torch
+from torch import nn
 
 from gpu.block_map import BlockMap
 from gpu.data_plane import (
@@ -59,7 +60,14 @@ from gpu.group_stage import (
     start_transfers,
 )
 from gpu.kv_exchange import KvReceiver, send_transfers
-from gpu.stage_view import drop_layers, group_pool_blocks, restore_layers
+from gpu.stage_view import (
+    DropState,
+    StageView,
+    dropped_ranges,
+    elem_range,
+    group_pool_blocks,
+    kept_weight_ranges,
+)
 
 GROW_EPOCH = 2
 """First tag epoch of a growth's exchange (0: forming, 1: restoring)."""
@@ -119,11 +127,8 @@ class ResplitStage(GroupStage):
         stay = overlap(was, self.keep)
         local = {s.request_id: held(s.table, stay) for s in start.seqs if s.table and len(stay)}
         self.grown.kv_local = sum(x.numel() * x.element_size() for x in local.values())
-        self.grown.weights_restored = sum(t.numel() * t.element_size()
-                                          for t in model.drop_state.host_copy.values())
-        restore_layers(model)
-        self.drop = drop_layers(model, self.keep)
-        self.grown.weights_saved = self.drop.freed_bytes
+        self.drop, self.grown.weights_restored, self.grown.weights_saved = redrop_layers(
+            model, self.keep)
         self.map = BlockMap(self.drop.view, start.group)
         self.seqs = {}
         for s in start.seqs:
@@ -146,6 +151,74 @@ class ResplitStage(GroupStage):
                                     model.config.head_dim), arena.dtype, self.stats,
                                    link=plane)
         self._hidden = model.config.hidden_size
+
+
+def redrop_layers(model, keep: range) -> tuple[DropState, int, int]:
+    """A dropped model keeps `keep` instead of the range it keeps now, copying only what
+    changes: the layers it gains come back from its host copy, the layers it drops now go to the
+    host; the host copy of a layer dropped before and after stays as it is (a slice of it, not a
+    copy: the host copy is then in pieces). Returns the new state, the bytes written back and
+    the bytes saved to the host. The KV in the old view is overwritten (read it first)."""
+    state: DropState = model.drop_state
+    arena, L = model.arena, model.config.num_layers
+    layout, per = arena.layout, arena.layout.block_elems
+    if keep.step != 1 or not 0 <= keep.start < keep.stop <= L:
+        raise ValueError(f"keep must be a contiguous range within 0..{L}, got {keep}")
+
+    def span(layers: range) -> range:
+        return range(layout.layer_blocks[layers.start].start,
+                     layout.layer_blocks[layers.stop - 1].stop)
+
+    def held(blocks: range) -> torch.Tensor:  # the host copy's elements of `blocks` (a view)
+        for (first, stop), saved in state.host_copy.items():
+            if first <= blocks.start and blocks.stop <= stop:
+                return saved[(blocks.start - first) * per:(blocks.stop - first) * per]
+        raise KeyError(f"blocks {blocks} are in no host copy of the dropped layers")
+
+    restored = saved_bytes = freed = 0
+    for run in _runs(keep, lambda i: i in state.keep):
+        if run.start not in state.keep:  # gained: back from the host copy
+            src = held(span(run))
+            arena.buffer[elem_range(arena, span(run))].copy_(src)
+            restored += src.numel() * src.element_size()
+    host = {}
+    pin = arena.device.type == "cuda"
+    for layers, _ in dropped_ranges(layout, L, keep):
+        for run in _runs(layers, lambda i: i in state.keep):
+            b = span(run)
+            part = arena.buffer[elem_range(arena, b)]
+            freed += part.numel() * part.element_size()
+            if run.start in state.keep:  # dropped now: to the host, then freed
+                host[(b.start, b.stop)] = part.to("cpu", copy=True).pin_memory() if pin \
+                    else part.clone()
+                part.zero_()
+                saved_bytes += part.numel() * part.element_size()
+            else:
+                host[(b.start, b.stop)] = held(b)
+    view = StageView(model.config, arena.block_size, arena.total_blocks,
+                     kept_weight_ranges(layout, keep), keep)
+    new = DropState(keep=keep, view=view, all_layers=state.all_layers, host_copy=host,
+                    freed_bytes=freed)
+    model.model.layers = nn.ModuleList(state.all_layers[i] for i in keep)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.layer = i
+    c = model.config
+    model._kv = tuple(view.layer_kv(arena.buffer, i, arena.block_size, c.num_kv_heads,
+                                    c.head_dim) for i in range(len(keep)))
+    model.first_stage, model.last_stage = keep.start == 0, keep.stop == L
+    model.drop_state = new
+    return new, restored, saved_bytes
+
+
+def _runs(layers: range, key) -> list[range]:
+    """`layers` cut into maximal runs on which `key` does not change."""
+    out: list[range] = []
+    for i in layers:
+        if out and key(i) == key(out[-1].start) and out[-1].stop == i:
+            out[-1] = range(out[-1].start, i + 1)
+        else:
+            out.append(range(i, i + 1))
+    return out
 
 
 def take_generators(stage: GroupStage, states) -> None:

@@ -163,12 +163,12 @@ def restore_layers(model, fill=None) -> None:
     if state is None:
         raise RuntimeError("no layers are dropped")
     arena: DeviceArena = model.arena
-    for (first, stop), saved in state.host_copy.items():
-        dst = arena.buffer[elem_range(arena, range(first, stop))]
-        if fill is None:
-            dst.copy_(saved, non_blocking=False)
-        else:
-            fill(range(first, stop), dst)
+    if fill is None:  # the host copy may be in pieces (a grown group's: gpu/group_grow.py)
+        for (first, stop), saved in state.host_copy.items():
+            arena.buffer[elem_range(arena, range(first, stop))].copy_(saved, non_blocking=False)
+    else:  # whole dropped ranges: a peer's kept range lies within one
+        for _, blocks in dropped_ranges(arena.layout, model.config.num_layers, state.keep):
+            fill(blocks, arena.buffer[elem_range(arena, blocks)])
     model.model.layers = state.all_layers
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.layer = i
