@@ -86,3 +86,17 @@ def test_a_redropped_stage_computes_the_full_models_layers_and_restores_from_a_p
 
     restore_layers(b, from_peer)
     _same_params(b, _load(six_layer_dir))
+
+
+def test_the_redrop_bench_runs_and_checks_its_arguments(tmp_path, capsys):
+    from bench.kunserve_redrop import main
+
+    out = main(["--rounds", "1", "--layers", "3", "--hidden", "32",
+                "--out", str(tmp_path / "r.json")])
+    head = out["rows"]["head"]
+    assert head["copied_bytes"]["incremental"] < head["copied_bytes"]["full"], head
+    for bad, why in ((["--rounds", "0"], "--rounds"), (["--layers", "2"], "--layers"),
+                     (["--hidden", "40"], "--hidden")):
+        with pytest.raises(SystemExit):
+            main(bad)
+        assert why in capsys.readouterr().err
