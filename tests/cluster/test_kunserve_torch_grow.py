@@ -225,3 +225,77 @@ async def test_arrivals_taken_before_a_growth_is_watched_still_reach_the_schedul
             runner.group = None  # the group restores: the task leaves
     done = sorted(r for m in sent if isinstance(m, SwapDone) for r in m.request_ids)
     assert done == [1, 5], sent
+
+
+def test_a_group_still_exchanging_is_not_settled():
+    """Requests whose KV still moves (waiting for chunks somewhere, or adopted and not set up
+    yet: their KV is in staging or reserved on their owner) hold a growth back; ended ones do
+    not."""
+    import types
+
+    from gpu.group_grow import unsettled
+
+    group = types.SimpleNamespace(
+        exchanging=lambda: {3}, stage=types.SimpleNamespace(seqs={1: None, 2: None}),
+        adopted=(types.SimpleNamespace(request_id=2), types.SimpleNamespace(request_id=4),
+                 types.SimpleNamespace(request_id=5)))
+    assert unsettled(group, None) == {3, 4, 5}
+    assert unsettled(group, [1, 2, 3, 4]) == {3, 4}  # 5 ended before it was set up
+
+
+@pytest.mark.anyio
+async def test_a_growth_that_never_settles_lets_the_new_member_go_and_recomputes_its_requests(
+        monkeypatch):
+    """The head waits for its group's last exchange to settle; when it does not in time, the
+    new member is let go (`GroupAbandon`, it serves alone with nothing dropped), the requests it
+    handed over are recomputed at the head and the group goes on as it was; the front door
+    gets the error."""
+    import types
+
+    import gpu.group_runner as gr
+    import shunter.cluster.instance_grow as ig_mod
+    from gpu.group_grow import NotSettled
+    from shunter.cluster.group_wire import GrowGroup
+    from shunter.cluster.instance_groups import GroupNotFormed
+
+    monkeypatch.setattr(ig_mod, "SETTLE_S", 0.05)
+    abandoned, recomputed, tries = [], [], []
+
+    class Thread:
+        async def run(self, fn, *args):
+            return fn(*args)
+
+    def grow(plan, adopted, live):
+        tries.append(live)
+        raise NotSettled("requests [7] still wait for the group's last KV exchange")
+
+    runner = types.SimpleNamespace(group=types.SimpleNamespace(ranks=(0, 1)), _thread=Thread(),
+                                   grow=grow)
+
+    async def inspect():
+        return types.SimpleNamespace(scheduler=types.SimpleNamespace(live_requests=(7, 9)))
+
+    q = types.SimpleNamespace(id=9, computed_tokens=12, state="running")
+
+    class Groups:
+        engine = types.SimpleNamespace(inspect=inspect, backend=None)
+
+        async def _take_over(self, moved):
+            return [(3, q)]
+
+        async def _recompute_here(self, adopted, reqs):
+            recomputed.extend(reqs)
+            return len(reqs)
+
+    ig = Groups()
+    ig.runner = runner
+    monkeypatch.setattr(gr, "abandon_members",
+                        lambda ranks, lost, why: abandoned.append((tuple(ranks), why)))
+    plan = GroupPlan(group_id=2, members=(0, 1, 2), layers=stage_layers(LAYERS, 3))
+    msg = GrowGroup(key=1, plan=plan, adopted=((2, "moved"),))
+    with pytest.raises(GroupNotFormed, match=r"did not grow to \(0, 1, 2\) \(requests \[7\] "
+                       r"still wait.*the 1 requests handed over are recomputed at instance 0"):
+        await ig_mod.grow_here(ig, msg, None)
+    assert len(tries) >= 2 and tries[0] == (7, 9), tries  # retried, with the live requests
+    assert abandoned == [((2,), "requests [7] still wait for the group's last KV exchange")]
+    assert recomputed == [q]
