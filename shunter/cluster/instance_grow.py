@@ -42,8 +42,12 @@ async def grow_here(ig, msg, tg) -> dict:
     group = getattr(runner, "group", None)
     if group is None:
         raise RuntimeError("this instance leads no group")
-    if msg.check:
-        pool = await runner._thread.run(check_grow, group, plan)
+    if msg.check:  # refused without a traceback: the monitor may plan it again
+        try:
+            pool = await runner._thread.run(check_grow, group, plan)
+        except ValueError as exc:
+            raise GroupNotFormed(f"group {group.ranks} cannot grow to {plan.members}: "
+                                 f"{exc}") from exc
         return {"pool_blocks": len(pool)}
     adopted, reqs = [], []
     for (owner, mv), (old, q) in zip(msg.adopted, await ig._take_over(

@@ -71,6 +71,9 @@ class RemoteGroups:
         self.leads: list[bool] | None = None
         """Whether each instance's runner can lead a group (asked once the data plane is
         joined; None: not asked)."""
+        self.cannot_grow: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        """(running group, grown members) whose split the head refused (its pool would not
+        grow): not asked again every monitor round."""
 
     def follow(self, settings) -> None:
         """A replaced policy's memory settings: groups formed from now on use its
@@ -176,15 +179,21 @@ class RemoteGroups:
     async def _grow(self, g: GroupPlan) -> None:
         """A plan that merges a running group with instances serving alone grows it
         (shunter/cluster/remote_grow.py); any other merge with a running group is refused."""
-        from shunter.cluster.remote_grow import grow, grows
+        from shunter.cluster.remote_grow import CannotGrow, grow, grows
 
         old = grows(self.groups, g)
         event = {"t": anyio.current_time(), "members": list(g.members)}
-        if old is None or (self.leads is not None and not self.leads[old.head]):
+        key = None if old is None else (old.members, tuple(sorted(g.members)))
+        if old is None or key in self.cannot_grow or (
+                self.leads is not None and not self.leads[old.head]):
             self.counters.events.append({**event, "event": "grow refused"})
             return
         try:
             await grow(self, old, g)
+        except CannotGrow as exc:
+            self.cannot_grow.add(key)
+            log.info("group cannot grow", members=g.members, why=str(exc))
+            self.counters.events.append({**event, "event": "grow refused", "error": str(exc)})
         except (GroupCommandError, EngineDeadError) as exc:
             log.error("group did not grow", members=g.members, error=str(exc))
             self.counters.events.append({**event, "event": "grow failed", "error": str(exc)})

@@ -25,6 +25,10 @@ from shunter.cluster.group_wire import GrowGroup
 log = structlog.get_logger(actor="coordinator")
 
 
+class CannotGrow(RuntimeError):
+    """The head refused the grown split before anything moved (its pool would not grow)."""
+
+
 def grows(groups: dict[int, GroupPlan], g: GroupPlan) -> GroupPlan | None:
     """The running group `g` grows when it holds exactly one running group and otherwise
     instances serving alone; None otherwise."""
@@ -47,7 +51,10 @@ async def grow(groups, old: GroupPlan, g: GroupPlan) -> GroupPlan:
 
     plan = grown_plan(old, g, groups.num_layers)
     head, n_old = old.head, len(old.members)
-    await groups._command(head, lambda key: GrowGroup(key=key, plan=plan, check=True))
+    try:
+        await groups._command(head, lambda key: GrowGroup(key=key, plan=plan, check=True))
+    except GroupCommandError as exc:  # the split would not grow its pool: nothing moved
+        raise CannotGrow(str(exc)) from exc
     adopted, exported = [], []
     for k, m in enumerate(plan.members[n_old:], start=n_old):
         try:

@@ -158,6 +158,8 @@ async def test_the_monitors_merge_with_a_running_group_grows_it(monkeypatch):
 
     async def fake_grow(groups, old, g):
         grown.append((old.members, g.members))
+        if 3 in g.members:
+            raise rg.CannotGrow("instance 0: the grown group's pool is not larger")
 
     monkeypatch.setattr(rg, "grow", fake_grow)
     groups = RemoteGroups([], coordinator=None, base_pools=[8] * 4, num_layers=LAYERS)
@@ -178,6 +180,13 @@ async def test_the_monitors_merge_with_a_running_group_grows_it(monkeypatch):
     await groups.act(Drop(plan=None, new_groups=(both,)), [None] * 4)
     assert grown == [((0, 1), (0, 1, 2))]
     assert groups.counters.events[-1]["event"] == "grow refused"
+    # a split the head refused (its pool would not grow) is not asked again every round
+    groups.groups = {0: pair}
+    uneven = GroupPlan(group_id=5, members=(0, 1, 3), layers=stage_layers(LAYERS, 3))
+    for _ in range(3):
+        await groups.act(Drop(plan=None, new_groups=(uneven,)), [None] * 4)
+    assert grown == [((0, 1), (0, 1, 2)), ((0, 1), (0, 1, 3))], grown
+    assert [e["event"] for e in groups.counters.events[-3:]] == ["grow refused"] * 3
 
 
 @pytest.mark.anyio

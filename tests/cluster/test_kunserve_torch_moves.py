@@ -30,7 +30,8 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     """Three instance processes; instances 0 and 1 form a group (by the group manager's own
     `form`, the cluster idle), so new requests go round robin to the head and to instance 2,
     alone. Instance 2's 24-block pool cannot hold its share, so its queue grows; the planner's
-    drop would grow the running group (not done on torch), so its queued requests (no KV:
+    drop would grow the running group, which the head refuses (4 layers over 3 stages keep
+    2 | 1 | 1: its pool would not grow; asked once), so its queued requests (no KV:
     never run, or preempted by recompute) move to the head instead (§4.1), and every request
     still gives transformers' tokens; the client of the first moved request cancels as it
     moves, and the head counts that cancel. A restore asked for while the head's requests hold
