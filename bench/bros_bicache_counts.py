@@ -102,6 +102,29 @@ def _count_extend(table: Any, phase: Any, args: Any, out: Any) -> Any:
     return None
 
 
+def _wrap_extends(cls: Any) -> None:
+    """`grow` (the fit's first try: `extend` when it can, else None) and `extend` both place
+    tokens, and `grow` may call `extend`: each placement is counted once, by the outer call."""
+    depth = [0]
+    for name in ("grow", "extend"):
+        inner = getattr(cls, name)
+
+        def wrapper(self: Any, rid: int, tokens: int, *args: Any, _inner: Any = inner,
+                    **kwargs: Any) -> Any:
+            depth[0] += 1
+            try:
+                before = (_count_extend(self, "before", (rid, tokens), None) if depth[0] == 1
+                          else None)
+                out = _inner(self, rid, tokens, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+            if before is not None and out is not None:
+                _count_extend(self, before, (rid, tokens), out)
+            return out
+
+        setattr(cls, name, wrapper)
+
+
 def _count_restore(table: Any, phase: Any, args: Any, out: Any) -> Any:
     if out is not None:
         COUNTS["restores"] += 1
@@ -157,7 +180,7 @@ def _count_preempt(p: Any, phase: Any, args: Any, out: Any) -> Any:
 def install() -> None:
     t = bidirectional.BidirectionalBlocks
     _wrap(t, "_preemption_order", _count_picks)
-    _wrap(t, "extend", _count_extend)
+    _wrap_extends(t)
     _wrap(t, "restore", _count_restore)
     _wrap(t, "swap_out", _count_swap_out)
     _wrap(bidirectional_step.BidirectionalMemory, "fit", _count_fit)

@@ -64,11 +64,16 @@ class BidirectionalMemory:
             if rid in self._sent or rid in t:
                 self._forget(rid)
         left: list[tuple[int, int]] = []
-        for rid in sorted(plan.work, key=lambda i: best_effort(requests[i])):
-            r = requests[rid]
+        be = {i for i in plan.work if best_effort(requests[i])}
+        for rid in [i for i in plan.work if i not in be] + [i for i in plan.work if i in be]:
+            r = requests[rid]  # RT first, then BE, each in plan order
             if rid not in t:
-                t.add(rid, reverse=best_effort(r))
-            if not self._place(rid, r.computed_tokens + plan.work[rid], plan, requests, transfers):
+                t.add(rid, reverse=rid in be)
+            tokens = r.computed_tokens + plan.work[rid]
+            if (copies := t.grow(rid, tokens)) is not None:  # `_place`'s first try, inline
+                if copies is not NO_COPIES:
+                    _add(transfers, rid, copies)
+            elif not self._place(rid, tokens, plan, requests, transfers):
                 left.append((rid, plan.work[rid]))
                 _leave(plan, rid)
         if left and not plan.work:  # nobody fits: the others make room for the most deserving
@@ -76,12 +81,12 @@ class BidirectionalMemory:
             self._make_room(rid, tokens, plan, requests, transfers, force=True)
             if self._place(rid, tokens, plan, requests, transfers):
                 plan.work[rid], plan.block_targets[rid] = n, 0
-        blocks = []
+        blocks, sent = [], self._sent
         for rid in plan.work:
-            table = t.table(rid)  # a copy
+            table = t.entries(rid)  # not a copy: copied only when it changed
             plan.block_targets[rid] = len(table)
-            if self._sent.get(rid) != table:
-                self._sent[rid] = table
+            if sent.get(rid) != table:
+                sent[rid] = list(table)
                 blocks.append(BlockUpdate(request_id=rid, reset=True, append=tuple(table)))
         for rid, held, slots in t.holdings():
             # held: len(table(rid)) without copying it (a table covers its tokens unless
@@ -104,6 +109,10 @@ class BidirectionalMemory:
     def _place(self, rid: int, tokens: int, plan: IterationPlan, requests: Mapping[int, Request],
                transfers: list[SwapTransfer]) -> bool:
         t = self.table
+        copies = t.grow(rid, tokens)  # most requests of a step: it fits as it is
+        if copies is not None:
+            _add(transfers, rid, copies)
+            return True
         if t.swapped(rid):
             if not t.can_swap_in(rid):
                 return False

@@ -103,18 +103,18 @@ class Batch:
     def add(self, r: RequestView, cls: int, chunk: tuple[int, int], need: int,
             budget: float, copies: int, shape: list[int]) -> None:
         """`shape`: the batch's with r in it."""
-        self.copies.append(copies)
-        self.copy_blocks += copies
-        self.selected.append(r)
-        self.classes.append(cls)
-        self.chunks.append(chunk)
-        self.needs.append(need)
         take = 0
         if self.reverse_free is not None and (need or r.checkpointed_blocks):  # else 0
             take = self.reverse_need(r, need)
             self.reverse_free = max(0, self.reverse_free - take)
+        self.copies.append(copies)
+        self.selected.append(r)
+        self.classes.append(cls)
+        self.chunks.append(chunk)
+        self.needs.append(need)
         self.reverse_takes.append(take)
         self.budgets.append(budget)
+        self.copy_blocks += copies
         self.ids.add(r.id)
         self.shape = shape
         self.tokens_left -= chunk[1]
@@ -140,10 +140,20 @@ class Lender:
     of the batch (FindPreemptBlock): the least deserving lender first."""
 
     def __init__(self, groups: list[list[RequestView]], pack_rank: list[int]) -> None:
-        self._by_rank: list[list[RequestView]] = [[] for _ in range(max(pack_rank) + 2)]
-        for cls, group in enumerate(groups):
-            self._by_rank[pack_rank[cls]] += [r for r in group if r.state == "running" and r.blocks]
+        self._groups, self._pack_rank = groups, pack_rank
+        self._lenders: list[list[RequestView]] | None = None
         self.claimed: set[int] = set()
+
+    @property
+    def _by_rank(self) -> list[list[RequestView]]:
+        """Running requests holding blocks, by pack rank: found when first asked (most
+        iterations never ask: every request that tries fits)."""
+        if self._lenders is None:
+            self._lenders = [[] for _ in range(max(self._pack_rank) + 2)]
+            for cls, group in enumerate(self._groups):
+                self._lenders[self._pack_rank[cls]] += [
+                    r for r in group if r.state == "running" and r.blocks]
+        return self._lenders
 
     def available(self, rank: int) -> int:
         return sum(r.blocks for lenders in self._by_rank[rank + 1:] for r in lenders

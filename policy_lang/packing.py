@@ -24,7 +24,8 @@ held back from newer requests of its own class, which would otherwise starve it.
 
 Request pulling (§4.2, Fig. 8): each class's pending requests (running, swapped) are sorted;
 its waiting queue is already in arrival order, which for one class's TTFT is deadline order, so
-the two runs merge in linear time; requests are then pulled until the batch is full.
+the two runs merge in linear time (one sort: `_pull`); requests are then pulled until the batch
+is full, and each is tried once (`_try` reads the batch's sums, never the batch).
 
 The decision's order is the batch, then the running requests left out (ranked, so the planner
 preempts the least deserving first: BE before RT). The iteration time is predicted by the
@@ -45,6 +46,8 @@ from engine.policy import RequestView, SchedulerView
 from policy_lang.pack_batch import Batch, Lender, copies_of, plus
 
 Condition = Callable[[RequestView], Any]
+TAKEN, SKIP, LATE, STOP = "taken", "skip", "late", "stop"
+"""`_try`'s verdicts."""
 
 
 class Env:
@@ -134,8 +137,8 @@ class PackOrder:
         self.batch = len(batch.selected)
         # the planner gives running requests their tokens in batch order: within a class,
         # decodes before prompt chunks, so each gets the tokens packing counted for it
-        packed = sorted(zip(batch.selected, batch.classes),
-                        key=lambda t: (rank[t[1]], t[0].remaining_tokens > 1))
+        packed = sorted(zip(batch.selected, batch.classes), key=lambda t: (
+            rank[t[1]], t[0].prompt_tokens + t[0].output_tokens - t[0].computed_tokens > 1))
         batch.selected = [r for r, _ in packed]
         rest = [r for c in sorted(range(n), key=rank.__getitem__)
                 for r in sorted_groups.get(c) or self._sort[c](groups[c])
@@ -143,57 +146,68 @@ class PackOrder:
         return batch.selected + rest
 
     def _pull(self, cls: int, group: list[RequestView]) -> list[RequestView]:
-        """Pending requests sorted, merged with the waiting queue (already nearly in order:
-        timsort merges the two runs in linear time)."""
-        sort = self._sort[cls]
+        """Pending requests, then the waiting queue (in arrival order, which for one class's
+        TTFT is deadline order), sorted as one list: timsort finds the waiting run already in
+        order and merges the two in linear time, each key computed once. The same order as
+        sorting each and merging them (a stable sort by one order keeps pending before waiting
+        on ties and each in its own order), which computed every key three times."""
         pending = [r for r in group if r.state != "waiting"]
-        waiting = [r for r in group if r.state == "waiting"]
-        if not pending or not waiting:
-            return sort(group)
-        return sort(sort(pending) + sort(waiting))
+        if not pending or len(pending) == len(group):
+            return self._sort[cls](group)
+        return self._sort[cls](pending + [r for r in group if r.state == "waiting"])
 
     def _take(self, batch: Batch, step: Take, group: list[RequestView], lender: Lender,
               rank: int) -> list[RequestView]:
         """Take from `group` in order; returns the requests not taken (for `replaces`)."""
         left: list[RequestView] = []
-        late: list[RequestView] = []
+        late: list[tuple[RequestView, int]] = []
+        # remaining_tokens, read once per request (a property of a property: this runs per
+        # request per iteration); decodes of this class not yet tried: a prompt chunk leaves
+        # them a token each (§4.1 bounds a batch by B requests and the iteration time, never by
+        # tokens, so a decode must not lose its place to a chunk of a prompt that can be cut)
+        remaining = [r.prompt_tokens + r.output_tokens - r.computed_tokens for r in group]
+        decode = [n == 1 and r.state == "running" for r, n in zip(group, remaining)]
+        decodes, selected, claimed = sum(decode), batch.selected, lender.claimed
         stopped = False
-        # decodes of this class not yet tried: a prompt chunk leaves them a token each (§4.1
-        # bounds a batch by B requests and the iteration time, never by tokens, so a decode
-        # must not lose its place to a chunk of a prompt that can be cut)
-        decodes = sum(1 for r in group if r.state == "running" and r.remaining_tokens == 1)
-        for r in group:
-            if r.state == "running" and r.remaining_tokens == 1:
-                decodes -= 1
-            batch.decode_reserve = max(0, min(decodes, batch.limit - len(batch.selected) - 1))
-            if stopped or batch.full() or r.id in lender.claimed:
+        for i, r in enumerate(group):
+            decodes -= decode[i]
+            if len(selected) >= batch.limit or batch.tokens_left <= 0:  # batch.full(), which
+                left += group[i:]  # stays so: only `_replace` takes requests out
+                break
+            if r.id in claimed:
                 left.append(r)
                 continue
-            verdict = self._try(batch, step, r, lender, rank, late_ok=False)
-            if verdict == "late":
-                late.append(r)
-            elif verdict == "stop":
+            batch.decode_reserve = max(0, min(decodes, batch.limit - len(selected) - 1))
+            verdict = self._try(batch, step, r, remaining[i], lender, rank, late_ok=False)
+            if verdict is TAKEN:
+                continue
+            if verdict is LATE:
+                late.append((r, remaining[i]))
+            elif verdict is STOP:
                 stopped = True
-                left.append(r)
-            elif verdict == "skip":
+                left += group[i:]
+                break
+            else:
                 left.append(r)
         batch.decode_reserve = 0
-        for r in late:  # requests that cannot make their deadline: served after those that can
+        for r, n in late:  # requests that cannot make their deadline: after those that can
             if (stopped or batch.full()
-                    or self._try(batch, step, r, lender, rank, late_ok=True) != "taken"):
+                    or self._try(batch, step, r, n, lender, rank, late_ok=True) is not TAKEN):
                 left.append(r)
         return left
 
-    def _try(self, batch: Batch, step: Take, r: RequestView, lender: Lender, rank: int,
-             late_ok: bool) -> str:
-        # batch.chunk, batch.need and batch.iterations inline: this runs per request per iteration
-        remaining, start = r.remaining_tokens, r.computed_tokens
+    def _try(self, batch: Batch, step: Take, r: RequestView, remaining: int, lender: Lender,
+             rank: int, late_ok: bool) -> str:
+        # batch.chunk, batch.need, batch.iterations, copies_of, plus and batch.predict inline:
+        # this runs per request per iteration (the same integers, so the same predictions)
+        start = r.computed_tokens
         room = batch.tokens_left - (batch.decode_reserve if remaining > 1 else 0)
         if room <= 0:
-            return "skip"  # the tokens left are the decodes' behind it
-        chunk = start, max(1, min(remaining, room))
-        need = max(0, -(-(start + chunk[1]) // batch.block_size) - r.blocks)
-        admits = r.state != "running" or chunk[1] > 1
+            return SKIP  # the tokens left are the decodes' behind it
+        n = max(1, min(remaining, room))
+        need = max(0, -(-(start + n) // batch.block_size) - r.blocks)
+        state = r.state
+        admits = state != "running" or n > 1
         free = 0
         if admits:
             # FindPreemptBlock: only classes packed later lend memory for a new request or a
@@ -201,22 +215,27 @@ class PackOrder:
             free = batch.free - batch.held.get(step.cls, 0) + batch.reserved.get(r.id, (0, 0))[1]
             if need > free and need > free + lender.available(rank):
                 batch.reserve(r.id, step.cls, max(0, min(need, free)))
-                return "skip"
+                return SKIP
         # a BE request short of wholly free blocks waits, unless nothing else runs: then it
         # goes first and its step swaps others out (§5.2's extreme case), or BE requests that
         # all wait for free blocks held by each other would wait forever (96-block pool)
         if batch.reverse_free is not None and batch.selected and batch.reverse_short(r, need):
-            return "skip"
-        copies, shape = copies_of(r), plus(batch.shape, chunk, 1)
-        est = batch.predict(shape, copies)
-        rest = remaining - chunk[1]
-        budget = r.slack_ms(self._env.view.now) / (
+            return SKIP
+        copies = r.swapped_blocks if state == "swapped" else r.checkpointed_blocks
+        pt, psq, ppre, ds, dc = batch.shape
+        shape = ([pt, psq, ppre, ds + 1, dc + start + 1] if n == 1
+                 else [pt + n, psq + n * n, ppre + n * start, ds, dc])
+        cost = batch.cost
+        est = (batch.average_ms if cost is None
+               else cost.iteration_of(*shape, batch.copy_blocks + copies))
+        rest = remaining - n
+        budget = (r.deadline - self._env.view.now) * 1000.0 / (  # r.slack_ms(now)
             1 + (-(-rest // batch.budget_tokens) if rest > 0 else 0))
         if budget < est:
             if not late_ok:
                 if admits:
                     batch.reserve(r.id, step.cls, max(0, min(need, free)))
-                return "late"
+                return LATE
             budget = math.inf
         if step.cond is not None:
             env = self._env
@@ -225,7 +244,7 @@ class PackOrder:
             env.batch_size = len(batch.selected) + 1
             if not step.cond(r):
                 self.violated = self.violated or (step.violation and not late_ok)
-                return "stop"
+                return STOP
         if need > free and admits:
             lender.claim(rank, need - free, batch.ids)
             batch.free += need - free  # the claimed blocks, freed for r by the planner
@@ -233,8 +252,8 @@ class PackOrder:
             batch.lent = lender.claimed
         if batch.reserved:
             batch.unreserve(r.id)
-        batch.add(r, step.cls, chunk, need, budget, copies, shape)
-        return "taken"
+        batch.add(r, step.cls, (start, n), need, budget, copies, shape)
+        return TAKEN
 
     def _replace(self, batch: Batch, step: Replace,
                  candidates: list[RequestView]) -> list[RequestView]:

@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from engine.memory.preemption_order import preemption_order
 from engine.memory.slot_owners import Block as _Block
 from engine.memory.slot_owners import Seq as _Seq
-from engine.memory.slot_owners import guest_block
+from engine.memory.slot_owners import SlotQueries, guest_block
 from engine.memory.slot_runs import NO_COPIES, SlotCopies, decode, encode, physical_slot
 
 __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
@@ -43,7 +43,7 @@ class BidirectionalError(Exception):
     """The caller asked for something the table cannot do (a bug, not a user error)."""
 
 
-class BidirectionalBlocks:
+class BidirectionalBlocks(SlotQueries):
     def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
         if len(block_ids) == 0 or block_size < 1:
             raise BidirectionalError("a bidirectional table needs blocks and slots")
@@ -91,6 +91,10 @@ class BidirectionalBlocks:
         """The request's signed block table entries, in token order."""
         return list(self._seqs[rid].table)
 
+    def entries(self, rid: int) -> list[int]:
+        """`table` without the copy (read only; it changes with the table)."""
+        return self._seqs[rid].table
+
     def tokens(self, rid: int) -> int:
         return self._seqs[rid].tokens
 
@@ -110,22 +114,6 @@ class BidirectionalBlocks:
         return ((rid, 0 if s.swapped else -(-s.tokens // bs), len(s.host))
                 for rid, s in self._seqs.items())
 
-    def checkpointed_slots(self, rid: int) -> int:
-        """Slots of the request held only on the host."""
-        return len(self._seqs[rid].host)
-
-    def checkpointed_blocks(self, rid: int) -> int:
-        """Logical blocks of the request with a slot held only on the host."""
-        return len({p // self.block_size for p in self._seqs[rid].host})
-
-    def block(self, b: int) -> tuple[int, int, int, int, frozenset[int]]:
-        """(RT owner, RT fill, BE owner, BE fill, overwritten BE offsets) of block b; -1 = none."""
-        x = self._blocks[b]
-        return x.rt, x.rt_fill, x.be, x.be_fill, frozenset(x.lost)
-
-    def shared_blocks(self) -> int:  # blocks holding both an RT and a BE request's KV
-        return sum(1 for x in self._blocks.values() if x.rt >= 0 and x.be >= 0)
-
     # ------------------------------------------------------------------------ placement
 
     def add(self, rid: int, *, reverse: bool) -> None:
@@ -141,11 +129,15 @@ class BidirectionalBlocks:
         return picked + (self._preemption_order(n - len(picked)) if n > len(picked) else [])
 
     def _preempt_key(self, b: int) -> tuple[bool, int, int]:  # largest first
-        return bool(self._seqs[(x := self._blocks[b]).be].host), len(x.lost) - x.be_fill, -b
+        return self._preempt_keys([b])[0]
+
+    def _preempt_keys(self, blocks: list[int]) -> list[tuple[bool, int, int]]:
+        seqs, xs = self._seqs, self._blocks
+        return [(bool(seqs[(x := xs[b]).be].host), len(x.lost) - x.be_fill, -b) for b in blocks]
 
     def _preemption_order(self, k: int) -> list[int]:
         owners = [(s.table, bool(s.host)) for s in self._seqs.values() if s.reverse and s.table]
-        return preemption_order(k, self._be_only, self._holed, owners, self._preempt_key)
+        return preemption_order(k, self._be_only, self._holed, owners, self._preempt_keys)
 
     def guest_block(self, slots: int) -> int | None:
         """Where a BE request's last block may go when no block is free (slot_owners.py)."""
@@ -203,17 +195,32 @@ class BidirectionalBlocks:
         for b in picks:
             self._own(b, rid, s.reverse)
             s.table.append(encode(b, s.reverse))
-        out, bs, pos = [], self.block_size, s.tokens
+        return self._write(s, tokens, copies)
+
+    def grow(self, rid: int, tokens: int) -> SlotCopies | None:
+        """`extend` if `can_extend`, else None and no change: one look-up, and no block search
+        when the request's blocks already hold `tokens` (most decodes of a step)."""
+        s = self._seqs[rid]
+        if s.swapped or s.host:
+            return None
+        if -(-tokens // self.block_size) <= len(s.table) and (
+                not self._be_collides(rid, s, tokens) if s.reverse
+                else tokens - s.tokens <= len(self._free_host)):
+            return self._write(s, tokens, NO_COPIES)
+        return self.extend(rid, tokens, checked=True) if self.can_extend(rid, tokens) else None
+
+    def _write(self, s: _Seq, tokens: int, copies: SlotCopies) -> SlotCopies:
+        """Fill s's blocks up to `tokens` (they hold them), checkpointing BE slots RT reaches."""
+        out, bs, pos, table, xs = [], self.block_size, s.tokens, s.table, self._blocks
         while pos < tokens:  # block by block; slot by slot only where RT meets a BE owner
             j = pos // bs
-            block, end = -s.table[j] - 1 if s.reverse else s.table[j], min(tokens, (j + 1) * bs)
-            x = self._blocks[block]
+            end = min(tokens, (j + 1) * bs)
             if s.reverse:
-                x.be_fill = end - j * bs
+                xs[-table[j] - 1].be_fill = end - j * bs
             else:
-                x.rt_fill = end - j * bs
+                (x := xs[table[j]]).rt_fill = end - j * bs
                 if x.be >= 0 and end - j * bs > bs - x.be_fill:  # it reaches BE's live slots
-                    out += self._checkpoint(block, x, range(pos - j * bs, end - j * bs))
+                    out += self._checkpoint(table[j], x, range(pos - j * bs, end - j * bs))
             pos = end
         s.tokens = max(s.tokens, tokens)
         return copies + SlotCopies(out=tuple(out)) if out else copies
@@ -384,17 +391,3 @@ class BidirectionalBlocks:
             self._free.append(block)
         else:
             self._be_only.add(block)
-
-    # ------------------------------------------------------------------------ invariants
-
-    def live_slots(self, rid: int) -> Iterator[tuple[int, int]]:
-        """(logical position, device slot) of every position the request holds on the device."""
-        s = self._seqs[rid]
-        for pos in range(s.tokens if not s.swapped else 0):
-            if pos not in s.host:
-                yield pos, physical_slot(s.table[pos // self.block_size], pos % self.block_size,
-                                         self.block_size)
-
-    def host_slots(self, rid: int) -> dict[int, int]:
-        """Logical position -> host slot of what the request holds only on the host."""
-        return dict(self._seqs[rid].host)

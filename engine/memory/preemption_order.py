@@ -19,23 +19,24 @@ import heapq
 from collections.abc import Callable, Iterable
 from collections.abc import Set as AbstractSet
 
+_BLOCK = (-1).__sub__
+"""A reversed entry's block, -e - 1, as a C call (a displaced request's every block)."""
+
 
 def preemption_order(k: int, be_only: AbstractSet[int], holed: AbstractSet[int],
                      owners: Iterable[tuple[list[int], bool]],
-                     key: Callable[[int], tuple[bool, int, int]]) -> list[int]:
-    """The k blocks of `be_only` with the largest `key`, largest first. `owners`: each BE
+                     keys: Callable[[list[int]], list[tuple[bool, int, int]]]) -> list[int]:
+    """The k blocks of `be_only` with the largest key, largest first. `owners`: each BE
     request's block table (entries all reversed: block -e - 1, none empty) and whether it is
-    displaced; `holed`: blocks that may hold overwritten slots (a superset is fine)."""
+    displaced; `holed`: blocks that may hold overwritten slots (a superset is fine); `keys`:
+    the keys of a list of blocks, each ending in -block (so no two are equal), computed in one
+    call (a call per block was most of a pick: ~200 blocks keyed, 12 RT req/s on 3,500)."""
     exact, displaced = set(holed), set()
     for table, is_displaced in owners:
         exact.add(-table[-1] - 1)
         if is_displaced:
-            displaced.update([-e - 1 for e in table])
+            displaced.update(map(_BLOCK, table))
     exact &= be_only
-    full, others = sorted((displaced & be_only) - exact)[:k], []
-    for b in sorted(be_only):
-        if len(others) == k:
-            break
-        if b not in exact and b not in displaced:
-            others.append(b)
-    return heapq.nlargest(k, [*exact, *full, *others], key=key)
+    full = heapq.nsmallest(k, (displaced & be_only) - exact)
+    others = heapq.nsmallest(k, be_only - exact - displaced)  # no sort of every BE block
+    return [-key[-1] for key in heapq.nlargest(k, keys([*exact, *full, *others]))]

@@ -1,13 +1,16 @@
 """The records of BROS's bidirectional block table (engine/memory/bidirectional.py): who owns
 each block's two sides and how far each fills it, and each request's signed block table and host
-slots; and the search for a guest block (§5.2 FindBlock: a BE request's last block placed in the
-empty right side of an RT block)."""
+slots; the table's read-only queries (counts and the invariants' slots); and the search for a
+guest block (§5.2 FindBlock: a BE request's last block placed in the empty right side of an RT
+block)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import attrs
+
+from engine.memory.slot_runs import physical_slot
 
 
 @attrs.define(slots=True)
@@ -31,6 +34,42 @@ class Seq:
     """Logical position -> host slot, for positions whose KV is only on the host."""
     swapped: bool = False
     """Swapped out whole: `host` holds every position, `table` is empty."""
+
+
+class SlotQueries:
+    """What BidirectionalBlocks answers without changing: per request and per block."""
+
+    block_size: int
+    _seqs: dict[int, Seq]
+    _blocks: dict[int, Block]
+
+    def checkpointed_slots(self, rid: int) -> int:
+        """Slots of the request held only on the host."""
+        return len(self._seqs[rid].host)
+
+    def checkpointed_blocks(self, rid: int) -> int:
+        """Logical blocks of the request with a slot held only on the host."""
+        return len(set(map(self.block_size.__rfloordiv__, self._seqs[rid].host)))  # p // bs
+
+    def block(self, b: int) -> tuple[int, int, int, int, frozenset[int]]:
+        """(RT owner, RT fill, BE owner, BE fill, overwritten BE offsets) of block b; -1 = none."""
+        x = self._blocks[b]
+        return x.rt, x.rt_fill, x.be, x.be_fill, frozenset(x.lost)
+
+    def shared_blocks(self) -> int:  # blocks holding both an RT and a BE request's KV
+        return sum(1 for x in self._blocks.values() if x.rt >= 0 and x.be >= 0)
+
+    def live_slots(self, rid: int) -> Iterator[tuple[int, int]]:
+        """(logical position, device slot) of every position the request holds on the device."""
+        s = self._seqs[rid]
+        for pos in range(s.tokens if not s.swapped else 0):
+            if pos not in s.host:
+                yield pos, physical_slot(s.table[pos // self.block_size], pos % self.block_size,
+                                         self.block_size)
+
+    def host_slots(self, rid: int) -> dict[int, int]:
+        """Logical position -> host slot of what the request holds only on the host."""
+        return dict(self._seqs[rid].host)
 
 
 def guest_block(slots: int, block_size: int, seqs: Iterable[Seq],

@@ -3,6 +3,8 @@ property tests run against a model of the device and host slots that every copy 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -30,6 +32,7 @@ class SlotModel:
         self.host: dict[int, tuple[int, int]] = {}
 
     def apply(self, c: SlotCopies) -> None:
+        self.last = c
         for src, dst in c.out:
             self.host[dst] = self.device[src]
         moved = {dst: self.device[src] for src, dst in c.move}
@@ -37,9 +40,9 @@ class SlotModel:
         for src, dst in c.into:
             self.device[dst] = self.host[src]
 
-    def extend(self, rid: int, tokens: int) -> None:
+    def extend(self, rid: int, tokens: int, *, grow: bool = False) -> None:
         before = self.t.tokens(rid)
-        self.apply(self.t.extend(rid, tokens))
+        self.apply(self.t.grow(rid, tokens) if grow else self.t.extend(rid, tokens))
         table = self.t.table(rid)
         for pos in range(before, tokens):
             self.device[physical_slot(table[pos // BS], pos % BS, BS)] = (rid, pos)
@@ -225,6 +228,38 @@ def test_be_prompt_puts_only_its_partial_last_block_in_an_rt_block():
     m.check()
 
 
+def test_grow_is_extend_where_it_can_and_nothing_where_it_cannot():
+    """The fit's per-request call, each way it can go: RT filling its own block, reaching a BE
+    guest's slots (checkpoints), short of host slots (None), taking a free or a BE block; a BE
+    guest whose next slot is RT's with no block to move to, or displaced (None)."""
+    t = BidirectionalBlocks(range(3), BS, host_slots=2)
+    m = SlotModel(t)
+    t.add(1, reverse=False)
+    _grow(t, m, 1, 1)  # a fresh block
+    _grow(t, m, 1, 2)  # within it
+    t.add(2, reverse=True)
+    for tokens in (4, 8, 10):  # two free blocks, then a guest in RT 1's block
+        _grow(t, m, 2, tokens)
+    assert t.guest_blocks_total == 1 and t.num_free == 0
+    _grow(t, m, 2, 11)  # its next slot is RT's, and no block is free to move to
+    _grow(t, m, 1, 3)  # RT reaches the guest's slots: each checkpointed first
+    _grow(t, m, 1, 4)
+    assert t.checkpointed_slots(2) == 2 and t.free_host_slots == 0
+    _grow(t, m, 2, 11)  # displaced
+    _grow(t, m, 1, 5)  # a BE block to preempt, but no host slot to checkpoint into
+    assert (t.tokens(1), t.tokens(2)) == (4, 10)
+    t.free(2)
+    _grow(t, m, 1, 5)  # a free block
+    t.add(3, reverse=True)
+    _grow(t, m, 3, 4)
+    _grow(t, m, 1, 8)  # 3 new tokens, 2 host slots (each might need one): nothing changes
+    _grow(t, m, 1, 7)
+    _grow(t, m, 1, 8)
+    _grow(t, m, 1, 10)  # no free block: the BE one, its first two slots checkpointed
+    assert t.checkpointed_slots(3) == 2
+    m.check()
+
+
 def test_refuses_what_it_cannot_do():
     t = BidirectionalBlocks(range(1), BS, host_slots=0)
     t.add(1, reverse=True)
@@ -292,6 +327,25 @@ def test_be_guests_in_rt_blocks_keep_every_slot_owned_once(blocks, spare, progra
     assert t.num_free == total and t.free_host_slots == host, "nothing leaks on free"
 
 
+def _state(t: BidirectionalBlocks) -> tuple:
+    return ([t.block(b) for b in range(t.num_total)], t.num_free, t.free_host_slots,
+            {r: (t.table(r), t.tokens(r), t.host_slots(r)) for r in t.requests()})
+
+
+def _grow(t: BidirectionalBlocks, m: SlotModel, rid: int, tokens: int) -> None:
+    """`grow` (the fit's call, a fast path where the blocks already hold `tokens`) against
+    `can_extend` then `extend` on a copy: the same copies and the same table, or None and no
+    change."""
+    twin = copy.deepcopy(t)
+    if not twin.can_extend(rid, tokens):
+        before = _state(t)
+        assert t.grow(rid, tokens) is None and _state(t) == before, "grow changed the table"
+        return
+    expected = twin.extend(rid, tokens, checked=True)
+    m.extend(rid, tokens, grow=True)
+    assert m.last == expected and _state(t) == _state(twin), "grow is not extend"
+
+
 def _play(t: BidirectionalBlocks, m: SlotModel, program, next_id: int) -> None:
     """Run the program's operations that the table allows, checking every invariant after each."""
     for op, pick, n in program:
@@ -304,6 +358,8 @@ def _play(t: BidirectionalBlocks, m: SlotModel, program, next_id: int) -> None:
             next_id += 1
         elif rid is None:
             continue
+        elif op == "grow" and pick % 2:
+            _grow(t, m, rid, t.tokens(rid) + n)
         elif op == "grow" and t.can_extend(rid, t.tokens(rid) + n):
             m.extend(rid, t.tokens(rid) + n)
         elif op == "free":
