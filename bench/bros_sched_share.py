@@ -10,8 +10,10 @@ host's load average is recorded before and after every run, and should be read b
     python bench/bros_sched_share.py                       # 4, 8, 12 RT/s on 3,500 blocks;
                                                            # 5, 8 RT/s on 1,200 blocks
     python bench/bros_sched_share.py --points 12:3500      # one point
+    python bench/bros_sched_share.py --max-num-seqs 64     # the engine's default cap
 
-Results go to bench/results/bros_sched_share.json and .md.
+256 sequences by default (vLLM V0's, as bench/bros_compare.py). Results go to
+bench/results/bros_sched_share[_TAG].json and .md.
 """
 
 from __future__ import annotations
@@ -39,16 +41,18 @@ from shunter.workloads import load_workload
 POINTS = ((4.0, 3500), (8.0, 3500), (12.0, 3500), (5.0, 1200), (8.0, 1200))
 WORKLOAD = "rtbe:rate={rate:g},duration=120,seed=9"
 CONFIG = EngineConfig(backend="sim", profile="llama3-8b-a100", charge_scheduler_time=True,
-                      max_queued_requests=100_000)
+                      max_queued_requests=100_000, max_num_seqs=256)
+"""256 sequences: vLLM V0's default, as bench/bros_compare.py runs every policy (the engine's
+own default of 64 held bros's batches, and so its scheduler time, smaller)."""
 
 
-def measure(rate: float, blocks: int, policy: str) -> dict[str, Any]:
+def measure(rate: float, blocks: int, policy: str, seqs: int) -> dict[str, Any]:
     workload = load_workload(WORKLOAD.format(rate=rate))
-    config = attrs.evolve(CONFIG, num_blocks=blocks)
+    config = attrs.evolve(CONFIG, num_blocks=blocks, max_num_seqs=seqs)
     load_before, cpu = os.getloadavg()[0], time.process_time()
     o = run_one(parse_policy(policy), workload, config, progress=False,
                 clock_limit_s=20 * workload.duration_s)
-    row: dict[str, Any] = {"rate": rate, "blocks": blocks, "policy": policy,
+    row: dict[str, Any] = {"rate": rate, "blocks": blocks, "policy": policy, "max_num_seqs": seqs,
                            "load_before": load_before, "load_after": os.getloadavg()[0],
                            "wall_s": o.wall_s, "cpu_s": time.process_time() - cpu}
     if o.metrics is None:
@@ -63,9 +67,10 @@ def measure(rate: float, blocks: int, policy: str) -> dict[str, Any]:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = ["# Scheduler share of iteration time, bros, sim backend\n",
-           ("Written by `python bench/bros_sched_share.py`: `rtbe` at each RT rate, 120 s of "
-           "arrivals, seed 9, Llama-3-8B A100 profile, the scheduler's CPU time charged to the "
-           "virtual clock. Goal (issue 14): at most 5%; paper 7.6-9.5%.\n"),
+           (f"Written by `python bench/bros_sched_share.py {' '.join(sys.argv[1:])}`: `rtbe` at "
+           "each RT rate, 120 s of arrivals, seed 9, Llama-3-8B A100 profile, max_num_seqs "
+           f"{rows[0].get('max_num_seqs', '?') if rows else '?'}, the scheduler's CPU time "
+           "charged to the virtual clock. Goal (issue 14): at most 5%; paper 7.6-9.5%.\n"),
            ("| RT req/s | KV blocks | scheduler share | scheduler ms / iteration (mean, p50) | "
            "iterations | load average before / after | wall s |"),
            "|---|---|---|---|---|---|---|"]
@@ -86,6 +91,8 @@ def main() -> int:
     ap.add_argument("--points", default=None,
                     help="RATE:BLOCKS pairs, comma-separated (default: the five of bros_compare)")
     ap.add_argument("--policy", default="bros")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--tag", default="", help="a suffix for the results' file names")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -93,10 +100,10 @@ def main() -> int:
         (float(p.split(":")[0]), int(p.split(":")[1])) for p in args.points.split(","))
     rows = []
     for rate, blocks in points:
-        rows.append(measure(rate, blocks, args.policy))
+        rows.append(measure(rate, blocks, args.policy, args.max_num_seqs))
         print(json.dumps(rows[-1]), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / "bros_sched_share"
+    stem = args.out / f"bros_sched_share{'_' + args.tag if args.tag else ''}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
     md = markdown(rows)
     stem.with_suffix(".md").write_text(md)
