@@ -1,7 +1,10 @@
-"""The data plane between instance processes: one torch.distributed world (rank = instance
+"""The data plane between instance processes: one world process group (rank = instance
 index; gloo on CPU, NCCL on CUDA) for the few typed control messages a pipeline group's head
 sends its members (pickled attrs messages as byte tensors), and a channel of its own per
-pipeline group for the group's tensors (activations, KV chunks, restored weights).
+pipeline group for the group's tensors (activations, KV chunks, restored weights). Both meet
+over a TCPStore that instance 0 serves; gloo listens on the address each instance reaches
+instance 0 from (`route_address`), not on what the host name resolves to (often loopback:
+peers on other machines could not connect).
 
 A group's channel (`open_channel`) is a process group of only its members, made over the world's
 store under a prefix no other group uses, with its own transfer queue (gpu/transfer.py:
@@ -54,6 +57,12 @@ class DataPlane:
     """The world's rendezvous store (groups' channels meet under prefixes of it)."""
     backend: str = "gloo"
     timeout_s: float = 60.0
+    address: str = ""
+    """This machine's address on the interface that reaches the rendezvous: gloo listens there
+    for the world and every channel (peers on other machines connect to it; the host name may
+    resolve to loopback). "": gloo's default (the host name's address)."""
+    world: Any = None
+    """The world's process group (control messages)."""
 
 
 Receiver = Callable[[torch.Tensor, int, int], None]
@@ -109,14 +118,9 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
         raise ValueError(f"group {ranks}: a channel needs a key (new_channel_key)")
     if plane.store is None:
         raise RuntimeError("this data plane has no store: groups cannot open channels on it")
-    store = dist.PrefixStore(f"shunter/group/{key}/", plane.store)
-    timeout = datetime.timedelta(seconds=plane.timeout_s)
     me = ranks.index(plane.rank)
     try:
-        if plane.backend == "nccl":
-            pg = dist.ProcessGroupNCCL(store, me, len(ranks))
-        else:
-            pg = dist.ProcessGroupGloo(store, me, len(ranks), timeout)
+        pg = _process_group(plane, f"shunter/group/{key}/", me, len(ranks))
     except RuntimeError as exc:  # a member never came (it went away first)
         raise GroupMemberLost(-1, f"the group {ranks}'s channel was being opened", exc) from exc
     index = {r: i for i, r in enumerate(ranks)}
@@ -136,7 +140,28 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
     return Channel(ranks, plane.rank, send, recv, pg)
 
 
-_plane: DataPlane | None = None
+def _process_group(plane: DataPlane, prefix: str, rank: int, size: int):
+    """A process group of `size` over the plane's store under `prefix` (blocks until all
+    `size` joined)."""
+    store = dist.PrefixStore(prefix, plane.store)
+    timeout = datetime.timedelta(seconds=plane.timeout_s)
+    if plane.backend == "nccl":
+        return dist.ProcessGroupNCCL(store, rank, size)
+    if not plane.address:
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname=plane.address)]
+    options._timeout = timeout
+    return dist.ProcessGroupGloo(store, rank, size, options)
+
+
+def route_address(host: str, port: int) -> str:
+    """This machine's address on the interface it would reach `host` through (no packet is
+    sent: a UDP socket is only connected)."""
+    family, kind, _, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+    with socket.socket(family, kind) as s:
+        s.connect(addr)
+        return s.getsockname()[0]
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -150,7 +175,8 @@ def free_port(host: str = "127.0.0.1") -> int:
 def join_data_plane(init_method: str, rank: int, world_size: int, *,
                     timeout_s: float = 60.0, backend: str = "gloo") -> DataPlane:
     """Join the cluster's world (blocks until every instance joined). Once per process.
-    `init_method`: tcp://host:port, the rendezvous store's address (instance 0 serves it)."""
+    `init_method`: tcp://host:port, the rendezvous store's address (instance 0 serves it, on
+    every interface); this instance's gloo listens on the address it reaches that host from."""
     global _plane
     if _plane is not None:
         raise RuntimeError(f"this process already joined the data plane as rank {_plane.rank}")
@@ -159,11 +185,11 @@ def join_data_plane(init_method: str, rank: int, world_size: int, *,
         raise ValueError(f"data plane rendezvous {init_method!r}: expected tcp://host:port")
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout)
-    _plane = DataPlane(rank=rank, world_size=world_size, store=store, backend=backend,
-                       timeout_s=timeout_s)
-    return _plane
+    plane = DataPlane(rank=rank, world_size=world_size, store=store, backend=backend,
+                      timeout_s=timeout_s, address=route_address(url.hostname, url.port))
+    plane.world = _process_group(plane, "shunter/world/", rank, world_size)
+    _plane = plane
+    return plane
 
 
 def data_plane() -> DataPlane:
@@ -175,7 +201,7 @@ def data_plane() -> DataPlane:
 def leave_data_plane() -> None:
     global _plane
     if _plane is not None:
-        dist.destroy_process_group()
+        _plane.world.abort()
         _plane = None
 
 
@@ -183,19 +209,21 @@ def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
     """Send one pickled message (its length first) to rank `dst`."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                             dtype=torch.uint8)
+    world = data_plane().world
     try:
-        dist.send(torch.tensor([data.numel()], dtype=torch.int64), dst=dst, tag=tag)
-        dist.send(data, dst=dst, tag=tag + 1)
+        world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag).wait()
+        world.send([data], dst, tag + 1).wait()
     except RuntimeError as exc:
         raise GroupMemberLost(dst, what, exc) from exc
 
 
 def recv_obj(src: int, tag: int, what: str) -> Any:
     size = torch.empty(1, dtype=torch.int64)
+    world = data_plane().world
     try:
-        dist.recv(size, src=src, tag=tag)
+        world.recv([size], src, tag).wait()
         data = torch.empty(int(size), dtype=torch.uint8)
-        dist.recv(data, src=src, tag=tag + 1)
+        world.recv([data], src, tag + 1).wait()
     except RuntimeError as exc:
         raise GroupMemberLost(src, what, exc) from exc
     return pickle.loads(data.numpy().tobytes())

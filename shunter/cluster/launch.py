@@ -29,6 +29,8 @@ class Launched:
     """Says why the instance's process ended (called once its link closed)."""
     kill: Callable[[], None]
     pid: int
+    node: str = ""
+    """The Ray node it runs on ("" for a local process)."""
 
 
 class Launcher(Protocol):
@@ -123,17 +125,19 @@ class RayLauncher:
         actor = self._actor_cls.options(name=f"shunter-instance-{index}-{os.getpid()}").remote()
         self._actors.append(actor)
         try:
-            host, port, pid = ray.get(actor.start.remote(config), timeout=START_TIMEOUT_S)
+            host, port, pid, node = ray.get(actor.start.remote(config),
+                                            timeout=START_TIMEOUT_S)
         except Exception as exc:
             raise ConfigError(f"instance {index} failed to start on Ray: {exc}") from None
 
         def describe_death() -> str:
-            return f"instance {index} (Ray actor, pid {pid} on {host}) went away"
+            return f"instance {index} (Ray actor, pid {pid} on {host}, node {node}) went away"
 
         def kill() -> None:
             ray.kill(actor, no_restart=True)
 
-        return Launched(host=host, port=port, describe_death=describe_death, kill=kill, pid=pid)
+        return Launched(host=host, port=port, describe_death=describe_death, kill=kill, pid=pid,
+                        node=node)
 
     def shutdown(self) -> None:
         for actor in self._actors:
@@ -145,9 +149,9 @@ class RayLauncher:
 
 class RayInstance:
     """The Ray actor: runs the instance's event loop on a thread of the actor's process and
-    answers where it listens."""
+    answers where it listens (its node's address, port, pid and Ray node id)."""
 
-    def start(self, config: EngineConfig) -> tuple[str, int, int]:
+    def start(self, config: EngineConfig) -> tuple[str, int, int, str]:
         import queue
         import threading
 
@@ -167,4 +171,5 @@ class RayInstance:
         port = ports.get(timeout=START_TIMEOUT_S)
         if not isinstance(port, int):
             raise RuntimeError(port)
-        return ray.util.get_node_ip_address(), port, os.getpid()
+        return (ray.util.get_node_ip_address(), port, os.getpid(),
+                ray.get_runtime_context().get_node_id())
