@@ -96,14 +96,16 @@ async def test_a_running_group_grows_while_requests_stream(
         with anyio.fail_after(120):
             async with anyio.create_task_group() as tg:
                 started = [anyio.Event() for _ in prompts]
-                for i in range(6):  # round robin: two on each instance
-                    tg.start_soon(one, i, started[i])
-                for ev in started:
-                    await ev.wait()
+                for i in range(6):  # round robin, one after the other: two on each instance
+                    tg.start_soon(one, i, started[i])  # (dispatched at once, two could
+                    await started[i].wait()  # take the same turn)
+                assert [len(inst._live) for inst in cluster.instances] == [2, 2, 2]
                 pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
                 await groups.form(pair)
                 await past({i: len(got[i]) for i in range(6)})
                 marks = {i: len(got[i]) for i in range(6)}
+                live = [len(inst._live) for inst in cluster.instances]
+                assert live == [4, 0, 2], (live, groups.counters.events)
                 grown = await grow(groups, pair, GroupPlan(
                     group_id=2, members=(0, 1, 2), layers=stage_layers(LAYERS, 3)))
                 await past(marks)
