@@ -43,6 +43,8 @@ class Budget:
     """Swapped requests admitted now are swapped in asynchronously (no work this iteration)."""
     separate_prefill: bool = False
     """`prefill separate`: whole prompts alone, else decodes (`_Planner.separate_phases`)."""
+    watermark_blocks: int = 0
+    """Blocks a prompt admitted by `separate_phases` must leave free."""
 
     @classmethod
     def for_view(cls, view: SchedulerView, settings: PolicySettings, *,
@@ -55,7 +57,8 @@ class Budget:
             can_preempt=settings.preempt_mode != "never",
             max_running={k.name: k.max_running for k in settings.classes
                          if k.max_running is not None},
-            async_swap_in=async_swap_in, separate_prefill=settings.prefill == "separate")
+            async_swap_in=async_swap_in, separate_prefill=settings.prefill == "separate",
+            watermark_blocks=int(settings.prompt_watermark * view.total_blocks))
 
 
 @attrs.define
@@ -239,8 +242,8 @@ class _Planner:
         running requests' decodes (`_schedule_running`, preempting from the end of the order),
         then swapped requests if nobody was preempted (`_schedule_swapped`). Differences: a
         prompt longer than the whole budget, which vLLM refuses (`prompt_limit`), is chunked
-        here so that it still ends; vLLM also keeps 1% of blocks free when admitting
-        (`BlockSpaceManagerV1` watermark), which is not modelled."""
+        here so that it still ends. vLLM keeps 1% of the blocks free when admitting a prompt
+        (`BlockSpaceManagerV1.can_allocate`'s watermark): `watermark_blocks`."""
         if not any(r.state == "swapped" for r in self._requests):
             self.prompt_pass()
         if self.plan.work:
@@ -268,8 +271,8 @@ class _Planner:
                 n = self.tokens  # longer than the whole budget: chunked (vLLM refuses it)
             need = self.need(r, n)
             if self.displace:
-                self.make_room(r, need)
-            if need > self.free:
+                self.make_room(r, need + self.budget.watermark_blocks)
+            if need + self.budget.watermark_blocks > self.free:
                 return
             self.commit(r, n, need)
             self.plan.admitted.append(r)

@@ -234,6 +234,9 @@ class PolicySettings:
     token_budget: int | None = None
     """The policy's own tokens per iteration (`prefill separate(budget = N tokens)`); None:
     the engine's max_batched_tokens."""
+    prompt_watermark: float = 0.0
+    """`prefill separate(watermark = 1%)`: a prompt is admitted only if this share of all blocks
+    stays free after it (vLLM V0's BlockSpaceManager watermark, 0.01 by default)."""
 
     def class_spec(self, name: str | None) -> ClassSpec | None:
         wanted = name or self.default_class

@@ -175,12 +175,12 @@ def build(rules: RuleSet, *, source: str, filename: str, base_dir: Path) -> Comp
     if pack is not None:
         observers.append(timer.observe)
     preempt = rules.get("preempt")
-    prefill, token_budget = read_prefill(rules)
+    prefill, token_budget, watermark = read_prefill(rules)
     settings = PolicySettings(
         name=rules.name, classes=tuple(_class_spec(rules, c) for c in classes),
         default_class=default, preempt_mode=preempt.mode.name if preempt else "recompute",
         memory=_memory(rules), dispatch=_dispatch(rules), prefill=prefill,
-        token_budget=token_budget)
+        token_budget=token_budget, prompt_watermark=watermark)
     spans = {m.name.name: m.span for m in rules.all("memory")}
     if preempt is not None:
         spans["preempt"] = preempt.span

@@ -36,6 +36,13 @@ def test_decodes_run_when_no_prompt_fits_memory_and_no_prompt_joins_them():
     assert plan.admitted == []
 
 
+def test_a_prompt_leaves_the_watermark_free():
+    new = make_view(prompt_tokens=40)  # 10 blocks
+    assert plan_iteration(fcfs(new), [new], separate(free_blocks=12)).work == {new.id: 40}
+    plan = plan_iteration(fcfs(new), [new], separate(free_blocks=12, watermark_blocks=3))
+    assert plan.work == {}
+
+
 def test_the_sequence_cap_counts_the_running_requests():
     a, b = running(blocks=3, computed=10), running(blocks=3, computed=10)
     new = make_view(prompt_tokens=4)

@@ -23,7 +23,12 @@ PACKED = ("policy p {\n  class rt { ttft 400ms }\n  class be { }\n  default clas
 ])
 def test_settings(text: str, mode: str, budget: int | None) -> None:
     s = compile_policy(text).settings
-    assert (s.prefill, s.token_budget) == (mode, budget)
+    assert (s.prefill, s.token_budget, s.prompt_watermark) == (mode, budget, 0.0)
+
+
+def test_watermark() -> None:
+    s = compile_policy("policy p { prefill separate(watermark = 1%) }").settings
+    assert (s.prefill, s.token_budget, s.prompt_watermark) == ("separate", None, 0.01)
 
 
 @pytest.mark.parametrize(("text", "error"), [
@@ -36,7 +41,12 @@ def test_settings(text: str, mode: str, budget: int | None) -> None:
      "t.policy:2:29: budget must be a whole number >= 1, got 0"),
     ("policy p {\n  prefill separate(budgte = 8 tokens)\n}\n",
      ("t.policy:2:20: unknown argument 'budgte' of prefill separate; did you mean 'budget'? "
-     "(arguments: budget)")),
+     "(arguments: budget, watermark)")),
+    ("policy p {\n  prefill mixed(watermark = 1%)\n}\n",
+     ("t.policy:2:3: watermark is kept when whole prompts are admitted: use it with prefill "
+     "separate")),
+    ("policy p {\n  prefill separate(watermark = 2)\n}\n",
+     "t.policy:2:32: watermark must be between 0 and 1 (or 0% and 100%), got 2"),
     (PACKED, ("t.policy:6:3: prefill separate cannot be used with pack: pack builds each batch "
              "itself, prompt chunks beside decodes (BROS §6); remove one of them")),
 ])
