@@ -103,6 +103,7 @@ def _pool(model_dir, solo: range, stages: int) -> range:
         config, BLOCK, torch.float32, solo.stop, stage_layers(LAYERS, stages)))
 
 
+@pytest.mark.slow
 def test_running_group_grows_to_three_members_equals_transformers(model_dir, hosts):
     (h0, h1, h2), (solo0, solo1, solo2) = hosts
     rng = random.Random(5)
