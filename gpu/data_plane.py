@@ -57,6 +57,12 @@ class DataPlane:
     """The world's rendezvous store (groups' channels meet under prefixes of it)."""
     backend: str = "gloo"
     timeout_s: float = 60.0
+    """How long one send or receive may wait."""
+    channel_open_s: float = 10.0
+    """How long the members of a group wait for each other to open its channel: they open it
+    within a control message of each other (at `GroupGo`), so this only bounds what a member
+    that died between its `GroupGo` and opening the channel costs the others (the whole
+    `timeout_s` before)."""
     address: str = ""
     """This machine's address on the interface that reaches the rendezvous: gloo listens there
     for the world and every channel (peers on other machines connect to it; the host name may
@@ -120,7 +126,8 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
         raise RuntimeError("this data plane has no store: groups cannot open channels on it")
     me = ranks.index(plane.rank)
     try:
-        pg = _process_group(plane, f"shunter/group/{key}/", me, len(ranks))
+        pg = _process_group(plane, f"shunter/group/{key}/", me, len(ranks),
+                            plane.channel_open_s)
     except RuntimeError as exc:  # a member never came (it went away first)
         raise GroupMemberLost(-1, f"the group {ranks}'s channel was being opened", exc) from exc
     index = {r: i for i, r in enumerate(ranks)}
@@ -131,20 +138,24 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
                              f"(members {ranks}); a grown group opens a channel of its own")
         return index[rank]
 
+    wait = datetime.timedelta(seconds=plane.timeout_s)  # the group was made with the shorter
+
     def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
-        pg.send([tensor], member(dst), tag).wait()
+        pg.send([tensor], member(dst), tag).wait(wait)
 
     def recv(tensor: torch.Tensor, src: int, tag: int) -> None:
-        pg.recv([tensor], member(src), tag).wait()
+        pg.recv([tensor], member(src), tag).wait(wait)
 
     return Channel(ranks, plane.rank, send, recv, pg)
 
 
-def _process_group(plane: DataPlane, prefix: str, rank: int, size: int):
+def _process_group(plane: DataPlane, prefix: str, rank: int, size: int,
+                   open_s: float | None = None):
     """A process group of `size` over the plane's store under `prefix` (blocks until all
-    `size` joined)."""
+    `size` joined, at most `open_s`, default the plane's `timeout_s`: also the default wait
+    of its operations)."""
     store = dist.PrefixStore(prefix, plane.store)
-    timeout = datetime.timedelta(seconds=plane.timeout_s)
+    timeout = datetime.timedelta(seconds=plane.timeout_s if open_s is None else open_s)
     if plane.backend == "nccl":
         return dist.ProcessGroupNCCL(store, rank, size)
     if not plane.address:

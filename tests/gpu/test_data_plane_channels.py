@@ -1,0 +1,71 @@
+"""A pipeline group's channel (gpu/data_plane.py `open_channel`), two ranks of the data plane in
+one process (threads) over a TCPStore: members address each other by world rank, a rank outside
+the group is refused by name, and a member that never opens the channel (it died after its
+`GroupGo`) costs the others `channel_open_s`, not the plane's whole `timeout_s`. Planted bug
+checked by hand: the channel opened with `timeout_s` (60 s) fails the last test's bound."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gpu.data_plane import DataPlane, GroupMemberLost, open_channel
+
+
+def _planes(n: int, **kw) -> list[DataPlane]:
+    timeout = datetime.timedelta(seconds=30)
+    master = dist.TCPStore("127.0.0.1", 0, n, True, timeout=timeout, wait_for_workers=False)
+    stores = [master] + [dist.TCPStore("127.0.0.1", master.port, n, False, timeout=timeout)
+                         for _ in range(n - 1)]
+    return [DataPlane(rank=r, world_size=n, store=s, address="127.0.0.1", **kw)
+            for r, s in enumerate(stores)]
+
+
+def _open_all(planes, key: str, ranks) -> list:
+    """Each plane opens the channel on a thread of its own; its channel or what it raised."""
+    out: list = [None] * len(planes)
+
+    def one(i: int) -> None:
+        try:
+            out[i] = open_channel(planes[i], key, ranks)
+        except Exception as exc:  # noqa: BLE001 (the test looks at it)
+            out[i] = exc
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(planes))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    return out
+
+
+def test_members_address_each_other_by_world_rank():
+    planes = _planes(3)
+    a, b = _open_all([planes[0], planes[2]], "0.1", (0, 2))  # instance 1 is not in it
+    got = torch.zeros(3)
+    receiver = threading.Thread(target=b.recv_tensor, args=(got, 0, 5, "a test"))
+    receiver.start()
+    a.queue.put(torch.tensor([1.0, 2.0, 3.0]), dst=2, tag=5, kind="kv")
+    a.queue.flush()
+    receiver.join(timeout=30)
+    assert got.tolist() == [1.0, 2.0, 3.0]
+    with pytest.raises(ValueError, match=r"instance 1 is not a member of this group's channel"):
+        b.recv_tensor(torch.zeros(1), 1, 5, "a test")
+    for ch in (a, b):
+        ch.close()
+
+
+def test_a_member_that_never_opens_costs_the_others_channel_open_s():
+    planes = _planes(3, timeout_s=60.0, channel_open_s=0.5)
+    began = time.monotonic()
+    out = _open_all(planes[:2], "0.2", (0, 1, 2))  # instance 2 went away before opening
+    waited = time.monotonic() - began
+    for got in out:
+        assert isinstance(got, GroupMemberLost), got
+        assert "the group (0, 1, 2)'s channel was being opened" in str(got), got
+    assert waited < 30, f"the members waited {waited:.1f} s (the plane's timeout is 60 s)"
