@@ -177,7 +177,8 @@ class PackOrder:
             if r.id in claimed:
                 left.append(r)
                 continue
-            batch.decode_reserve = max(0, min(decodes, batch.limit - len(selected) - 1))
+            if remaining[i] > 1:  # the only tries that read it
+                batch.decode_reserve = max(0, min(decodes, batch.limit - len(selected) - 1))
             verdict = self._try(batch, step, r, remaining[i], lender, rank, late_ok=False)
             if verdict is TAKEN:
                 continue
@@ -219,7 +220,8 @@ class PackOrder:
         # a BE request short of wholly free blocks waits, unless nothing else runs: then it
         # goes first and its step swaps others out (§5.2's extreme case), or BE requests that
         # all wait for free blocks held by each other would wait forever (96-block pool)
-        if batch.reverse_free is not None and batch.selected and batch.reverse_short(r, need):
+        if (batch.reverse_free is not None and batch.selected and r.ttft_ms is None
+                and r.tpot_ms is None and batch.reverse_short(r, need)):  # BE only: no call for RT
             return SKIP
         copies = r.swapped_blocks if state == "swapped" else r.checkpointed_blocks
         pt, psq, ppre, ds, dc = batch.shape
