@@ -260,11 +260,12 @@ def grown_plan(ranks: Sequence[int], old_ranks: Sequence[int]) -> tuple[int, ...
 
 def unsettled(group, live: Collection[int] | None) -> set[int]:
     """Requests of `group` (a GroupRunner) whose KV is still moving: waiting for chunks on
-    some member, or adopted and not set up yet (their KV is in a receiver's staging or
-    reserved on their owner, not in blocks every member maps). `live`: the engine's live
-    request ids (None: all count)."""
+    some member, or adopted and never set up yet (their KV is in a receiver's staging or
+    reserved on their owner, not in blocks every member maps; one set up and since released
+    to be recomputed holds none). `live`: the engine's live request ids (None: all count)."""
     pending = set(group.exchanging()) | {a.request_id for a in group.adopted
-                                         if a.request_id not in group.stage.seqs}
+                                         if a.request_id not in group.stage.seqs
+                                         and a.request_id not in group.set_up}
     return pending if live is None else pending & set(live)
 
 

@@ -103,6 +103,9 @@ class GroupRunner:
         self.records: list[StepRecord] | None = None
         self.exchange = None
         self.restore_stats: dict[str, float] = {}
+        self.set_up: set[int] = set()
+        """Requests some step of this group set up (an adopted one not among them still has its
+        KV staged or reserved: gpu/group_grow.py waits for it)."""
 
     # ------------------------------------------------------------------ forming
 
@@ -165,6 +168,7 @@ class GroupRunner:
 
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
+        self.set_up.update(s.request_id for s in step.setups)
         cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
                             min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
         check_cut(step.seqs, cut)

@@ -239,19 +239,18 @@ async def test_arrivals_taken_before_a_growth_is_watched_still_reach_the_schedul
 
 
 def test_a_group_still_exchanging_is_not_settled():
-    """Requests whose KV still moves (waiting for chunks somewhere, or adopted and not set up
-    yet: their KV is in staging or reserved on their owner) hold a growth back; ended ones do
-    not."""
+    """Requests whose KV still moves (waiting for chunks somewhere, or adopted and never set
+    up: their KV is in staging or reserved on their owner) hold a growth back; ended ones, and
+    ones set up and since released to be recomputed (under memory pressure: no KV), do not."""
     import types
 
     from gpu.group_grow import unsettled
 
     group = types.SimpleNamespace(
         exchanging=lambda: {3}, stage=types.SimpleNamespace(seqs={1: None, 2: None}),
-        adopted=(types.SimpleNamespace(request_id=2), types.SimpleNamespace(request_id=4),
-                 types.SimpleNamespace(request_id=5)))
-    assert unsettled(group, None) == {3, 4, 5}
-    assert unsettled(group, [1, 2, 3, 4]) == {3, 4}  # 5 ended before it was set up
+        adopted=tuple(types.SimpleNamespace(request_id=r) for r in (2, 4, 5, 6)), set_up={6})
+    assert unsettled(group, None) == {3, 4, 5}  # 6: set up, then released to be recomputed
+    assert unsettled(group, [1, 2, 3, 4, 6]) == {3, 4}  # 5 ended before it was set up
 
 
 @pytest.mark.anyio
