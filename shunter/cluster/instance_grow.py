@@ -98,10 +98,14 @@ async def grow_here(ig, msg, tg) -> dict:
 async def _broken(ig, runner, exc, msg, reqs) -> None:
     """A member lost while the group grew: the head serves alone from its host copy and
     recomputes every request, the new ones included (not tested with processes)."""
+    from gpu.group_runner import abandon_members
     from shunter.cluster.instance_groups import _ask
 
+    old = runner.group.ranks if runner.group is not None else msg.plan.members[:1]
     if runner.group is not None:
-        await runner._thread.run(runner.lose_group, exc)
+        await runner._thread.run(runner.lose_group, exc)  # tells the old members
+    new = tuple(m for m in msg.plan.members if m not in old)
+    await runner._thread.run(lambda: abandon_members(new, lost=exc.rank, why=str(exc)))
     me = msg.plan.members[0]
     solo = GroupPlan(group_id=-1, members=(me,), layers=(
         range(runner._model_config.num_layers),))
