@@ -19,6 +19,7 @@ within `STEP_WAIT_S` fails the test.
 from __future__ import annotations
 
 import random
+import time
 
 import attrs
 import pytest
@@ -56,8 +57,10 @@ def hosts(model_dir):
 
 
 def _steps(host, sched: Scheduler, n: int | None = None) -> None:
-    """`n` steps (None: until every request is done, then one to hand over the releases)."""
-    k = 0
+    """`n` steps (None: until every request is done, then one to hand over the releases). An
+    empty step (every request still waits for its KV) asks the members for arrivals; the KV
+    must come within `STEP_WAIT_S` (however many empty steps that takes)."""
+    k, worked, waiting_since = 0, 0, time.monotonic()
     while (n is None and sched.live()) or (n is not None and k < n):
         step = sched.next_step()
         done, arrived = host.call("step", step, timeout=STEP_WAIT_S)
@@ -65,7 +68,10 @@ def _steps(host, sched: Scheduler, n: int | None = None) -> None:
         for rid in arrived:
             sched.reqs[rid].ready = True
         k += 1
-        assert k < 80, "the requests never finished"
+        if step.seqs:
+            worked, waiting_since = worked + 1, time.monotonic()
+        assert time.monotonic() - waiting_since < STEP_WAIT_S, "no request's KV arrived"
+        assert worked < 80, "the requests never finished"
     if n is None:
         step = sched.next_step()
         host.call("step", step, timeout=STEP_WAIT_S)
