@@ -58,10 +58,11 @@ def test_errors_point_at_the_setting(text: str, error: str) -> None:
 
 def test_the_shipped_vllm_v0_policy() -> None:
     p = load_policy_file(policy_path("vllm_v0"))
-    assert (p.settings.prefill, p.settings.token_budget, p.settings.preempt_mode) == (
-        "separate", 2048, "recompute")
-    assert ("an iteration takes whole waiting prompts in order, up to 2048 tokens, and no "
-            "decodes" in p.explain())
+    s = p.settings
+    assert (s.prefill, s.token_budget, s.prompt_watermark, s.preempt_mode) == (
+        "separate", 2048, 0.01, "recompute")
+    assert ("an iteration takes whole waiting prompts in order, up to 2048 tokens, each leaving "
+            "1% of the blocks free, and no decodes" in p.explain())
 
 
 def test_packing_reads_the_policys_budget() -> None:
