@@ -3,7 +3,7 @@
 At each RT rate, one `rtbe` workload (RT lengths of BROS Table 2, Poisson arrivals; BE batches
 of 32, prompts 512-1024, outputs 32-128, a new batch when the last ends; TTFT 0.4 s, TPOT 0.2 s)
 through vllm_v0 (the paper's vLLM: V0's scheduler, whole prompts in prefill-only iterations of
-2,048 tokens, decodes otherwise), fcfs (first come first served with prompts chunked into the
+2,048 tokens leaving V0's 1% block watermark, decodes otherwise), fcfs (first come first served with prompts chunked into the
 engine's budget beside decodes: a Sarathi-like vLLM, stronger than the paper's), round_robin_rtbe
 (the paper's RR), bros_no_bicache (the ablation) and bros, with the same arrivals. Reported per run: RT normalized latency, TTFT and TPOT attainment (per
 request and per token), BE throughput, the scheduler's share of iteration time and the cost
