@@ -203,7 +203,12 @@ class BidirectionalBlocks(SlotQueries):
         s = self._seqs[rid]
         if s.swapped or s.host:
             return None
-        if -(-tokens // self.block_size) <= len(s.table) and (
+        pos, bs = s.tokens, self.block_size
+        if (tokens == pos + 1 and pos % bs and not s.reverse and self._free_host
+                and (j := pos // bs) < len(s.table) and (x := self._blocks[s.table[j]]).be < 0):
+            x.rt_fill, s.tokens = pos % bs + 1, tokens  # an RT decode in its own block: `_write`
+            return NO_COPIES
+        if -(-tokens // bs) <= len(s.table) and (
                 not self._be_collides(rid, s, tokens) if s.reverse
                 else tokens - s.tokens <= len(self._free_host)):
             return self._write(s, tokens, NO_COPIES)
