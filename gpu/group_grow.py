@@ -33,7 +33,6 @@ from collections.abc import Collection, Sequence
 
 import attrs
 import torch
-from torch import nn
 
 from gpu.block_map import BlockMap
 from gpu.data_plane import (
@@ -67,6 +66,7 @@ from gpu.stage_view import (
     elem_range,
     group_pool_blocks,
     kept_weight_ranges,
+    serve_stage,
 )
 
 GROW_EPOCH = 2
@@ -199,14 +199,7 @@ def redrop_layers(model, keep: range) -> tuple[DropState, int, int]:
                      kept_weight_ranges(layout, keep), keep)
     new = DropState(keep=keep, view=view, all_layers=state.all_layers, host_copy=host,
                     freed_bytes=freed)
-    model.model.layers = nn.ModuleList(state.all_layers[i] for i in keep)
-    for i, layer in enumerate(model.model.layers):
-        layer.self_attn.layer = i
-    c = model.config
-    model._kv = tuple(view.layer_kv(arena.buffer, i, arena.block_size, c.num_kv_heads,
-                                    c.head_dim) for i in range(len(keep)))
-    model.first_stage, model.last_stage = keep.start == 0, keep.stop == L
-    model.drop_state = new
+    serve_stage(model, new)
     return new, restored, saved_bytes
 
 

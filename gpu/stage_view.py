@@ -144,15 +144,21 @@ def drop_layers(model, keep: range) -> DropState:
         freed += part.numel() * part.element_size()
     state = DropState(keep=keep, view=view, all_layers=model.model.layers, host_copy=host,
                       freed_bytes=freed)
-    model.model.layers = nn.ModuleList(model.model.layers[i] for i in keep)
+    serve_stage(model, state)
+    return state
+
+
+def serve_stage(model, state: DropState) -> None:
+    """The model serves `state.keep` over `state.view`: its layer list, each layer's index
+    into its KV, its KV tensors, and whether it is the first and the last stage."""
+    keep, view, arena, c = state.keep, state.view, model.arena, model.config
+    model.model.layers = nn.ModuleList(state.all_layers[i] for i in keep)
     for i, layer in enumerate(model.model.layers):
         layer.self_attn.layer = i
-    c = model.config
     model._kv = tuple(view.layer_kv(arena.buffer, i, arena.block_size, c.num_kv_heads,
                                     c.head_dim) for i in range(len(keep)))
-    model.first_stage, model.last_stage = keep.start == 0, keep.stop == L
+    model.first_stage, model.last_stage = keep.start == 0, keep.stop == c.num_layers
     model.drop_state = state
-    return state
 
 
 def restore_layers(model, fill=None) -> None:

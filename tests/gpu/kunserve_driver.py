@@ -6,8 +6,9 @@ pipelined steps, restore. It drives the runners directly, not through Engine/Clu
 from __future__ import annotations
 
 import multiprocessing as mp
+import random
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import attrs
 
@@ -77,6 +78,37 @@ def start_hosts(model_dir, num_blocks: int, block_size: int, n: int = 2) -> list
     hosts = [Host(ctx, r, n, f"tcp://127.0.0.1:{port}", model_dir, num_blocks, block_size)
              for r in range(n)]
     return hosts
+
+
+def running_hosts(model_dir, num_blocks: int, block_size: int,
+                  n: int) -> Iterator[tuple[list[Host], list[range]]]:
+    """A fixture's body: `n` instance processes and each one's pool, stopped afterwards."""
+    hosts = start_hosts(model_dir, num_blocks, block_size, n=n)
+    ranges = [range(*h.answer(timeout=180)) for h in hosts]
+    yield hosts, ranges
+    for h in hosts:
+        if h.proc.is_alive():
+            h.conn.send(("stop",))
+        h.proc.join(timeout=10)
+        if h.proc.is_alive():
+            h.proc.kill()
+
+
+def random_prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(2, 320) for _ in range(n)]
+
+
+def solo_steps(pairs: Sequence[tuple[Host, Scheduler]], steps: int) -> None:
+    """`steps` solo steps on each (host, scheduler), the instances stepping side by side."""
+    for _ in range(steps):
+        sent = []
+        for host, sched in pairs:
+            step = sched.next_step()
+            host.conn.send(("step", step))
+            sent.append((host, sched, step))
+        for host, sched, step in sent:
+            done, _ = host.answer()
+            sched.finish(step, done.sampled)
 
 
 class Scheduler:

@@ -28,7 +28,7 @@ from gpu.config import ModelConfig
 from gpu.group_stage import Adopted
 from gpu.stage_view import group_pool_blocks
 from tests.conftest import slow_scale
-from tests.gpu.kunserve_driver import Req, Scheduler, start_hosts
+from tests.gpu.kunserve_driver import Req, Scheduler, random_prompt, running_hosts, solo_steps
 from tests.reference import assert_matches, greedy_reference
 
 BLOCK = 4
@@ -47,31 +47,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hosts(model_dir):
-    hosts = start_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
-    ranges = [range(*h.answer(timeout=180)) for h in hosts]
-    yield hosts, ranges
-    for h in hosts:
-        if h.proc.is_alive():
-            h.conn.send(("stop",))
-        h.proc.join(timeout=10)
-        if h.proc.is_alive():
-            h.proc.kill()
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, 320) for _ in range(n)]
-
-
-def _solo_steps(pairs, steps: int) -> None:
-    for _ in range(steps):
-        sent = []
-        for host, sched in pairs:
-            step = sched.next_step()
-            host.conn.send(("step", step))
-            sent.append((host, sched, step))
-        for host, sched, step in sent:
-            done, _ = host.answer()
-            sched.finish(step, done.sampled)
+    yield from running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
 
 
 def _step(head, sched: Scheduler, **fields) -> None:
@@ -108,17 +84,17 @@ def test_running_group_grows_to_three_members_equals_transformers(model_dir, hos
     (h0, h1, h2), (solo0, solo1, solo2) = hosts
     rng = random.Random(5)
     s0, s1, s2 = (Scheduler(solo, BLOCK) for solo in (solo0, solo1, solo2))
-    a = [Req(f"A{i}", _prompt(rng, 9 + i), 32 - 18 * i, rid=1 + i) for i in range(2)]
-    b = [Req(f"B{i}", _prompt(rng, 7 + i), 14, rid=1 + i) for i in range(2)]
-    c = [Req(f"C{i}", _prompt(rng, 10 + i), 14, rid=1 + i) for i in range(slow_scale(2, 1))]
-    seeded = Req("S0", _prompt(rng, 6), 14, rid=9, sampling=SEEDED)
+    a = [Req(f"A{i}", random_prompt(rng, 9 + i), 32 - 18 * i, rid=1 + i) for i in range(2)]
+    b = [Req(f"B{i}", random_prompt(rng, 7 + i), 14, rid=1 + i) for i in range(2)]
+    c = [Req(f"C{i}", random_prompt(rng, 10 + i), 14, rid=1 + i) for i in range(slow_scale(2, 1))]
+    seeded = Req("S0", random_prompt(rng, 6), 14, rid=9, sampling=SEEDED)
     for r in a:
         s0.add(r)
     for r in [*b, seeded]:
         s1.add(r)
     for r in c:
         s2.add(r)
-    _solo_steps([(h0, s0), (h1, s1), (h2, s2)], 3)
+    solo_steps([(h0, s0), (h1, s1), (h2, s2)], 3)
 
     # a group of two: instance 1's requests move to instance 0, KV exchanged (layers 0-2 | 3-5)
     h1.conn.send(("member", 0))
@@ -135,7 +111,7 @@ def test_running_group_grows_to_three_members_equals_transformers(model_dir, hos
         _step(h0, s0)
         n += 1
         assert n < 40, "the group of two never got every request's KV"
-    _solo_steps([(h2, s2)], 2)  # instance 2 serves alone meanwhile
+    solo_steps([(h2, s2)], 2)  # instance 2 serves alone meanwhile
 
     # the group grows: instance 2 hands its requests over and the split becomes three stages
     h2.conn.send(("member", 0))
@@ -153,7 +129,7 @@ def test_running_group_grows_to_three_members_equals_transformers(model_dir, hos
     before = {r.name: len(r.out) for r in s0.live()}
     assert {"A0", "B0", "S0", "C0"} <= set(before), before  # in flight as it grows
     _step(h0, s0, group=plan3, pool_blocks=len(pool3))
-    burst = [Req(f"D{i}", _prompt(rng, 12 + i), 6, rid=300 + i) for i in range(slow_scale(4, 2))]
+    burst = [Req(f"D{i}", random_prompt(rng, 12 + i), 6, rid=300 + i) for i in range(slow_scale(4, 2))]
     for r in burst:
         s0.add(r)
     high = set()
@@ -177,8 +153,8 @@ def test_running_group_grows_to_three_members_equals_transformers(model_dir, hos
           f"{grown}; member 1 {m1['grown']}; member 2 sent {m2['sent_bytes']} B")
     assert m1["grown"]["kv_sent"] > 0 and m1["grown"]["kv_received"] > 0, m1
     while any(not r.done for r in s0.reqs.values()):
-        _solo_steps([(h0, s0)], 1)
-    _solo_steps([(h0, s0)], 1)  # hands the runner the last releases
+        solo_steps([(h0, s0)], 1)
+    solo_steps([(h0, s0)], 1)  # hands the runner the last releases
     for r, new in moved1 + moved2:
         r.out = new.out
     for r in a + b + c + burst:
@@ -187,5 +163,5 @@ def test_running_group_grows_to_three_members_equals_transformers(model_dir, hos
     s1b = Scheduler(solo1, BLOCK)
     s1b.add(alone)
     while not alone.done:
-        _solo_steps([(h1, s1b)], 1)
+        solo_steps([(h1, s1b)], 1)
     assert seeded.out == alone.out, (seeded.out, alone.out)

@@ -23,7 +23,7 @@ from engine.params import SamplingParams
 from gpu.config import ModelConfig
 from gpu.group_stage import Adopted
 from gpu.stage_view import group_pool_blocks
-from tests.gpu.kunserve_driver import Req, Scheduler, start_hosts
+from tests.gpu.kunserve_driver import Req, Scheduler, random_prompt, running_hosts, solo_steps
 from tests.reference import assert_matches, greedy_reference
 
 SEEDED = SamplingParams(max_tokens=64, temperature=1.0, seed=1234)
@@ -42,32 +42,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hosts(model_dir):
-    hosts = start_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
-    ranges = [range(*h.answer(timeout=180)) for h in hosts]
-    yield hosts, ranges
-    for h in hosts:
-        if h.proc.is_alive():
-            h.conn.send(("stop",))
-        h.proc.join(timeout=10)
-        if h.proc.is_alive():
-            h.proc.kill()
-
-
-def _prompt(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(2, 320) for _ in range(n)]
-
-
-def _run(hosts_scheds, steps: int) -> None:
-    """`steps` solo steps on each (host, scheduler), the instances stepping side by side."""
-    for _ in range(steps):
-        sent = []
-        for host, sched in hosts_scheds:
-            step = sched.next_step()
-            host.conn.send(("step", step))
-            sent.append((host, sched, step))
-        for host, sched, step in sent:
-            done, _ = host.answer()
-            sched.finish(step, done.sampled)
+    yield from running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
 
 
 def _group_steps(head, sched: Scheduler, until) -> int:
@@ -117,17 +92,17 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     (h0, h1, _), (solo0, solo1, _) = hosts
     rng = random.Random(0)
     s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
-    a = [Req(f"A{i}", _prompt(rng, 9 + i), 16 - 8 * i, rid=1 + i) for i in range(2)]
+    a = [Req(f"A{i}", random_prompt(rng, 9 + i), 16 - 8 * i, rid=1 + i) for i in range(2)]
     # seeded sampling across drop and restore: its generator moves to the member that samples
     # and back, so it draws what one instance alone draws
-    seeded = Req("S0", _prompt(rng, 6), 16, rid=9, sampling=SEEDED)
-    b = [Req(f"B{i}", _prompt(rng, 7 + i), 16 - 10 * i, rid=1 + i) for i in range(2)]
+    seeded = Req("S0", random_prompt(rng, 6), 16, rid=9, sampling=SEEDED)
+    b = [Req(f"B{i}", random_prompt(rng, 7 + i), 16 - 10 * i, rid=1 + i) for i in range(2)]
     for r in [*a, seeded]:
         s0.add(r)
     for r in b:
         s1.add(r)
-    _run([(h0, s0), (h1, s1)], 3)  # each instance alone: prefill and two decodes
-    burst = [Req(f"C{i}", _prompt(rng, 8 + i), 6, rid=20 + i) for i in range(4)]
+    solo_steps([(h0, s0), (h1, s1)], 3)  # each instance alone: prefill and two decodes
+    burst = [Req(f"C{i}", random_prompt(rng, 8 + i), 6, rid=20 + i) for i in range(4)]
     assert sum(s0.blocks_for(len(r.tokens) + r.max_tokens) for r in burst) > len(s0.free), \
         "the burst must not fit the solo pool (it is what forces the drop)"
 
@@ -175,14 +150,14 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
           f" ms); {n} pipelined steps")
     assert exchange["received_bytes"] > 0 and member["sent_bytes"] > 0
     s1b = Scheduler(solo1, BLOCK)
-    d = Req("D0", _prompt(rng, 10), 5, rid=50)
+    d = Req("D0", random_prompt(rng, 10), 5, rid=50)
     alone = Req("S0 alone", seeded.prompt, seeded.max_tokens, rid=51, sampling=SEEDED)
     s1b.add(d)
     s1b.add(alone)
-    _run([(h0, s0), (h1, s1b)], 1)
+    solo_steps([(h0, s0), (h1, s1b)], 1)
     while any(not r.done for r in s0.reqs.values()) or not (d.done and alone.done):
-        _run([(h0, s0)] + ([(h1, s1b)] if not (d.done and alone.done) else []), 1)
-    _run([(h0, s0), (h1, s1b)], 1)  # hands the runners the last releases
+        solo_steps([(h0, s0)] + ([(h1, s1b)] if not (d.done and alone.done) else []), 1)
+    solo_steps([(h0, s0), (h1, s1b)], 1)  # hands the runners the last releases
     for r, new in moved:
         r.out = new.out
     _check(model_dir, a + b + burst + [d])
@@ -194,12 +169,12 @@ def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member,
     then `victim` (one of the two) is killed. Returns the head's scheduler and its requests."""
     rng = random.Random(seed)
     s0, s1 = Scheduler(solo_head, BLOCK), Scheduler(solo_member, BLOCK)
-    e = [Req(f"E{i}", _prompt(rng, 8 + i), 10, rid=200 + i) for i in range(2)]
-    f = Req("F0", _prompt(rng, 9), 10, rid=300)
+    e = [Req(f"E{i}", random_prompt(rng, 8 + i), 10, rid=200 + i) for i in range(2)]
+    f = Req("F0", random_prompt(rng, 9), 10, rid=300)
     for r in e:
         s0.add(r)
     s1.add(f)
-    _run([(head, s0), (member, s1)], 2)
+    solo_steps([(head, s0), (member, s1)], 2)
     member.conn.send(("member", ranks[0]))
     f_new = Req("F0", f.prompt, f.max_tokens, rid=400, out=list(f.out), computed=f.computed,
                 ready=False)
@@ -226,8 +201,8 @@ def test_member_lost_while_grouped_head_recovers_from_host_copy(model_dir, hosts
     for r in s0.live():
         r.table, r.computed, r.reset = [], 0, True
     while any(not r.done for r in s0.reqs.values()):
-        _run([(h0, s0)], 1)
-    _run([(h0, s0)], 1)  # hands the runner the last releases
+        solo_steps([(h0, s0)], 1)
+    solo_steps([(h0, s0)], 1)  # hands the runner the last releases
     _check(model_dir, reqs)
 
 
@@ -240,8 +215,8 @@ def test_head_lost_while_grouped_member_serves_alone_from_host_copy(model_dir, h
     stats = h0.answer()
     assert "head lost" in stats["abandoned"], stats
     s0 = Scheduler(solo0, BLOCK)
-    g = Req("G0", _prompt(random.Random(3), 11), 8, rid=500)
+    g = Req("G0", random_prompt(random.Random(3), 11), 8, rid=500)
     s0.add(g)
     while not g.done:
-        _run([(h0, s0)], 1)
+        solo_steps([(h0, s0)], 1)
     _check(model_dir, [g])
