@@ -171,13 +171,7 @@ class InstanceGroups:
 
     async def _head(self, msg: HeadGroup, tg) -> dict:
         eng, runner, plan = self.engine, self.runner, msg.plan
-        adopted, reqs = [], []
-        for (owner, mv), (old, q) in zip(msg.adopted, await self._take_over(
-                [mv for _, mv in msg.adopted]), strict=True):
-            if q.computed_tokens and q.state != "swapped":
-                adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
-                                       kv_tokens=q.computed_tokens))
-            reqs.append(q)
+        adopted, reqs = await self._adopt(msg.adopted)
         cannot = None if hasattr(runner, "form") else (
             f"instance {plan.members[0]}'s runner cannot lead KunServe pipeline groups")
         if msg.not_formed is not None or cannot:  # another member could not join, or this
@@ -232,6 +226,18 @@ class InstanceGroups:
         for mv, q in zip(msg.moved, reqs, strict=True):
             await self.server.cancel_if_asked(mv.cluster_key, q.id)
         return len(reqs)
+
+    async def _adopt(self, handed) -> tuple[list[Adopted], list]:
+        """The requests members hand over ((owner, move) pairs) taken over here: the ones whose
+        KV comes from their owner (`Adopted`), and every request."""
+        adopted, reqs = [], []
+        for (owner, mv), (old, q) in zip(handed, await self._take_over(
+                [mv for _, mv in handed]), strict=True):
+            if q.computed_tokens and q.state != "swapped":
+                adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
+                                       kv_tokens=q.computed_tokens))
+            reqs.append(q)
+        return adopted, reqs
 
     async def _take_over(self, moved) -> list[tuple[int, object]]:
         """The moved requests' client streams made again here and relayed under their cluster

@@ -20,7 +20,6 @@ import structlog
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import Regroup
-from gpu.group_stage import Adopted
 
 log = structlog.get_logger(actor="instance-groups")
 
@@ -49,13 +48,7 @@ async def grow_here(ig, msg, tg) -> dict:
             raise GroupNotFormed(f"group {group.ranks} cannot grow to {plan.members}: "
                                  f"{exc}") from exc
         return {"pool_blocks": len(pool)}
-    adopted, reqs = [], []
-    for (owner, mv), (old, q) in zip(msg.adopted, await ig._take_over(
-            [mv for _, mv in msg.adopted]), strict=True):
-        if q.computed_tokens and q.state != "swapped":
-            adopted.append(Adopted(request_id=q.id, owner=owner, old_request_id=old,
-                                   kv_tokens=q.computed_tokens))
-        reqs.append(q)
+    adopted, reqs = await ig._adopt(msg.adopted)
     new_members = tuple(plan.members[len(group.ranks):])
     deadline = anyio.current_time() + SETTLE_S
     tries = 0

@@ -266,7 +266,7 @@ async def test_a_growth_that_never_settles_lets_the_new_member_go_and_recomputes
     import shunter.cluster.instance_grow as ig_mod
     from gpu.group_grow import NotSettled
     from shunter.cluster.group_wire import GrowGroup
-    from shunter.cluster.instance_groups import GroupNotFormed
+    from shunter.cluster.instance_groups import GroupNotFormed, InstanceGroups
 
     monkeypatch.setattr(ig_mod, "SETTLE_S", 0.05)
     abandoned, recomputed, tries = [], [], []
@@ -289,6 +289,8 @@ async def test_a_growth_that_never_settles_lets_the_new_member_go_and_recomputes
 
     class Groups:
         engine = types.SimpleNamespace(inspect=inspect, backend=None)
+
+        _adopt = InstanceGroups._adopt
 
         async def _take_over(self, moved):
             return [(3, q)]
