@@ -58,7 +58,7 @@ from gpu.group_stage import (
     restored_generator,
     start_transfers,
 )
-from gpu.kv_exchange import KvReceiver, send_transfers
+from gpu.kv_exchange import send_transfers
 from gpu.stage_view import (
     DropState,
     StageView,
@@ -146,10 +146,7 @@ class ResplitStage(GroupStage):
         self.grown.kv_received = sum(
             t.blocks * len(t.layers) * 2 * self.block_size * model.config.num_kv_heads
             * model.config.head_dim * arena.buffer.element_size() for t in mine)
-        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, start.epoch,
-                                   (2, self.block_size, model.config.num_kv_heads,
-                                    model.config.head_dim), arena.dtype, self.stats,
-                                   link=plane)
+        self.receiver = self._kv_receiver(transfers)
         self._hidden = model.config.hidden_size
 
 

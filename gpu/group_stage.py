@@ -245,11 +245,16 @@ class GroupStage:
                     self.map.pin(g, view.local_of_old(g))
                 else:
                     self.map.assign(s.request_id, i, g)
-        self.receiver = KvReceiver(start.ranks, me, transfers, start.chunk_blocks, start.epoch,
-                                   (2, self.block_size, model.config.num_kv_heads,
-                                    model.config.head_dim), arena.dtype, self.stats,
-                                   link=plane)
+        self.receiver = self._kv_receiver(transfers)
         self._hidden = model.config.hidden_size
+
+    def _kv_receiver(self, transfers: Sequence[KvTransfer]) -> KvReceiver:
+        """What takes this member's chunks of `transfers` (its start's exchange) off its
+        channel, counted in its stats."""
+        c, start = self.model.config, self.start
+        return KvReceiver(start.ranks, self.me, transfers, start.chunk_blocks, start.epoch,
+                          (2, self.block_size, c.num_kv_heads, c.head_dim),
+                          self.model.arena.dtype, self.stats, link=self.plane)
 
     # ------------------------------------------------------------------ steps
 
