@@ -201,15 +201,24 @@ class _Planner:
             else:
                 self.blocked_without_preemption = True
 
-    def admission_pass(self, states: tuple[str, ...] = ("waiting", "swapped")) -> None:
+    def class_full(self, r: RequestView) -> bool:
+        """r's class already runs as many requests as its `max_running` allows."""
         limits = self.budget.max_running
+        return bool(limits) and (self.per_class.get(r.request_class, 0)
+                                 >= limits.get(r.request_class, 1 << 62))
+
+    def admit(self, r: RequestView) -> None:
+        self.plan.admitted.append(r)
+        if self.budget.max_running:  # the only reader of per_class
+            self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+
+    def admission_pass(self, states: tuple[str, ...] = ("waiting", "swapped")) -> None:
         for r in self.order:
             if r.state not in states or r.id in self.preempted_ids:
                 continue
             if self.full():
                 return
-            if limits and self.per_class.get(r.request_class, 0) >= limits.get(r.request_class,
-                                                                                1 << 62):
+            if self.class_full(r):
                 continue
             swap_only = r.state == "swapped" and self.budget.async_swap_in
             n = min(r.remaining_tokens - r.cached_tokens, self.tokens)
@@ -229,9 +238,7 @@ class _Planner:
                 self.commit(r, n, need)
             if r.state == "swapped":
                 self.plan.swapped_in.append(r)
-            self.plan.admitted.append(r)
-            if limits:  # the only reader of per_class
-                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+            self.admit(r)
 
     def separate_phases(self) -> None:
         """vLLM V0 without chunked prefill (vllm-project/vllm vllm/core/scheduler.py,
@@ -253,7 +260,6 @@ class _Planner:
             self.admission_pass(states=("swapped",))
 
     def prompt_pass(self) -> None:
-        limits = self.budget.max_running
         seqs = sum(1 for r in self._requests
                    if r.state == "running" and r.id not in self.preempted_ids)
         for r in self.order:
@@ -261,8 +267,7 @@ class _Planner:
                 continue
             if seqs + len(self.plan.work) >= self.seq_limit:
                 return
-            if limits and self.per_class.get(r.request_class, 0) >= limits.get(r.request_class,
-                                                                                1 << 62):
+            if self.class_full(r):
                 continue
             n = r.remaining_tokens - r.cached_tokens
             if n > self.tokens:
@@ -275,9 +280,7 @@ class _Planner:
             if need + self.budget.watermark_blocks > self.free:
                 return
             self.commit(r, n, need)
-            self.plan.admitted.append(r)
-            if limits:
-                self.per_class[r.request_class] = self.per_class.get(r.request_class, 0) + 1
+            self.admit(r)
 
     def break_deadlock(self) -> None:
         """Nothing could run, yet running requests hold memory (they all wait for blocks and
