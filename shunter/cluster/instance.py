@@ -39,19 +39,36 @@ from shunter.cluster.wire import (
 from shunter.engine import Engine
 
 
-def instance_process(config: EngineConfig, host: str, conn, async_backend: str) -> None:
+def instance_process(config: EngineConfig, host: str, conn, async_backend: str,
+                     netns: str = "") -> None:
     """Entry point of a local instance process: `conn` (a multiprocessing pipe) gets the port
     the instance listens on, or the error that stopped it from starting. Ctrl-C in a terminal
     signals the whole process group: it is the front door's to act on (it drains, then closes
-    the link, which ends this process), so SIGINT is ignored here."""
+    the link, which ends this process), so SIGINT is ignored here. `netns`: the network
+    namespace to run in (entered first, before any thread or socket is made)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        if netns:
+            enter_netns(netns)
         anyio.run(serve_instance, config, host, conn.send, backend=async_backend)
     except Exception as exc:  # noqa: BLE001 (reported to the front door, which names the instance)
         try:
             conn.send(f"{type(exc).__name__}: {exc}")
         except OSError:
             pass
+
+
+def enter_netns(name: str) -> None:
+    """Move this thread into the network namespace `name` (`ip netns add NAME`; root only).
+    Threads started after it inherit it, so call it before any."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    libc = ctypes.CDLL(None, use_errno=True)
+    with open(f"/var/run/netns/{name}") as f:
+        if libc.setns(f.fileno(), clone_newnet) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"cannot enter network namespace {name!r}: {os.strerror(err)}")
 
 
 async def serve_instance(config: EngineConfig, host: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import anyio
@@ -30,7 +30,8 @@ class Launched:
     kill: Callable[[], None]
     pid: int
     node: str = ""
-    """The Ray node it runs on ("" for a local process)."""
+    """The Ray node it runs on, or the network namespace of a local process ("": this
+    machine's)."""
 
 
 class Launcher(Protocol):
@@ -40,11 +41,15 @@ class Launcher(Protocol):
 
 
 class LocalLauncher:
-    """Instances as child processes of this one (spawned: a fresh interpreter each)."""
+    """Instances as child processes of this one (spawned: a fresh interpreter each), listening
+    on loopback; or, with `hosts`, instance i in the network namespace `hosts[i][0]` (a host of
+    its own on this machine: tests/cluster/netns.py), listening on its address `hosts[i][1]`."""
 
-    def __init__(self, async_backend: str = "asyncio") -> None:
+    def __init__(self, async_backend: str = "asyncio", *,
+                 hosts: Sequence[tuple[str, str]] = ()) -> None:
         self._ctx = mp.get_context("spawn")
         self._async_backend = async_backend
+        self._hosts = list(hosts)
         self._procs: list[mp.Process] = []
 
     async def launch(self, index: int, config: EngineConfig) -> Launched:
@@ -52,9 +57,12 @@ class LocalLauncher:
 
     def start_process(self, index: int, config: EngineConfig) -> Launched:
         """Start one instance process and wait until it listens (blocking)."""
+        if self._hosts and index >= len(self._hosts):
+            raise ConfigError(f"instance {index}: the launcher has {len(self._hosts)} hosts")
+        netns, host = self._hosts[index] if self._hosts else ("", "127.0.0.1")
         parent, child = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=instance_process, name=f"shunter-instance-{index}",
-                                 args=(config, "127.0.0.1", child, self._async_backend))
+                                 args=(config, host, child, self._async_backend, netns))
         proc.start()
         child.close()
         self._procs.append(proc)
@@ -84,8 +92,8 @@ class LocalLauncher:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGKILL)
 
-        return Launched(host="127.0.0.1", port=port, describe_death=describe_death, kill=kill,
-                        pid=proc.pid)
+        return Launched(host=host, port=port, describe_death=describe_death, kill=kill,
+                        pid=proc.pid, node=netns)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Wait for the instances told to shut down; kill what is left after `timeout_s`."""
