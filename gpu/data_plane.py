@@ -14,6 +14,11 @@ receiver left): on the world they would match a later group's messages between t
 instances (same tags), and a chunk of the wrong size kills the receiving process. On the
 channel of a group that is gone, nothing is ever sent or received again.
 
+Every instance holds a TCP connection to every other one (`Watch`, made as the world is joined,
+never written to): a process that ends, killed included, has its kernel close them, so the
+members opening a group's channel learn at once that one of them is gone and give the group up,
+instead of waiting `channel_open_s` for it.
+
 Tags keep the traffic apart: activations use gpu.pipeline_stage's step/microbatch tags (below
 2**28), KV chunks count up from 2**28 per (source, destination), control from 2**29.
 """
@@ -22,8 +27,12 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import os
 import pickle
+import signal
 import socket
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -33,6 +42,12 @@ import torch
 import torch.distributed as dist
 
 from gpu.transfer import Sender, TransferQueue
+
+FAULT_ENV = "SHUNTER_TEST_FAULT"
+"""Tests' fault injection: `channel-open@<rank>` makes the instance of that data-plane rank
+SIGKILL itself as it starts to open a group's channel (a member: after its `GroupGo`)."""
+WATCH_POLL_S = 0.01
+"""How often a member opening a group's channel looks whether another member is gone."""
 
 KV_TAG = 1 << 28
 CONTROL_TAG = 1 << 29
@@ -60,15 +75,73 @@ class DataPlane:
     """How long one send or receive may wait."""
     channel_open_s: float = 10.0
     """How long the members of a group wait for each other to open its channel: they open it
-    within a control message of each other (at `GroupGo`), so this only bounds what a member
-    that died between its `GroupGo` and opening the channel costs the others (the whole
-    `timeout_s` before)."""
+    within a control message of each other (at `GroupGo`). A member whose process ended before
+    it opened the channel is seen at once (`watch`); this bounds only what one that hangs, or
+    whose host went down, costs the others."""
     address: str = ""
     """This machine's address on the interface that reaches the rendezvous: gloo listens there
     for the world and every channel (peers on other machines connect to it; the host name may
     resolve to loopback). "": gloo's default (the host name's address)."""
     world: Any = None
     """The world's process group (control messages)."""
+    watch: Watch | None = None
+    """Which other instances of the world are gone (None: not watched)."""
+
+    def lost(self, ranks: Sequence[int]) -> list[int]:
+        """Those of `ranks` whose process is known to be gone."""
+        return [] if self.watch is None else self.watch.lost(ranks)
+
+
+class Watch:
+    """Whether the other instances of the world still run: one TCP connection to each, made as
+    the world is joined and never written to. A process that ends (killed included) has its
+    kernel close its sockets, so the connection to it reads end-of-stream at its peers at once,
+    whatever host they are on; `lost` reads that without blocking. (A host that goes down
+    without closing them is found only by the timeouts.)"""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, address: str,
+                 timeout_s: float) -> None:
+        family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        self._listener = socket.create_server((address, 0), family=family,
+                                              backlog=max(1, world_size))
+        self._accepted: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True, name="data-plane-watch").start()
+        host, port = self._listener.getsockname()[:2]
+        store.set(f"shunter/watch/{rank}", f"{host} {port}")
+        self._peers: dict[int, socket.socket] = {}
+        for r in range(world_size):
+            if r != rank:
+                peer_host, peer_port = store.get(f"shunter/watch/{r}").decode().split()
+                conn = socket.create_connection((peer_host, int(peer_port)), timeout=timeout_s)
+                conn.setblocking(False)
+                self._peers[r] = conn
+        self._lost: set[int] = set()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:  # closed: the instance left the data plane
+                return
+            self._accepted.append(conn)  # held open while this process lives
+
+    def lost(self, ranks: Sequence[int]) -> list[int]:
+        for r in ranks:
+            conn = self._peers.get(r)
+            if conn is None or r in self._lost:
+                continue
+            try:
+                if conn.recv(1, socket.MSG_PEEK) == b"":
+                    self._lost.add(r)
+            except BlockingIOError:  # nothing to read: it still runs
+                pass
+            except OSError:  # reset
+                self._lost.add(r)
+        return [r for r in ranks if r in self._lost]
+
+    def close(self) -> None:
+        for conn in [self._listener, *self._peers.values(), *self._accepted]:
+            conn.close()
 
 
 Receiver = Callable[[torch.Tensor, int, int], None]
@@ -125,11 +198,9 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
     if plane.store is None:
         raise RuntimeError("this data plane has no store: groups cannot open channels on it")
     me = ranks.index(plane.rank)
-    try:
-        pg = _process_group(plane, f"shunter/group/{key}/", me, len(ranks),
-                            plane.channel_open_s)
-    except RuntimeError as exc:  # a member never came (it went away first)
-        raise GroupMemberLost(-1, f"the group {ranks}'s channel was being opened", exc) from exc
+    fault_point("channel-open", plane.rank)
+    pg = _open_watched(plane, ranks, lambda: _process_group(
+        plane, f"shunter/group/{key}/", me, len(ranks), plane.channel_open_s))
     index = {r: i for i, r in enumerate(ranks)}
 
     def member(rank: int) -> int:
@@ -147,6 +218,44 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
         pg.recv([tensor], member(src), tag).wait(wait)
 
     return Channel(ranks, plane.rank, send, recv, pg)
+
+
+def fault_point(point: str, rank: int) -> None:
+    if os.environ.get(FAULT_ENV) == f"{point}@{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _open_watched(plane: DataPlane, ranks: tuple[int, ...], make: Callable[[], Any]) -> Any:
+    """`make()` (a group's process group, which blocks until every member joined) on a thread
+    of its own, while this one watches the members: one whose process is gone ends the wait at
+    once (GroupMemberLost) instead of after `channel_open_s`. A process group made after all
+    (the member went away once it had joined) is aborted; one never made fails on its own."""
+    what = f"the group {ranks}'s channel was being opened"
+    done: dict[str, Any] = {}
+    given_up = threading.Event()
+
+    def run() -> None:
+        try:
+            pg = make()
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the waiting thread)
+            done["error"] = exc
+            return
+        done["pg"] = pg
+        if given_up.is_set():
+            pg.abort()
+
+    opening = threading.Thread(target=run, daemon=True, name="group-channel-open")
+    opening.start()
+    while opening.is_alive():
+        opening.join(WATCH_POLL_S)
+        lost = plane.lost(ranks)
+        if lost and opening.is_alive():
+            given_up.set()
+            raise GroupMemberLost(lost[0], what, RuntimeError("its process is gone"))
+    if "error" in done:  # a member never came (it went away first)
+        exc = done["error"]
+        raise GroupMemberLost(-1, what, exc) from exc
+    return done["pg"]
 
 
 def _process_group(plane: DataPlane, prefix: str, rank: int, size: int,
@@ -198,6 +307,7 @@ def join_data_plane(init_method: str, rank: int, world_size: int, *,
     store = dist.TCPStore(url.hostname, url.port, world_size, rank == 0, timeout=timeout)
     plane = DataPlane(rank=rank, world_size=world_size, store=store, backend=backend,
                       timeout_s=timeout_s, address=route_address(url.hostname, url.port))
+    plane.watch = Watch(store, rank, world_size, plane.address, timeout_s)
     plane.world = _process_group(plane, "shunter/world/", rank, world_size)
     _plane = plane
     return plane
@@ -213,6 +323,8 @@ def leave_data_plane() -> None:
     global _plane
     if _plane is not None:
         _plane.world.abort()
+        if _plane.watch is not None:
+            _plane.watch.close()
         _plane = None
 
 
