@@ -28,6 +28,8 @@ later.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Collection, Sequence
 
@@ -38,6 +40,7 @@ from gpu.block_map import BlockMap
 from gpu.data_plane import (
     CONTROL_TAG,
     REPLY_TAG,
+    GroupMemberLost,
     data_plane,
     new_channel_key,
     open_channel,
@@ -71,6 +74,17 @@ from gpu.stage_view import (
 
 GROW_EPOCH = 2
 """First tag epoch of a growth's exchange (0: forming, 1: restoring)."""
+
+
+FAULT_ENV = "SHUNTER_TEST_FAULT"
+"""Tests' fault injection: `<point>@<rank>` makes the instance of that data-plane rank SIGKILL
+itself when it reaches `point` of a growth (`grow-go`: a member, its `GroupGo` received, before
+it re-splits or joins). Read when the point is reached; unset, nothing happens."""
+
+
+def fault_point(point: str, rank: int) -> None:
+    if os.environ.get(FAULT_ENV) == f"{point}@{rank}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NotSettled(RuntimeError):
@@ -235,9 +249,45 @@ def regrow_member(stage: GroupStage, start: GroupStart, head_rank: int) -> Group
     if isinstance(go, GroupAbandon):
         return None
     assert isinstance(go, GroupGo), go
-    new = ResplitStage(stage, start, start.ranks.index(stage.plane.rank))
+    fault_point("grow-go", stage.plane.rank)
+    try:
+        new = ResplitStage(stage, start, start.ranks.index(stage.plane.rank))
+    except GroupMemberLost as exc:  # another member is gone (it never opened the grown
+        if exc.rank != head_rank:  # channel): the head finds it too and lets every member go;
+            try:  # its `GroupAbandon` is read here (left unread, it would end this instance's
+                recv_obj(head_rank, CONTROL_TAG, "the group was growing")  # next group with
+            except GroupMemberLost:  # that head at its start)
+                pass
+        raise
     take_generators(new, go.generator_states)
     return new
+
+
+def _start_all(start: GroupStart, old_ranks: Sequence[int]) -> dict:
+    """Send every member its `GroupStart` and take the old members' generators. A member lost
+    meanwhile raises `GroupMemberLost` once every old member that got its start has answered:
+    an answer left unread would be taken, on the world, for the answer to the next group's
+    first step between the same two instances."""
+    got, lost = [], None
+    for rank in start.ranks[1:]:
+        try:
+            send_obj(start, rank, CONTROL_TAG, "the group was growing")
+        except GroupMemberLost as exc:
+            lost = exc
+            break
+        got.append(rank)
+    states: dict = {}
+    for rank in old_ranks[1:]:
+        if rank in got:
+            try:
+                reply: MemberReply = recv_obj(rank, REPLY_TAG, "the group was growing")
+            except GroupMemberLost as exc:
+                lost = lost or exc
+                continue
+            states.update(reply.generator_states or {})
+    if lost is not None:
+        raise lost
+    return states
 
 
 def grown_plan(ranks: Sequence[int], old_ranks: Sequence[int]) -> tuple[int, ...]:
@@ -306,12 +356,7 @@ def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
         chunk_blocks=group.chunk_blocks, microbatches=2 * len(ranks),
         kv_exchange=group.kv_exchange, held=group.layers + (range(0),) * (len(ranks) - n_old),
         epoch=GROW_EPOCH + (group.grows - 1) % 14, channel=new_channel_key(data_plane()))
-    for rank in ranks[1:]:
-        send_obj(start, rank, CONTROL_TAG, "the group was growing")
-    states: dict = {}
-    for rank in group.ranks[1:]:
-        reply: MemberReply = recv_obj(rank, REPLY_TAG, "the group was growing")
-        states.update(reply.generator_states or {})
+    states = _start_all(start, group.ranks)
     for rank in ranks[1:]:
         send_obj(GroupGo(generator_states=states), rank, CONTROL_TAG, "the group was growing")
     began = time.perf_counter()

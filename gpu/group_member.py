@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
-from gpu.group_grow import regrow_member, take_generators
+from gpu.group_grow import fault_point, regrow_member, take_generators
 from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
@@ -55,6 +55,8 @@ def serve_member(solo, head_rank: int) -> dict:
             assert isinstance(msg, GroupGo), msg
             go = msg
     me = start.ranks.index(plane.rank)
+    if start.held:  # joining a running group that grows
+        fault_point("grow-go", plane.rank)
     try:
         stage = GroupStage(solo._model, plane, start, me, solo._seqs)
     except GroupMemberLost as exc:  # a member never opened the group's channel: none started

@@ -117,12 +117,23 @@ class KunServeTorchRunner(TorchRunner):
         """The group this instance leads grows to `plan` (its members first, then the new
         ones, which handed `adopted` over): gpu/group_grow.py. Returns the grown pool's block
         ids and the live requests whose KV moves. On the device thread; the step that carries
-        the plan then finds it open."""
+        the plan then finds it open. A member lost while it grows (`GroupMemberLost`,
+        re-raised): this instance serves alone from its host copy and every member left, old
+        or new, is told to (in the same call: no step runs on the broken group); the caller
+        has the engine recompute every request."""
         from gpu.group_grow import grow_group
+        from gpu.group_runner import abandon_members
 
         if self.group is None:
             raise RuntimeError("this instance leads no group")
-        return grow_group(self.group, plan, adopted, fits=self._fits(plan), live=live)
+        try:
+            return grow_group(self.group, plan, adopted, fits=self._fits(plan), live=live)
+        except GroupMemberLost as exc:
+            new = [r for r in plan.members if r not in self.group.ranks]
+            self.lose_group(exc)  # the old members are told
+            abandon_members(new, lost=exc.rank, why=f"the group lost a member while it grew: "
+                                                    f"{exc}")
+            raise
 
     def dissolve_idle(self) -> bool:
         """Restore now when no request is live on this engine (none will step to carry the

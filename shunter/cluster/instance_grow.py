@@ -64,7 +64,7 @@ async def grow_here(ig, msg, tg) -> dict:
                 continue
             why = str(exc)
         except GroupMemberLost as exc:  # the group broke while it grew: recomputed, alone
-            await _broken(ig, runner, exc, msg, reqs)
+            await _broken(ig, runner, msg, reqs)
             raise GroupNotFormed(f"group {plan.members} lost a member while it grew ({exc}); "
                                  f"every request is recomputed at instance "
                                  f"{plan.members[0]}") from exc
@@ -88,17 +88,12 @@ async def grow_here(ig, msg, tg) -> dict:
             "kv_local_bytes": grown.kv_local, "kv_sent_bytes": grown.kv_sent}
 
 
-async def _broken(ig, runner, exc, msg, reqs) -> None:
-    """A member lost while the group grew: the head serves alone from its host copy and
-    recomputes every request, the new ones included (not tested with processes)."""
-    from gpu.group_runner import abandon_members
+async def _broken(ig, runner, msg, reqs) -> None:
+    """A member lost while the group grew: the runner serves alone from its host copy and let
+    every member go (`KunServeTorchRunner.grow`); here the engine recomputes every request with
+    its own pool, the ones the new members handed over included."""
     from shunter.cluster.instance_groups import _ask
 
-    old = runner.group.ranks if runner.group is not None else msg.plan.members[:1]
-    if runner.group is not None:
-        await runner._thread.run(runner.lose_group, exc)  # tells the old members
-    new = tuple(m for m in msg.plan.members if m not in old)
-    await runner._thread.run(lambda: abandon_members(new, lost=exc.rank, why=str(exc)))
     me = msg.plan.members[0]
     solo = GroupPlan(group_id=-1, members=(me,), layers=(
         range(runner._model_config.num_layers),))

@@ -68,10 +68,15 @@ async def grow(groups, old: GroupPlan, g: GroupPlan) -> GroupPlan:
     try:
         counts = await groups._command(head, lambda key: GrowGroup(
             key=key, plan=plan, adopted=tuple(adopted)))
-    except (GroupCommandError, EngineDeadError):
+    except (GroupCommandError, EngineDeadError) as exc:
         if not await _leads(groups, head):  # broken while it grew: the head serves alone
             groups.groups.pop(head, None)
             await groups.coordinator.send(GroupsChanged(restored=head))
+        gone = [groups.instances[m].failure for m in plan.members
+                if not groups.instances[m].alive]
+        if gone:  # the head names a member that never opened the grown channel only as lost
+            raise GroupCommandError(f"group {old.members} did not grow to {plan.members}: "
+                                    f"{'; '.join(gone)} ({exc})") from exc
         raise
     groups.groups[head] = plan
     await groups.coordinator.send(GroupsChanged(formed=plan))

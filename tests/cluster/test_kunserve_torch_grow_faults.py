@@ -1,0 +1,211 @@
+"""A member lost while a running KunServe group grows (shunter/cluster/remote_grow.py,
+instance_grow.py, gpu/group_grow.py), on instance processes of their own (one is killed):
+instances 0 and 1 form a group with two requests streaming on each instance, then the group
+grows to instance 2 and old member 1 dies at the re-split (`SHUNTER_TEST_FAULT=grow-go@1`: it
+SIGKILLs itself once it got its `GroupGo`, before it re-splits). The head and the new member find
+it gone, the head serves alone from its host copy and recomputes every request (its own, the
+ones member 1 handed over when the group formed and the ones instance 2 handed over now), the new
+member serves alone, the front door's error names the lost instance. Every request goes on to
+transformers' tokens, no block is left held, and both survivors serve a new request alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import shunter
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.plan import stage_layers
+from shunter.cluster.cluster import Cluster
+from tests.cluster.test_kunserve_torch_grow import LAYERS, RUN_TOKENS, SOLO_BLOCKS
+from tests.reference import assert_matches, greedy_reference
+
+
+@pytest.fixture(scope="module")
+def grow_model(tmp_path_factory):
+    from gpu.make_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("kunserve-grow-faults-6l"), arch="llama",
+                              layers=LAYERS, hidden=64, heads=4, kv_heads=2, vocab=320, seed=3)
+
+
+@pytest.fixture(scope="module")
+def grow_config(grow_model, tmp_path_factory):
+    from engine.config import EngineConfig
+    from policies import policy_path
+
+    policy = tmp_path_factory.mktemp("kunserve-grow-faults") / "kunserve_grow.policy"
+    policy.write_text(f'policy kunserve_grow extends "{policy_path("fcfs")}" {{\n'
+                      f'  dispatch round_robin\n'
+                      f'  overload drop when waiting > 100\n'
+                      f'  overload restore when waiting > 100\n}}\n')
+    return EngineConfig(model=grow_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
+                        block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
+
+
+class Streams:
+    """Requests streaming into `got`, started one after the other (round robin: one turn
+    each), cancelled by `cancel()`."""
+
+    def __init__(self, cluster: Cluster, prompts) -> None:
+        self.cluster, self.prompts = cluster, prompts
+        self.got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
+        self.scopes: dict[int, anyio.CancelScope] = {}
+
+    async def start(self, tg) -> None:
+        for i in range(len(self.prompts)):
+            started = anyio.Event()
+            tg.start_soon(self._one, i, started)
+            await started.wait()
+
+    async def _one(self, i: int, started: anyio.Event) -> None:
+        with anyio.CancelScope() as self.scopes[i]:
+            async with self.cluster.generate(self.prompts[i], shunter.SamplingParams(
+                    max_tokens=RUN_TOKENS, temperature=0)) as stream:
+                async for chunk in stream:
+                    assert chunk.error is None, (i, chunk.error)
+                    self.got[i] += chunk.token_ids
+                    if len(self.got[i]) >= 2:
+                        started.set()
+
+    def marks(self) -> dict[int, int]:
+        return {i: len(g) for i, g in self.got.items()}
+
+    async def past(self, marks: dict[int, int], extra: int = 3) -> None:
+        while any(len(self.got[i]) < n + extra for i, n in marks.items()):
+            await anyio.sleep(0.005)
+
+    def cancel(self) -> None:
+        for scope in self.scopes.values():
+            scope.cancel()
+
+
+async def _lose_one_while_growing(grow_config, monkeypatch, dead: int, then=None) -> dict:
+    """Instances 0 and 1 form a group with two requests streaming on each instance; it grows to
+    instance 2 and instance `dead` SIGKILLs itself at its `GroupGo`; the requests go 3 tokens
+    past the failed growth and are cancelled. `then(cluster, rng)`: more, before the cluster
+    stops. Returns what happened."""
+    from shunter.cluster.launch import LocalLauncher
+    from shunter.cluster.remote_grow import grow
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    monkeypatch.setenv("SHUNTER_TEST_FAULT", f"grow-go@{dead}")  # the processes inherit it
+    launcher = LocalLauncher("asyncio")
+    instances = [launcher.start_process(i, grow_config) for i in range(3)]
+    monkeypatch.delenv("SHUNTER_TEST_FAULT")
+    rng = random.Random(23 + dead)
+    prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(6)]
+    out: dict = {"prompts": prompts}
+    alive = [k for k in range(3) if k != dead]
+    try:
+        async with Cluster.start(grow_config, attach=instances,
+                                 monitor_interval_s=0.02) as cluster:
+            groups, run = cluster.groups, Streams(cluster, prompts)
+            with anyio.fail_after(120):
+                async with anyio.create_task_group() as tg:
+                    await run.start(tg)
+                    pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
+                    await groups.form(pair)
+                    await run.past(run.marks())
+                    assert [len(i._live) for i in cluster.instances] == [4, 0, 2]
+                    with pytest.raises(GroupCommandError) as err:
+                        await grow(groups, pair, GroupPlan(
+                            group_id=2, members=(0, 1, 2), layers=stage_layers(LAYERS, 3)))
+                    out["marks"] = run.marks()
+                    await run.past(out["marks"])
+                    run.cancel()
+                survivor = alive[1]
+                with anyio.fail_after(30):  # the survivor member was let go
+                    while (await groups.stats(survivor))["member"] is None:
+                        await anyio.sleep(0.01)
+                out["member"] = (await groups.stats(survivor))["member"]
+                out["head_lost"] = (await groups.stats(0))["lost"]
+                out["snap"] = await cluster.wait_idle()
+                alone = [rng.randrange(2, 320) for _ in range(7)]
+                out["alone"] = alone
+                out["outs"] = [await cluster.complete(alone, shunter.SamplingParams(
+                    max_tokens=8, temperature=0)) for _ in alive]  # round robin: one each
+                if then is not None:
+                    await then(cluster, rng, out)
+                out["live"] = [sorted(i._live) for i in cluster.instances]
+                out["dead_alive"] = cluster.instances[dead].alive
+                out["groups"] = dict(groups.groups)
+    finally:
+        launcher.shutdown(timeout_s=0)
+    out["error"], out["got"], out["alive"] = str(err.value), run.got, alive
+    print(f"\ninstance {dead} lost at the growth's GroupGo: {err.value}; member "
+          f"{out['member']}; head lost {out['head_lost']}")
+    return out
+
+
+def _check(out, model) -> None:
+    """Every request transformers', nothing held, the survivors served alone."""
+    assert not out["dead_alive"] and not out["groups"], out
+    for k in out["alive"]:
+        s = out["snap"].snapshots[k].scheduler
+        assert s.total_blocks == SOLO_BLOCKS and s.free_blocks == SOLO_BLOCKS, (k, s)
+        assert not s.live_requests, (k, s)
+    assert out["live"] == [[], [], []], out["live"]
+    for i, p in enumerate(out["prompts"]):
+        got = out["got"][i]
+        assert len(got) >= out["marks"][i] + 3, (i, out["marks"][i], got)
+        assert_matches(got, greedy_reference(model, p, len(got)), f"request {i}")
+    for k, o in enumerate(out["outs"]):
+        assert_matches(o.token_ids, greedy_reference(model, out["alone"], 8), f"after {k}")
+
+
+@pytest.mark.anyio
+async def test_an_old_member_lost_at_the_resplit(anyio_backend, grow_config, grow_model,
+                                                monkeypatch):
+    """Old member 1 dies at its `GroupGo`: the head and the new member find it gone as they
+    open the grown group's channel; the head recomputes all six requests (its own, the two
+    member 1 handed over when the group formed, the two instance 2 handed over now) and
+    serves alone; instance 2 serves alone with nothing dropped."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    out = await _lose_one_while_growing(grow_config, monkeypatch, dead=1)
+    assert "instance 1" in out["error"] and "went away" in out["error"], out["error"]
+    assert "every request is recomputed at instance 0" in out["error"], out["error"]
+    assert "was lost" in out["head_lost"], out["head_lost"]  # (by rank once the plane watches)
+    assert out["member"].get("abandoned"), out["member"]  # the new member serves alone
+    _check(out, grow_model)
+
+
+@pytest.mark.anyio
+async def test_a_new_member_lost_at_the_resplit(anyio_backend, grow_config, grow_model,
+                                               monkeypatch):
+    """New member 2 dies at its `GroupGo` (after it handed its requests over): the head and
+    old member 1, which had started to re-split, find it gone; both serve alone from their host
+    copies, the head recomputes all six requests. Then instances 0 and 1 form a group again
+    and serve through it: member 1 took the head's `GroupAbandon` of the failed growth (left
+    unread, it would end that group at its start)."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+
+    async def group_again(cluster, rng, out) -> None:
+        prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(2)]
+        run = Streams(cluster, prompts)
+        with anyio.fail_after(60):
+            async with anyio.create_task_group() as tg:
+                await run.start(tg)
+                await cluster.groups.form(GroupPlan(group_id=3, members=(0, 1),
+                                                    layers=stage_layers(LAYERS, 2)))
+                out["again_leading"] = (await cluster.groups.stats(0))["head"]["leading"]
+                await run.past(run.marks())
+                run.cancel()
+            assert await cluster.groups.restore(0)
+            await cluster.wait_idle()
+        out["again"] = (prompts, run.got)
+
+    out = await _lose_one_while_growing(grow_config, monkeypatch, dead=2, then=group_again)
+    assert "instance 2" in out["error"] and "went away" in out["error"], out["error"]
+    assert "was lost" in out["head_lost"], out["head_lost"]  # (by rank once the plane watches)
+    assert "lost while the group grew" in out["member"]["abandoned"], out["member"]
+    _check(out, grow_model)
+    assert out["again_leading"], out
+    prompts, got = out["again"]
+    for i, p in enumerate(prompts):
+        assert_matches(got[i], greedy_reference(grow_model, p, len(got[i])), f"again {i}")
