@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kunserve_ladder import ladder, ladder_lines
-from bench.kunserve_trace import add_trace_args, sim_instance, trace_workload
+from bench.kunserve_trace import add_trace_args, merge_report, sim_instance, trace_workload
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
@@ -61,6 +61,7 @@ through (sim/group.py `GroupNetwork.chain`; the bound on pipelines' first tokens
 EQ1_AS_PUBLISHED = False
 """--eq1-as-published: lookahead splits by Eq. 1 with one prefix-attention coefficient for
 decodes and prefills alike (sim/group.py `GroupNetwork.decode_term`)."""
+MONITOR_INTERVAL_S = 0.05  # the cluster monitor's round (bench/kunserve_restore.py varies it)
 
 
 async def sample_demand(cluster, capacity_blocks: int, block_size: int, out: list) -> None:
@@ -97,7 +98,8 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
                               max_batched_tokens=2 * base.max_batched_tokens)
         instances //= 2
     demand: list = []
-    async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
+    async with Cluster.start(config, instances=instances, kind="inprocess",
+                             monitor_interval_s=MONITOR_INTERVAL_S) as cluster:
         if cluster.groups is not None:
             for net in cluster.groups.networks():
                 net.decode_term = not EQ1_AS_PUBLISHED
@@ -188,6 +190,8 @@ def main() -> None:
                          "a100-internode: 7.83 GB/s from Vidur's send_recv profile, sim/network.py)")
     ap.add_argument("--only", default="", help="comma-separated run labels (default: all)")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_sim"))
+    ap.add_argument("--merge", action="store_true", help="re-run only --only's runs into "
+                    "--out's .json, keeping its other runs (and their SLO and demand)")
     ap.add_argument("--table-only", action="store_true",
                     help="rewrite the .md table and the plot from the .json of --out")
     args = ap.parse_args()
@@ -229,12 +233,14 @@ def main() -> None:
                    for b in BASELINE_POLICIES if b in results) if any(
         b in results for b in BASELINE_POLICIES) else None
     slo = 5 * base_p50 if base_p50 is not None else None
+    old = json.loads(Path(args.out).with_suffix(".json").read_text()) if args.merge else None
+    if old is not None and slo is None:
+        slo = next(iter(old["runs"].values())).get("slo_ttft_s")
     report = {"workload": spec, "profile": args.profile, "instances": args.instances,
               "link": base.pipeline_link,
-              "link_gb_per_s": LINKS[base.pipeline_link].bytes_per_s / 1e9, "engine": {"max_num_seqs": base.max_num_seqs,
-                                                     "max_batched_tokens": base.max_batched_tokens,
-                                                     "cpu_swap_blocks": base.cpu_swap_blocks,
-                                                     "num_blocks": base.num_blocks},
+              "link_gb_per_s": LINKS[base.pipeline_link].bytes_per_s / 1e9,
+              "engine": {k: getattr(base, k) for k in ("max_num_seqs", "max_batched_tokens",
+                                                       "cpu_swap_blocks", "num_blocks")},
               "eq1_as_published": EQ1_AS_PUBLISHED, "chain": CHAIN,
               "capacity_tokens": capacity, "runs": {}}
     if "vllm_dp" in results:
@@ -243,6 +249,7 @@ def main() -> None:
     for label, (result, cluster, demand, wall) in results.items():
         entry = summarize(result, slo)
         entry["wall_s"] = wall
+        entry["code"] = code_version()
         entry["demand"] = demand_summary(demand)
         if cluster is not None:
             entry["cluster"] = cluster
@@ -251,12 +258,24 @@ def main() -> None:
                 (round(t.arrival - result.started, 3), round(t.ttft_s, 3))
                 for t in result.timelines if t.ttft_s is not None)
         report["runs"][label] = entry
+    if old is not None:
+        report = merge_report(old, report)
     report["ladder"] = ladder(report["runs"])
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     out.with_suffix(".md").write_text(table(report))
     print(table(report))
     plot(report, out.with_suffix(".png"))
+
+
+def code_version() -> str:
+    """The commit the run's code is ("+": tracked files differ; $KUNSERVE_CODE: a snapshot's)."""
+    import os
+    import subprocess
+    head, dirty = (subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True)
+                   .stdout.strip() for a in (("rev-parse", "--short", "HEAD"),
+                                             ("status", "--short", "-uno")))
+    return os.environ.get("KUNSERVE_CODE") or head + ("+" if dirty else "")
 
 
 def demand_summary(samples: list) -> dict:

@@ -59,3 +59,12 @@ def run_row(label: str, policy_file: Path, workload, base: EngineConfig,
               for e in (cluster or {}).get("events", [])]
     return {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms")} | {
         "events": events, "wall_s": wall}
+
+
+def merge_report(old: dict, new: dict) -> dict:
+    """`new`'s runs into `old` (a bench/kunserve.py report re-run in part, `--merge`): the runs
+    in `old`'s order, each replaced where `new` has it, `new`'s others after; `new`'s top-level
+    fields over `old`'s, `old`'s kept where `new` lacks them (the demand, when vllm_dp was not
+    re-run)."""
+    runs = {k: new["runs"].get(k, v) for k, v in old["runs"].items()} | new["runs"]
+    return old | {k: v for k, v in new.items() if k != "runs"} | {"runs": runs}
