@@ -15,7 +15,8 @@ waits for a later monitor round.
 Queued requests of instances serving alone move to a head with room (§4.1), as the
 simulator's manager does. The data plane's rendezvous is at instance 0's address (a local
 process or a Ray actor; tested on one machine). A plan that merges a running group with
-instances serving alone grows it (shunter/cluster/remote_grow.py).
+instances serving alone grows it, one that merges two running groups merges them
+(shunter/cluster/remote_grow.py).
 """
 
 from __future__ import annotations
@@ -177,11 +178,14 @@ class RemoteGroups:
             self._tg.start_soon(self._restore_all, action.heads)
 
     async def _grow(self, g: GroupPlan) -> None:
-        """A plan that merges a running group with instances serving alone grows it
-        (shunter/cluster/remote_grow.py); any other merge with a running group is refused."""
-        from shunter.cluster.remote_grow import CannotGrow, grow, grows
+        """A plan that merges a running group with instances serving alone grows it, one that
+        merges two running groups (and instances alone) merges them
+        (shunter/cluster/remote_grow.py); any other plan with a running group is refused."""
+        from shunter.cluster.remote_grow import CannotGrow, Postponed, grow, grows, merge, merges
 
-        old = grows(self.groups, g)
+        old, joins = grows(self.groups, g), None
+        if old is None and (pair := merges(self.groups, g)) is not None:
+            old, joins = pair
         event = {"t": anyio.current_time(), "members": list(g.members)}
         key = None if old is None else (old.members, tuple(sorted(g.members)))
         if old is None or key in self.cannot_grow or (
@@ -189,11 +193,14 @@ class RemoteGroups:
             self.counters.events.append({**event, "event": "grow refused"})
             return
         try:
-            await grow(self, old, g)
+            await (grow(self, old, g) if joins is None else merge(self, old, joins, g))
         except CannotGrow as exc:
             self.cannot_grow.add(key)
             log.info("group cannot grow", members=g.members, why=str(exc))
             self.counters.events.append({**event, "event": "grow refused", "error": str(exc)})
+        except Postponed as exc:
+            self.counters.events.append({**event, "event": "merge postponed",
+                                         "error": str(exc)})
         except (GroupCommandError, EngineDeadError) as exc:
             log.error("group did not grow", members=g.members, error=str(exc))
             self.counters.events.append({**event, "event": "grow failed", "error": str(exc)})

@@ -7,8 +7,15 @@ again evenly (engine/cluster/plan.py `stage_layers`). The head is asked first wh
 grows its pool (nothing moves if not); then each new member hands its requests over
 (`ExportGroup`, as when a group forms) and the head grows the group (`GrowGroup`). A new member
 that cannot join after others handed their requests over: the head recomputes those and lets
-them go (`HeadGroup.not_formed`); the group goes on as it was. A merge of two running groups
-is not grown (the queued requests move instead, as before).
+them go (`HeadGroup.not_formed`); the group goes on as it was.
+
+Two running groups merge (Algorithm 6 merges the smallest groups, which may be groups already):
+the group whose head leads the plan (else the larger) stays; the other restores first (§4.4: its
+head takes every layer and its requests' KV back, its members serve alone), then its instances
+join as instances serving alone do: its head hands its requests over with their KV, its members
+join empty, and the layers split again over all members. Its KV thus moves twice (back to its
+head, then to the grown group's members). A merge whose joining group's requests do not fit its
+head's own pool yet is postponed (asked again next round), as a restore is.
 """
 
 from __future__ import annotations
@@ -25,8 +32,28 @@ from shunter.cluster.group_wire import GrowGroup
 log = structlog.get_logger(actor="coordinator")
 
 
+RESTORED_S = 30.0
+"""How long a merge waits for the joining group's head to have restored (its next step does it)."""
+
+
 class CannotGrow(RuntimeError):
     """The head refused the grown split before anything moved (its pool would not grow)."""
+
+
+class Postponed(RuntimeError):
+    """A merge's joining group cannot restore yet (its requests do not fit its head's own pool):
+    nothing moved; asked again next round."""
+
+
+def merges(groups: dict[int, GroupPlan], g: GroupPlan) -> tuple[GroupPlan, GroupPlan] | None:
+    """(the running group that stays, the one that joins) when `g` holds exactly two running
+    groups whole and otherwise instances serving alone; None otherwise. The one staying: the
+    one whose head leads `g`, else the larger, else the lower head."""
+    running = [old for old in groups.values() if set(old.members) & set(g.members)]
+    if len(running) != 2 or not all(set(old.members) <= set(g.members) for old in running):
+        return None
+    stays, joins = sorted(running, key=lambda old: (old.head != g.head, -old.size, old.head))
+    return stays, joins
 
 
 def grows(groups: dict[int, GroupPlan], g: GroupPlan) -> GroupPlan | None:
@@ -44,17 +71,48 @@ def grown_plan(old: GroupPlan, g: GroupPlan, num_layers: int) -> GroupPlan:
                      layers=stage_layers(num_layers, len(members)))
 
 
-async def grow(groups, old: GroupPlan, g: GroupPlan) -> GroupPlan:
+async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan) -> GroupPlan:
+    """Group `joins` restores, then its instances join `stays` (`grow`). Returns the grown plan;
+    raises `CannotGrow` or `Postponed` (nothing moved), or `GroupCommandError`."""
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    await _check(groups, stays.head, grown_plan(stays, g, groups.num_layers))
+    if not await groups.restore(joins.head):
+        raise Postponed(f"group {joins.members} does not fit its head's own pool yet")
+    with anyio.move_on_after(RESTORED_S):
+        while (await groups.stats(joins.head))["head"]["leading"]:  # its next step restores
+            await anyio.sleep(0.005)
+    if (await groups.stats(joins.head))["head"]["leading"]:
+        raise GroupCommandError(f"instance {joins.head}: its group {joins.members} had not "
+                                f"restored {RESTORED_S:.0f} s after it was asked (merging "
+                                f"into {stays.members})")
+    plan = await grow(groups, stays, g, checked=True)
+    groups.counters.events.append({"t": anyio.current_time(), "event": "merge",
+                                   "from": [list(stays.members), list(joins.members)],
+                                   "members": list(plan.members)})
+    return plan
+
+
+async def _check(groups, head: int, plan: GroupPlan) -> None:
+    """The head refuses a split that would not grow its pool: `CannotGrow`, nothing moved."""
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    try:
+        await groups._command(head, lambda key: GrowGroup(key=key, plan=plan, check=True))
+    except GroupCommandError as exc:
+        raise CannotGrow(str(exc)) from exc
+
+
+async def grow(groups, old: GroupPlan, g: GroupPlan, *, checked: bool = False) -> GroupPlan:
     """`groups`: the cluster's `RemoteGroups`. Returns the grown plan; raises
-    `GroupCommandError` (naming the instance) when the group did not grow."""
+    `GroupCommandError` (naming the instance) when the group did not grow. `checked`: the head
+    was asked already whether the split grows its pool."""
     from shunter.cluster.remote_groups import GroupCommandError
 
     plan = grown_plan(old, g, groups.num_layers)
     head, n_old = old.head, len(old.members)
-    try:
-        await groups._command(head, lambda key: GrowGroup(key=key, plan=plan, check=True))
-    except GroupCommandError as exc:  # the split would not grow its pool: nothing moved
-        raise CannotGrow(str(exc)) from exc
+    if not checked:
+        await _check(groups, head, plan)
     adopted, exported = [], []
     for k, m in enumerate(plan.members[n_old:], start=n_old):
         try:

@@ -132,8 +132,9 @@ async def test_a_running_group_grows_while_requests_stream(
 
 def test_which_plans_grow_a_running_group():
     """The front door grows a running group only when the plan adds instances serving alone to
-    exactly that group; the head stays, the new members come last, the layers split again."""
-    from shunter.cluster.remote_grow import grown_plan, grows
+    exactly that group; the head stays, the new members come last, the layers split again. A
+    plan holding two running groups whole merges them."""
+    from shunter.cluster.remote_grow import grown_plan, grows, merges
 
     pair = GroupPlan(group_id=1, members=(1, 3), layers=stage_layers(LAYERS, 2))
     other = GroupPlan(group_id=2, members=(0, 2), layers=stage_layers(LAYERS, 2))
@@ -142,7 +143,12 @@ def test_which_plans_grow_a_running_group():
     assert grown_plan(pair, merge, LAYERS) == GroupPlan(
         group_id=3, members=(1, 3, 0), layers=(range(2), range(2, 4), range(4, 6)))
     both = GroupPlan(group_id=4, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
-    assert grows({1: pair, 0: other}, both) is None  # two running groups: not grown
+    assert grows({1: pair, 0: other}, both) is None  # two running groups: merged instead
+    assert merges({1: pair, 0: other}, both) == (other, pair)  # 0 leads the plan: its group
+    bigger = GroupPlan(group_id=6, members=(1, 3, 4), layers=stage_layers(LAYERS, 3))
+    alone = GroupPlan(group_id=7, members=(5, 0, 1, 2, 3, 4), layers=stage_layers(LAYERS, 6))
+    assert merges({1: bigger, 0: other}, alone) == (bigger, other)  # else the larger stays
+    assert merges({1: pair}, merge) is None and merges({1: pair, 0: other}, merge) is None
     part = GroupPlan(group_id=5, members=(1, 2), layers=stage_layers(LAYERS, 2))
     assert grows({1: pair}, part) is None  # a member of a running group taken alone
 
@@ -150,20 +156,25 @@ def test_which_plans_grow_a_running_group():
 @pytest.mark.anyio
 async def test_the_monitors_merge_with_a_running_group_grows_it(monkeypatch):
     """`RemoteGroups.act` on a drop whose plan merges a running group with an instance alone
-    calls the growth (before: refused, the queue moved instead); a merge of two running groups
-    is still refused."""
+    calls the growth (before: refused, the queue moved instead); one that merges two running
+    groups calls the merge (the group whose head leads the plan stays)."""
     import shunter.cluster.remote_grow as rg
     from engine.cluster.overload import Drop
     from shunter.cluster.remote_groups import RemoteGroups
 
-    grown = []
+    grown, merged = [], []
 
     async def fake_grow(groups, old, g):
         grown.append((old.members, g.members))
         if 3 in g.members:
             raise rg.CannotGrow("instance 0: the grown group's pool is not larger")
 
+    async def fake_merge(groups, stays, joins, g):
+        merged.append((stays.members, joins.members, g.members))
+        raise rg.Postponed("group (2, 3) does not fit its head's own pool yet")
+
     monkeypatch.setattr(rg, "grow", fake_grow)
+    monkeypatch.setattr(rg, "merge", fake_merge)
     groups = RemoteGroups([], coordinator=None, base_pools=[8] * 4, num_layers=LAYERS)
     groups.instances = [type("I", (), {"alive": True, "moved_to": {}})() for _ in range(4)]
     pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
@@ -181,7 +192,11 @@ async def test_the_monitors_merge_with_a_running_group_grows_it(monkeypatch):
     both = GroupPlan(group_id=4, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
     await groups.act(Drop(plan=None, new_groups=(both,)), [None] * 4)
     assert grown == [((0, 1), (0, 1, 2))]
-    assert groups.counters.events[-1]["event"] == "grow refused"
+    assert merged == [((0, 1), (2, 3), (0, 1, 2, 3))], merged
+    assert groups.counters.events[-1]["event"] == "merge postponed"  # asked again next round
+    led_by_2 = GroupPlan(group_id=6, members=(2, 3, 0, 1), layers=stage_layers(LAYERS, 4))
+    await groups.act(Drop(plan=None, new_groups=(led_by_2,)), [None] * 4)
+    assert merged[-1] == ((2, 3), (0, 1), (2, 3, 0, 1)), merged
     # a split the head refused (its pool would not grow) is not asked again every round
     groups.groups = {0: pair}
     uneven = GroupPlan(group_id=5, members=(0, 1, 3), layers=stage_layers(LAYERS, 3))

@@ -1,0 +1,113 @@
+"""Two running KunServe groups of torch instance processes merge (shunter/cluster/remote_grow.py
+`merge`): four instances of a tiny 8-layer Llama, two requests streaming on each; instances 0
+and 1 form a group (0-3 | 4-7), instances 2 and 3 another; then the plan merges them: group
+(2, 3) restores (instance 2 takes its layers and its four requests' KV back) and joins (0, 1)
+as instances serving alone do: instance 2 hands its four requests over with their KV, instance
+3 joins empty, the layers split again over the four (0-1 | 2-3 | 4-5 | 6-7). Every request goes
+on streaming across the three changes and its tokens equal transformers' greedy ones; once idle
+the merged group restores and every instance serves alone with its own pool.
+
+Groups are formed and merged by hand (the monitor's rules cannot fire), as in
+test_kunserve_torch_grow.py; requests are cancelled once each went 3 tokens past the merge.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import shunter
+from engine.cluster.drop_plan import GroupPlan
+from engine.cluster.plan import stage_layers
+from shunter.cluster.cluster import Cluster
+from tests.cluster.test_kunserve_torch_grow_faults import Streams
+from tests.reference import assert_matches, greedy_reference
+
+LAYERS = 8
+SOLO_BLOCKS = 96
+"""Two requests of at most 6 + 80 tokens (22 blocks each) per instance, and the four of the
+joining group at its head when it restores: they always fit."""
+
+
+@pytest.fixture(scope="module")
+def merge_model(tmp_path_factory):
+    from gpu.make_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("kunserve-merge-8l"), arch="llama",
+                              layers=LAYERS, hidden=64, heads=4, kv_heads=2, vocab=320, seed=5)
+
+
+@pytest.fixture(scope="module")
+def merge_config(merge_model, tmp_path_factory):
+    from engine.config import EngineConfig
+    from policies import policy_path
+
+    policy = tmp_path_factory.mktemp("kunserve-merge") / "kunserve_merge.policy"
+    policy.write_text(f'policy kunserve_merge extends "{policy_path("fcfs")}" {{\n'
+                      f'  dispatch round_robin\n'
+                      f'  overload drop when waiting > 100\n'
+                      f'  overload restore when waiting > 100\n}}\n')
+    return EngineConfig(model=merge_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
+                        block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
+
+
+@pytest.mark.anyio
+async def test_two_running_groups_merge_while_requests_stream(anyio_backend, merge_config,
+                                                              merge_model):
+    from shunter.cluster.launch import LocalLauncher
+    from shunter.cluster.remote_grow import merge
+
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    launcher = LocalLauncher("asyncio")
+    instances = [launcher.start_process(i, merge_config) for i in range(4)]
+    rng = random.Random(31)
+    prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(8)]
+    halves = stage_layers(LAYERS, 2)
+    a = GroupPlan(group_id=1, members=(0, 1), layers=halves)
+    b = GroupPlan(group_id=2, members=(2, 3), layers=halves)
+    try:
+        async with Cluster.start(merge_config, attach=instances,
+                                 monitor_interval_s=0.02) as cluster:
+            groups, run = cluster.groups, Streams(cluster, prompts)
+            with anyio.fail_after(180):
+                async with anyio.create_task_group() as tg:
+                    await run.start(tg)
+                    assert [len(i._live) for i in cluster.instances] == [2] * 4
+                    await groups.form(a)
+                    await groups.form(b)
+                    await run.past(run.marks())
+                    assert [len(i._live) for i in cluster.instances] == [4, 0, 4, 0]
+                    merged = await merge(groups, a, b, GroupPlan(
+                        group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4)))
+                    assert [len(i._live) for i in cluster.instances] == [8, 0, 0, 0]
+                    marks = run.marks()
+                    await run.past(marks)
+                    run.cancel()
+                stats = await groups.stats(0)
+                await cluster.wait_idle()
+                assert await groups.restore(0)
+                snap = await cluster.wait_idle()
+                after = await cluster.complete(prompts[0], shunter.SamplingParams(
+                    max_tokens=8, temperature=0))
+    finally:
+        launcher.shutdown(timeout_s=0)
+    events = groups.counters.events
+    print(f"\nmerge: {[e for e in events if e['event'] in ('group', 'restore', 'grow')]}; "
+          f"head {stats['head']['restore']}")
+    assert merged.members == (0, 1, 2, 3) and merged.layers == stage_layers(LAYERS, 4)
+    kinds = [e["event"] for e in events]
+    assert kinds == ["group", "group", "restore", "grow", "merge", "restore"], kinds
+    g = next(e for e in events if e["event"] == "grow")
+    assert g["adopted"] == 4 and g["adopted_with_kv"] == 4, g  # instance 2's, with their KV
+    formed = next(e for e in events if e["event"] == "group")
+    assert g["pool_blocks"] > formed["pool_blocks"], (g, formed)
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
+    assert [s.scheduler.free_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
+    for i, p in enumerate(prompts):
+        assert len(run.got[i]) >= marks[i] + 3, (i, marks[i], run.got[i])
+        assert_matches(run.got[i], greedy_reference(merge_model, p, len(run.got[i])),
+                       f"request {i}")
+    assert_matches(after.token_ids, greedy_reference(merge_model, prompts[0], 8), "after")
