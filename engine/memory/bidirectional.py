@@ -27,8 +27,6 @@ checkpoint space), which the caller must run in the order given and before the s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 from engine.memory.preemption_order import preemption_order
 from engine.memory.slot_owners import Block as _Block
 from engine.memory.slot_owners import Seq as _Seq
@@ -53,6 +51,7 @@ class BidirectionalBlocks(SlotQueries):
         self._free = list(reversed(block_ids))  # blocks with no owner at all
         self._be_only: set[int] = set()  # blocks with a BE owner and no RT one
         self._holed: set[int] = set()  # blocks whose `lost` may be non-empty (a superset)
+        self._displaced: set[int] = set()  # the blocks of displaced BE requests (kept, not rebuilt)
         self._free_host = list(reversed(range(host_slots)))
         self._seqs: dict[int, _Seq] = {}
         self.checkpointed_slots_total = 0
@@ -87,33 +86,6 @@ class BidirectionalBlocks(SlotQueries):
         """Blocks an RT request may still take: free ones and BE blocks without an RT guest."""
         return len(self._free) + len(self._be_only)
 
-    def table(self, rid: int) -> list[int]:
-        """The request's signed block table entries, in token order."""
-        return list(self._seqs[rid].table)
-
-    def entries(self, rid: int) -> list[int]:
-        """`table` without the copy (read only; it changes with the table)."""
-        return self._seqs[rid].table
-
-    def tokens(self, rid: int) -> int:
-        return self._seqs[rid].tokens
-
-    def is_reversed(self, rid: int) -> bool:
-        return self._seqs[rid].reverse
-
-    def displaced(self, rid: int) -> bool:
-        """Some of the request's KV is only on the host: it cannot run before `restore`."""
-        return bool((s := self._seqs[rid]).host) and not s.swapped
-
-    def swapped(self, rid: int) -> bool:
-        return self._seqs[rid].swapped
-
-    def holdings(self) -> Iterator[tuple[int, int, int]]:
-        """(request, device blocks, slots held only on the host) of every request."""
-        bs = self.block_size
-        return ((rid, 0 if s.swapped else -(-s.tokens // bs), len(s.host))
-                for rid, s in self._seqs.items())
-
     # ------------------------------------------------------------------------ placement
 
     def add(self, rid: int, *, reverse: bool) -> None:
@@ -136,8 +108,14 @@ class BidirectionalBlocks(SlotQueries):
         return [(bool(seqs[(x := xs[b]).be].host), len(x.lost) - x.be_fill, -b) for b in blocks]
 
     def _preemption_order(self, k: int) -> list[int]:
-        owners = [(s.table, bool(s.host)) for s in self._seqs.values() if s.reverse and s.table]
-        return preemption_order(k, self._be_only, self._holed, owners, self._preempt_keys)
+        last = [-s.table[-1] - 1 for s in self._seqs.values() if s.reverse and s.table]
+        return preemption_order(k, self._be_only, self._holed, last, self._displaced,
+                                self._preempt_keys)
+
+    def _undisplace(self, s: _Seq) -> None:
+        """s stops being displaced, or its blocks go (before `restore`, `swap_out`, `free`)."""
+        if s.reverse and s.host and s.table:
+            self._displaced.difference_update(map((-1).__sub__, s.table))
 
     def guest_block(self, slots: int) -> int | None:
         """Where a BE request's last block may go when no block is free (slot_owners.py)."""
@@ -235,6 +213,8 @@ class BidirectionalBlocks(SlotQueries):
         host slot first and marked overwritten (BROS §5.2, lazy checkpointing)."""
         be, bs, out = self._seqs[x.be], self.block_size, []
         index = be.table.index(encode(block, True))  # a BE table's entries are all reversed
+        if not be.host:  # it becomes displaced here (its table changes only once it is not)
+            self._displaced.update(map((-1).__sub__, be.table))
         for offset in offsets:
             if offset >= bs - x.be_fill and offset not in x.lost:
                 host = self._free_host.pop()
@@ -279,6 +259,7 @@ class BidirectionalBlocks(SlotQueries):
         s = self._seqs[rid]
         if not self.can_restore(rid):
             raise BidirectionalError(f"request {rid} cannot be restored now")
+        self._undisplace(s)
         bs, move, into = self.block_size, [], []
         for j in self._host_blocks(s):
             old, _ = decode(s.table[j])
@@ -315,6 +296,7 @@ class BidirectionalBlocks(SlotQueries):
         s = self._seqs[rid]
         if not self.can_swap_out(rid):
             raise BidirectionalError(f"request {rid} cannot be swapped out now")
+        self._undisplace(s)
         out = []
         for pos in range(s.tokens):
             if pos not in s.host:
@@ -358,6 +340,7 @@ class BidirectionalBlocks(SlotQueries):
     def free(self, rid: int) -> None:
         """The request ends: its slots and host checkpoints go back."""
         s = self._seqs.pop(rid)
+        self._undisplace(s)
         self._release_all(s)
         self._free_host.extend(s.host.values())
 

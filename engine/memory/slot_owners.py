@@ -43,6 +43,33 @@ class SlotQueries:
     _seqs: dict[int, Seq]
     _blocks: dict[int, Block]
 
+    def table(self, rid: int) -> list[int]:
+        """The request's signed block table entries, in token order."""
+        return list(self._seqs[rid].table)
+
+    def entries(self, rid: int) -> list[int]:
+        """`table` without the copy (read only; it changes with the table)."""
+        return self._seqs[rid].table
+
+    def tokens(self, rid: int) -> int:
+        return self._seqs[rid].tokens
+
+    def is_reversed(self, rid: int) -> bool:
+        return self._seqs[rid].reverse
+
+    def displaced(self, rid: int) -> bool:
+        """Some of the request's KV is only on the host: it cannot run before `restore`."""
+        return bool((s := self._seqs[rid]).host) and not s.swapped
+
+    def swapped(self, rid: int) -> bool:
+        return self._seqs[rid].swapped
+
+    def holdings(self) -> Iterator[tuple[int, int, int]]:
+        """(request, device blocks, slots held only on the host) of every request."""
+        bs = self.block_size
+        return ((rid, 0 if s.swapped else -(-s.tokens // bs), len(s.host))
+                for rid, s in self._seqs.items())
+
     def checkpointed_slots(self, rid: int) -> int:
         """Slots of the request held only on the host."""
         return len(self._seqs[rid].host)
