@@ -40,6 +40,7 @@ from gpu.block_map import BlockMap
 from gpu.data_plane import (
     CONTROL_TAG,
     REPLY_TAG,
+    WEIGHTS_TAG,
     GroupMemberLost,
     data_plane,
     new_channel_key,
@@ -62,18 +63,13 @@ from gpu.group_stage import (
     start_transfers,
 )
 from gpu.kv_exchange import send_transfers
-from gpu.stage_view import (
-    DropState,
-    StageView,
-    dropped_ranges,
-    elem_range,
-    group_pool_blocks,
-    kept_weight_ranges,
-    serve_stage,
-)
+from gpu.stage_view import group_pool_blocks, redrop_layers  # noqa: F401 (tests import it here)
 
 GROW_EPOCH = 2
 """First tag epoch of a growth's exchange (0: forming, 1: restoring)."""
+PEER_GAINS = True
+"""The layers an old member gains come from the first new member over the grown group's
+channel (it holds every layer until it joins); False: from each one's host copy."""
 
 
 FAULT_ENV = "SHUNTER_TEST_FAULT"
@@ -97,6 +93,8 @@ class GrowStats:
 
     weights_restored: int = 0
     """Dropped weights copied back from the host copy."""
+    weights_from_peer: int = 0
+    """Gained weights received from a new member (`GroupStart.gain_from`)."""
     weights_saved: int = 0
     """Newly dropped weights copied to the host (the next restore's copy)."""
     kv_local: int = 0
@@ -141,8 +139,16 @@ class ResplitStage(GroupStage):
         stay = overlap(was, self.keep)
         local = {s.request_id: held(s.table, stay) for s in start.seqs if s.table and len(stay)}
         self.grown.kv_local = sum(x.numel() * x.element_size() for x in local.values())
+        fill = None
+        if start.gain_from >= 0:  # the layers gained, from the new member holding every one
+            src = start.ranks[start.gain_from]
+
+            def fill(blocks: range, dst: torch.Tensor) -> None:
+                plane.recv_tensor(dst, src, WEIGHTS_TAG, "its gained layers were being sent")
+                self.grown.weights_from_peer += dst.numel() * dst.element_size()
+
         self.drop, self.grown.weights_restored, self.grown.weights_saved = redrop_layers(
-            model, self.keep)
+            model, self.keep, fill)
         self.map = BlockMap(self.drop.view, start.group)
         self.seqs = {}
         for s in start.seqs:
@@ -164,65 +170,20 @@ class ResplitStage(GroupStage):
         self._hidden = model.config.hidden_size
 
 
-def redrop_layers(model, keep: range) -> tuple[DropState, int, int]:
-    """A dropped model keeps `keep` instead of the range it keeps now, copying only what
-    changes: the layers it gains come back from its host copy, the layers it drops now go to the
-    host; the host copy of a layer dropped before and after stays as it is (a slice of it, not a
-    copy: the host copy is then in pieces). Returns the new state, the bytes written back and
-    the bytes saved to the host. The KV in the old view is overwritten (read it first)."""
-    state: DropState = model.drop_state
-    arena, L = model.arena, model.config.num_layers
-    layout, per = arena.layout, arena.layout.block_elems
-    if keep.step != 1 or not 0 <= keep.start < keep.stop <= L:
-        raise ValueError(f"keep must be a contiguous range within 0..{L}, got {keep}")
+def await_abandon(head_rank: int, exc: GroupMemberLost) -> None:
+    """A member that found another lost while the group grew waits for the head's
+    `GroupAbandon` (the head finds the loss too; left unread, the head's send of it hangs until
+    gloo's timeout), answering any step sent before it with the loss (the head then finds it)."""
+    from gpu.pipeline_stage import StageStep
 
-    def span(layers: range) -> range:
-        return range(layout.layer_blocks[layers.start].start,
-                     layout.layer_blocks[layers.stop - 1].stop)
-
-    def held(blocks: range) -> torch.Tensor:  # the host copy's elements of `blocks` (a view)
-        for (first, stop), saved in state.host_copy.items():
-            if first <= blocks.start and blocks.stop <= stop:
-                return saved[(blocks.start - first) * per:(blocks.stop - first) * per]
-        raise KeyError(f"blocks {blocks} are in no host copy of the dropped layers")
-
-    restored = saved_bytes = freed = 0
-    for run in _runs(keep, lambda i: i in state.keep):
-        if run.start not in state.keep:  # gained: back from the host copy
-            src = held(span(run))
-            arena.buffer[elem_range(arena, span(run))].copy_(src)
-            restored += src.numel() * src.element_size()
-    host = {}
-    pin = arena.device.type == "cuda"
-    for layers, _ in dropped_ranges(layout, L, keep):
-        for run in _runs(layers, lambda i: i in state.keep):
-            b = span(run)
-            part = arena.buffer[elem_range(arena, b)]
-            freed += part.numel() * part.element_size()
-            if run.start in state.keep:  # dropped now: to the host, then freed
-                host[(b.start, b.stop)] = part.to("cpu", copy=True).pin_memory() if pin \
-                    else part.clone()
-                part.zero_()
-                saved_bytes += part.numel() * part.element_size()
-            else:
-                host[(b.start, b.stop)] = held(b)
-    view = StageView(model.config, arena.block_size, arena.total_blocks,
-                     kept_weight_ranges(layout, keep), keep)
-    new = DropState(keep=keep, view=view, all_layers=state.all_layers, host_copy=host,
-                    freed_bytes=freed)
-    serve_stage(model, new)
-    return new, restored, saved_bytes
-
-
-def _runs(layers: range, key) -> list[range]:
-    """`layers` cut into maximal runs on which `key` does not change."""
-    out: list[range] = []
-    for i in layers:
-        if out and key(i) == key(out[-1].start) and out[-1].stop == i:
-            out[-1] = range(out[-1].start, i + 1)
-        else:
-            out.append(range(i, i + 1))
-    return out
+    try:
+        while not isinstance(msg := recv_obj(head_rank, CONTROL_TAG, "the group was growing"),
+                             GroupAbandon):
+            if isinstance(msg, StageStep):
+                send_obj(MemberReply(step_id=msg.step.step_id, error=str(exc), lost=exc.rank),
+                         head_rank, REPLY_TAG, "answering a step")
+    except GroupMemberLost:  # the head is gone as well
+        pass
 
 
 def take_generators(stage: GroupStage, states) -> None:
@@ -252,12 +213,9 @@ def regrow_member(stage: GroupStage, start: GroupStart, head_rank: int) -> Group
     fault_point("grow-go", stage.plane.rank)
     try:
         new = ResplitStage(stage, start, start.ranks.index(stage.plane.rank))
-    except GroupMemberLost as exc:  # another member is gone (it never opened the grown
-        if exc.rank != head_rank:  # channel): the head finds it too and lets every member go;
-            try:  # its `GroupAbandon` is read here (left unread, it would end this instance's
-                recv_obj(head_rank, CONTROL_TAG, "the group was growing")  # next group with
-            except GroupMemberLost:  # that head at its start)
-                pass
+    except GroupMemberLost as exc:  # another member is gone: the head lets every member go
+        if exc.rank != head_rank:
+            await_abandon(head_rank, exc)
         raise
     take_generators(new, go.generator_states)
     return new
@@ -355,7 +313,8 @@ def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
                             sampling=s.sampling) for rid, s in stage.seqs.items()),
         chunk_blocks=group.chunk_blocks, microbatches=2 * len(ranks),
         kv_exchange=group.kv_exchange, held=group.layers + (range(0),) * (len(ranks) - n_old),
-        epoch=GROW_EPOCH + (group.grows - 1) % 14, channel=new_channel_key(data_plane()))
+        epoch=GROW_EPOCH + (group.grows - 1) % 14, channel=new_channel_key(data_plane()),
+        gain_from=n_old if PEER_GAINS else -1)
     states = _start_all(start, group.ranks)
     for rank in ranks[1:]:
         send_obj(GroupGo(generator_states=states), rank, CONTROL_TAG, "the group was growing")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import attrs
 
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
-from gpu.group_grow import fault_point, regrow_member, take_generators
+from gpu.group_grow import await_abandon, fault_point, regrow_member, take_generators
 from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
@@ -61,10 +61,10 @@ def serve_member(solo, head_rank: int) -> dict:
         stage = GroupStage(solo._model, plane, start, me, solo._seqs)
     except GroupMemberLost as exc:  # a member never opened the group's channel: none started
         solo._seqs.clear()  # the requests handed over are the head's now
-        try:  # the head, whose channel failed too, lets every member go
-            recv_obj(head_rank, CONTROL_TAG, "the group was formed")
-        except GroupMemberLost:
-            pass
+        if exc.rank != head_rank:  # the head finds it too and lets every member go
+            await_abandon(head_rank, exc)
+        if getattr(solo._model, "drop_state", None) is not None:  # it failed after its drop
+            restore_layers(solo._model)
         return {"abandoned": f"the group was not formed: {exc}", "formed": False}
     take_generators(stage, go.generator_states)  # joining a running group as its last stage
     solo._seqs.clear()
@@ -114,6 +114,7 @@ def serve_member(solo, head_rank: int) -> dict:
         return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
                 "copied_blocks": stage.map.copied_blocks,
+                "weights_sent": getattr(stage, "weights_sent", 0),
                 "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None}
 
 

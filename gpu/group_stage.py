@@ -30,7 +30,7 @@ from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
 from gpu.sampler import make_generator
-from gpu.stage_view import drop_layers
+from gpu.stage_view import drop_layers, send_gained
 
 
 @attrs.frozen(kw_only=True)
@@ -90,6 +90,10 @@ class GroupStart:
     """A running group grows (gpu/group_grow.py): the layers whose KV of every request in
     `seqs` member k holds now (empty for a member joining); () when a group forms: the head
     holds all of its requests' layers."""
+    gain_from: int = -1
+    """A group that grows: the member (a new one: it holds every layer) that sends each old
+    member the layers it gains, over the channel before it drops its own (`send_gained`); -1:
+    each gains them from its host copy."""
     epoch: int = 0
     """The exchange's tag epoch (gpu/kv_exchange.py): 0 forming, 1 restoring, 2+ growing."""
     channel: str = ""
@@ -221,6 +225,7 @@ class GroupStage:
             return arena.kv[idx][:, t.layers.start:t.layers.stop].to("cpu")
 
         plane.queue.fifo = start.kv_exchange == "fifo"
+        self.weights_sent = send_gained(plane, model, start) if me == start.gain_from else 0
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                        gather, self.stats)
         self.drop = drop_layers(model, self.keep)

@@ -181,3 +181,99 @@ def restore_layers(model, fill=None) -> None:
     model._kv = tuple(arena.layer_kv(i) for i in range(model.config.num_layers))
     model.first_stage = model.last_stage = True
     model.drop_state = None
+
+
+def gained(start) -> list[tuple[int, range]]:
+    """(old member, layers) it keeps now and held no weights of (a growing group's re-split;
+    `start`: its `GroupStart`, gpu/group_stage.py)."""
+    out = []
+    for k, h in enumerate(start.held):
+        if len(h):
+            keep = start.layers[k]
+            out += [(k, r) for r in (range(keep.start, min(keep.stop, h.start)),
+                                     range(max(keep.start, h.stop), keep.stop)) if len(r)]
+    return out
+
+
+def send_gained(plane, model, start) -> int:
+    """This member (it holds every layer) sends each old member the weights of the layers it
+    gains, and waits until they went (it drops its own next). Returns the bytes sent."""
+    from gpu.data_plane import WEIGHTS_TAG
+
+    arena, sent = model.arena, 0
+    lb = arena.layout.layer_blocks
+    for k, run in gained(start):
+        part = arena.buffer[elem_range(arena, range(lb[run.start].start, lb[run.stop - 1].stop))]
+        plane.queue.put(part, dst=start.ranks[k], tag=WEIGHTS_TAG, kind="kv")
+        sent += part.numel() * part.element_size()
+    try:
+        plane.queue.flush()
+    except RuntimeError as exc:  # the sending thread failed: a receiver went away
+        from gpu.data_plane import GroupMemberLost
+
+        raise GroupMemberLost(-1, "the layers its members gain were being sent", exc) from exc
+    return sent
+
+
+def redrop_layers(model, keep: range, fill=None) -> tuple[DropState, int, int]:
+    """A dropped model keeps `keep` instead of the range it keeps now, copying only what
+    changes: the layers it gains come back from its host copy (or `fill(blocks, dst)`: a peer's
+    copy received into place, each contiguous run of them at once), the layers it drops now go
+    to the host; the host copy of a layer dropped before and after stays as it is (a slice of it, not a
+    copy: the host copy is then in pieces). Returns the new state, the bytes written back and
+    the bytes saved to the host. The KV in the old view is overwritten (read it first)."""
+    state: DropState = model.drop_state
+    arena, L = model.arena, model.config.num_layers
+    layout, per = arena.layout, arena.layout.block_elems
+    if keep.step != 1 or not 0 <= keep.start < keep.stop <= L:
+        raise ValueError(f"keep must be a contiguous range within 0..{L}, got {keep}")
+
+    def span(layers: range) -> range:
+        return range(layout.layer_blocks[layers.start].start,
+                     layout.layer_blocks[layers.stop - 1].stop)
+
+    def held(blocks: range) -> torch.Tensor:  # the host copy's elements of `blocks` (a view)
+        for (first, stop), saved in state.host_copy.items():
+            if first <= blocks.start and blocks.stop <= stop:
+                return saved[(blocks.start - first) * per:(blocks.stop - first) * per]
+        raise KeyError(f"blocks {blocks} are in no host copy of the dropped layers")
+
+    restored = saved_bytes = freed = 0
+    for run in _runs(keep, lambda i: i in state.keep):
+        if run.start not in state.keep and fill is not None:  # gained: from a peer
+            fill(span(run), arena.buffer[elem_range(arena, span(run))])
+        elif run.start not in state.keep:  # gained: back from the host copy
+            src = held(span(run))
+            arena.buffer[elem_range(arena, span(run))].copy_(src)
+            restored += src.numel() * src.element_size()
+    host = {}
+    pin = arena.device.type == "cuda"
+    for layers, _ in dropped_ranges(layout, L, keep):
+        for run in _runs(layers, lambda i: i in state.keep):
+            b = span(run)
+            part = arena.buffer[elem_range(arena, b)]
+            freed += part.numel() * part.element_size()
+            if run.start in state.keep:  # dropped now: to the host, then freed
+                host[(b.start, b.stop)] = part.to("cpu", copy=True).pin_memory() if pin \
+                    else part.clone()
+                part.zero_()
+                saved_bytes += part.numel() * part.element_size()
+            else:
+                host[(b.start, b.stop)] = held(b)
+    view = StageView(model.config, arena.block_size, arena.total_blocks,
+                     kept_weight_ranges(layout, keep), keep)
+    new = DropState(keep=keep, view=view, all_layers=state.all_layers, host_copy=host,
+                    freed_bytes=freed)
+    serve_stage(model, new)
+    return new, restored, saved_bytes
+
+
+def _runs(layers: range, key) -> list[range]:
+    """`layers` cut into maximal runs on which `key` does not change."""
+    out: list[range] = []
+    for i in layers:
+        if out and key(i) == key(out[-1].start) and out[-1].stop == i:
+            out[-1] = range(out[-1].start, i + 1)
+        else:
+            out.append(range(i, i + 1))
+    return out

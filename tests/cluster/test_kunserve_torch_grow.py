@@ -115,6 +115,12 @@ async def test_a_running_group_grows_while_requests_stream(
             await cluster.wait_idle()
             assert await groups.restore(0)
             snap = await cluster.wait_idle()
+            members = []
+            with anyio.fail_after(30):  # each member's stats once it left the group
+                for i in (1, 2):
+                    while (await groups.stats(i))["member"] is None:
+                        await anyio.sleep(0.01)
+                    members.append((await groups.stats(i))["member"])
             after = await cluster.complete(prompts[0], shunter.SamplingParams(
                 max_tokens=8, temperature=0))
     events = {e["event"]: e for e in groups.counters.events}
@@ -124,6 +130,10 @@ async def test_a_running_group_grows_while_requests_stream(
     assert g["adopted"] == 2 and g["adopted_with_kv"] == 2, g
     assert g["exchanging"] >= 4 and g["pool_blocks"] > events["group"]["pool_blocks"], g
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 3
+    # member 1 gains layer 2 (0-2 | 3-5 -> 0-1 | 2-3 | 4-5) from new member 2, not its host copy
+    gained = members[0]["grown"]
+    assert gained["weights_from_peer"] > 0 and gained["weights_restored"] == 0, gained
+    assert members[1]["weights_sent"] == gained["weights_from_peer"], members
     for i, p in enumerate(prompts):
         assert len(got[i]) >= marks[i] + 3, (i, marks[i], got[i])
         assert_matches(got[i], greedy_reference(grow_model, p, len(got[i])), f"request {i}")

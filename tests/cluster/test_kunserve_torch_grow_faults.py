@@ -50,8 +50,8 @@ class Streams:
     """Requests streaming into `got`, started one after the other (round robin: one turn
     each), cancelled by `cancel()`."""
 
-    def __init__(self, cluster: Cluster, prompts) -> None:
-        self.cluster, self.prompts = cluster, prompts
+    def __init__(self, cluster: Cluster, prompts, max_tokens: int = RUN_TOKENS) -> None:
+        self.cluster, self.prompts, self.max_tokens = cluster, prompts, max_tokens
         self.got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         self.scopes: dict[int, anyio.CancelScope] = {}
 
@@ -64,7 +64,7 @@ class Streams:
     async def _one(self, i: int, started: anyio.Event) -> None:
         with anyio.CancelScope() as self.scopes[i]:
             async with self.cluster.generate(self.prompts[i], shunter.SamplingParams(
-                    max_tokens=RUN_TOKENS, temperature=0)) as stream:
+                    max_tokens=self.max_tokens, temperature=0)) as stream:
                 async for chunk in stream:
                     assert chunk.error is None, (i, chunk.error)
                     self.got[i] += chunk.token_ids
