@@ -32,7 +32,6 @@ import pickle
 import signal
 import socket
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
@@ -41,6 +40,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from gpu.plane_links import Held, Watch
 from gpu.transfer import Sender, TransferQueue
 
 FAULT_ENV = "SHUNTER_TEST_FAULT"
@@ -92,58 +92,6 @@ class DataPlane:
         return [] if self.watch is None else self.watch.lost(ranks)
 
 
-class Watch:
-    """Whether the other instances of the world still run: one TCP connection to each, made as
-    the world is joined and never written to. A process that ends (killed included) has its
-    kernel close its sockets, so the connection to it reads end-of-stream at its peers at once,
-    whatever host they are on; `lost` reads that without blocking. (A host that goes down
-    without closing them is found only by the timeouts.)"""
-
-    def __init__(self, store: dist.Store, rank: int, world_size: int, address: str,
-                 timeout_s: float) -> None:
-        family = socket.AF_INET6 if ":" in address else socket.AF_INET
-        self._listener = socket.create_server((address, 0), family=family,
-                                              backlog=max(1, world_size))
-        self._accepted: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True, name="data-plane-watch").start()
-        host, port = self._listener.getsockname()[:2]
-        store.set(f"shunter/watch/{rank}", f"{host} {port}")
-        self._peers: dict[int, socket.socket] = {}
-        for r in range(world_size):
-            if r != rank:
-                peer_host, peer_port = store.get(f"shunter/watch/{r}").decode().split()
-                conn = socket.create_connection((peer_host, int(peer_port)), timeout=timeout_s)
-                conn.setblocking(False)
-                self._peers[r] = conn
-        self._lost: set[int] = set()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:  # closed: the instance left the data plane
-                return
-            self._accepted.append(conn)  # held open while this process lives
-
-    def lost(self, ranks: Sequence[int]) -> list[int]:
-        for r in ranks:
-            conn = self._peers.get(r)
-            if conn is None or r in self._lost:
-                continue
-            try:
-                if conn.recv(1, socket.MSG_PEEK) == b"":
-                    self._lost.add(r)
-            except BlockingIOError:  # nothing to read: it still runs
-                pass
-            except OSError:  # reset
-                self._lost.add(r)
-        return [r for r in ranks if r in self._lost]
-
-    def close(self) -> None:
-        for conn in [self._listener, *self._peers.values(), *self._accepted]:
-            conn.close()
-
-
 Receiver = Callable[[torch.Tensor, int, int], None]
 """(tensor, source rank, tag): receives one tensor into `tensor`."""
 
@@ -161,6 +109,8 @@ class Channel:
         self.queue = TransferQueue(send)
         self._recv = recv
         self._pg = pg
+        self.held: Held | None = None
+        """The process group as `open_channel`'s send and receive reach it (see `close`)."""
 
     def recv_tensor(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
         try:
@@ -171,11 +121,14 @@ class Channel:
     def close(self, *, broken: bool = False) -> None:
         """The group is over. `broken`: it ended without its last transfers (a member was
         lost): a sending thread blocked for good is not waited for, and the process group is
-        aborted; what it left posted can never match anything again."""
+        aborted and let go (`Held.release`); what it left posted can never match anything
+        again."""
         self.queue.close(timeout=0.0 if broken else 5.0)
         if broken and self._pg is not None:
             self._pg.abort()
         self._pg = None
+        if broken and self.held is not None:
+            self.held.release()
 
 
 _plane: DataPlane | None = None
@@ -211,13 +164,18 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
 
     wait = datetime.timedelta(seconds=plane.timeout_s)  # the group was made with the shorter
 
+    held = Held(pg, f"the group {ranks}'s channel")
+
     def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
-        pg.send([tensor], member(dst), tag).wait(wait)
+        held.run(lambda g: g.send([tensor], member(dst), tag), wait)
 
     def recv(tensor: torch.Tensor, src: int, tag: int) -> None:
-        pg.recv([tensor], member(src), tag).wait(wait)
+        held.run(lambda g: g.recv([tensor], member(src), tag), wait)
 
-    return Channel(ranks, plane.rank, send, recv, pg)
+    channel = Channel(ranks, plane.rank, send, recv, pg)
+    channel.held = held
+    del pg
+    return channel
 
 
 def fault_point(point: str, rank: int) -> None:

@@ -1,8 +1,10 @@
 """A pipeline group's channel (gpu/data_plane.py `open_channel`), two ranks of the data plane in
 one process (threads) over a TCPStore: members address each other by world rank, a rank outside
 the group is refused by name, and a member that never opens the channel (it died after its
-`GroupGo`) costs the others `channel_open_s`, not the plane's whole `timeout_s`. Planted bug
-checked by hand: the channel opened with `timeout_s` (60 s) fails the last test's bound."""
+`GroupGo`; planes without a watch, as here) costs the others `channel_open_s`, not the plane's
+whole `timeout_s`, and a channel closed as broken ends what its peer still waits for at once.
+Planted bugs checked by hand: the channel opened with `timeout_s` (60 s) fails the third test's
+bound; a broken channel's process group kept fails the last."""
 
 from __future__ import annotations
 
@@ -69,3 +71,30 @@ def test_a_member_that_never_opens_costs_the_others_channel_open_s():
         assert isinstance(got, GroupMemberLost), got
         assert "the group (0, 1, 2)'s channel was being opened" in str(got), got
     assert waited < 30, f"the members waited {waited:.1f} s (the plane's timeout is 60 s)"
+
+
+def test_a_broken_close_ends_what_the_peer_still_waits_for():
+    """Member 1 waits for a tensor member 0 never sends (a group broke while its exchange ran);
+    member 0 closes the channel as broken: its process group is let go, gloo closes its
+    connections, and member 1's receive ends at once ("Connection closed by peer") instead of
+    after the plane's `timeout_s`. Planted bug checked by hand: `Held.release` not letting the
+    process group go leaves the receive waiting the whole 20 s."""
+    planes = _planes(2, timeout_s=20.0)
+    a, b = _open_all(planes, "0.3", (0, 1))
+    ended: dict = {}
+
+    def stale() -> None:
+        began = time.perf_counter()
+        try:
+            b.recv_tensor(torch.zeros(4), 0, 9, "a test")
+        except GroupMemberLost as exc:
+            ended.update(after=time.perf_counter() - began, why=str(exc))
+
+    waiting = threading.Thread(target=stale)
+    waiting.start()
+    time.sleep(0.5)
+    a.close(broken=True)  # `a` is kept, as a broken group's stage keeps its channel
+    waiting.join(timeout=40)
+    b.close(broken=True)
+    assert ended and ended["after"] < 5.0, ended
+    assert "Connection closed by peer" in ended["why"], ended
