@@ -24,6 +24,10 @@ import pytest
 
 from shunter.cluster.cluster import Cluster
 from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
+from tests.cluster.test_kunserve_torch_faults import (  # noqa: F401 (fixtures)
+    by_hand_config,
+    fifo_config,
+)
 from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _long_then_burst, _prompt
 from tests.reference import assert_matches, greedy_reference
 
@@ -94,3 +98,24 @@ async def test_a_group_forms_across_hosts_with_transformers_outputs(
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
                             *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
+
+
+@pytest.mark.anyio
+async def test_a_member_dead_as_it_opens_the_channel_is_seen_across_hosts(
+        anyio_backend, netns_hosts, by_hand_config, kunserve_model, monkeypatch):  # noqa: F811
+    """test_kunserve_torch_channel_open.py's case with the two instances on two hosts: the
+    head's watch connection to the member, across the bridge, ends as the member's process is
+    killed, and the group is given up at once."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    from shunter.cluster.launch import LocalLauncher
+    from tests.cluster.test_kunserve_torch_channel_open import given_up, start_doomed
+
+    with netns_hosts(2) as hosts:
+        launcher = LocalLauncher("asyncio", hosts=list(zip(hosts.names, hosts.addresses)))
+        try:
+            instances = start_doomed(launcher, by_hand_config, monkeypatch)
+            took = await given_up(by_hand_config, instances, kunserve_model)
+        finally:
+            launcher.shutdown(timeout_s=10)
+    print(f"\nacross hosts {hosts.addresses}: given up {took:.2f} s after `form` began")
