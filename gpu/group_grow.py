@@ -7,8 +7,10 @@ stays the head, the new members come last).
 Every old member re-splits: it reads the KV it holds of every live request (its old layers)
 to the host, sends the layers another member keeps now over the data plane (the exchange of
 group formation, activations first, on the grown group's own channel), changes the layers it
-keeps (`redrop_layers`: only the layers it gains come back from its host copy and only those it
-drops now go to the host; its host copy of the others stays as it is), views its arena again for
+keeps (`redrop_layers`: only the layers it gains come in, from the first new member over the
+channel (it holds every layer until it joins: `GroupStart.gain_from`; `PEER_GAINS` False: from
+its host copy), and only those it drops now go to the host; its host copy of the others stays as
+it is), views its arena again for
 its new range (new stage view and block map) and writes the KV of the layers it keeps back into
 its new blocks. The new member C joins as a member joins a forming group
 (gpu/group_member.py), receiving its layers of every request from those that held them, and
@@ -23,7 +25,9 @@ layers each member holds now); each old member answers with the seeded generator
 with (the last stage moves to C); the head then sends `GroupGo` carrying those generators, and
 everyone re-splits. The head refuses to grow while the group's previous exchange has not
 settled (a request still waiting for its KV, or adopted and not yet set up): the caller tries
-later.
+later. A member lost meanwhile: the head recovers from its host copy in the same call and lets
+every member go (`KunServeTorchRunner.grow`); a member that finds the loss waits for that
+`GroupAbandon` (`await_abandon`).
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ channel (it holds every layer until it joins); False: from each one's host copy.
 FAULT_ENV = "SHUNTER_TEST_FAULT"
 """Tests' fault injection: `<point>@<rank>` makes the instance of that data-plane rank SIGKILL
 itself when it reaches `point` of a growth (`grow-go`: a member, its `GroupGo` received, before
-it re-splits or joins). Read when the point is reached; unset, nothing happens."""
+it re-splits or joins; `grow-joined`: a new member, once it joined and sent the gained layers). Read when the point is reached; unset, nothing happens."""
 
 
 def fault_point(point: str, rank: int) -> None:

@@ -66,6 +66,8 @@ def serve_member(solo, head_rank: int) -> dict:
         if getattr(solo._model, "drop_state", None) is not None:  # it failed after its drop
             restore_layers(solo._model)
         return {"abandoned": f"the group was not formed: {exc}", "formed": False}
+    if start.held:
+        fault_point("grow-joined", plane.rank)
     take_generators(stage, go.generator_states)  # joining a running group as its last stage
     solo._seqs.clear()
     while True:

@@ -226,10 +226,11 @@ class KunServeTorchRunner(TorchRunner):
             if w.request_id in self._kv_lost:  # scheduled before the engine learnt of it
                 raise GroupLost(f"request {w.request_id} lost its KV with its pipeline group "
                                 f"({self.lost}): recomputed", self.num_blocks)
-        for u in step.blocks:
-            if any(b not in solo for b in u.append):
-                raise RuntimeError(f"block ids beyond this instance's own pool {solo} while its "
-                                   f"group's pool is let go ({self.lost})")
+        for u in step.blocks:  # scheduled on a group pool the engine learnt of after the loss
+            if any(b not in solo for b in u.append):  # (a growth's `Regroup` came after it):
+                raise GroupLost(f"block ids beyond this instance's own pool {solo} while its "
+                                f"group's pool is let go ({self.lost}): every request is "
+                                f"recomputed with its own pool", self.num_blocks)
 
 
 class GroupLost(RuntimeError):

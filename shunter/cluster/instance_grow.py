@@ -80,7 +80,7 @@ async def grow_here(ig, msg, tg) -> dict:
     for (_, mv), q in zip(msg.adopted, reqs, strict=True):
         await ig.server.cancel_if_asked(mv.cluster_key, q.id)
     await ig.watch_arrivals({q.id for q in waiting}, tg)
-    grown = runner.group.grow_stats
+    grown = (runner.group or runner.last_group).grow_stats  # (a step may have found it broken)
     log.info("group grew", members=plan.members, pool_blocks=len(pool), settle_tries=tries)
     return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
             "exchanging": len(waiting), "settle_tries": tries,
