@@ -39,9 +39,9 @@ async def _burst(policy: str, n: int = 40):
                 for i in range(n):
                     tg.start_soon(one, i)
             snap = await cluster.wait_idle()
-            # low load: 2 calm seconds (kunserve.policy's hold), then the restore
+            # low load: 4 calm seconds (kunserve.policy's hold), then the restore
             # copies 8 GB of layers per link (1 s)
-            await anyio.sleep(5.0)
+            await anyio.sleep(7.0)
             after = await cluster.inspect()
         return ends, snap, after, cluster.groups
 

@@ -118,19 +118,20 @@ def test_groups_restore_on_the_whole_cluster_s_load_against_its_pre_drop_capacit
     assert m.decide(later, ALIVE) == Restore(heads=(2,))
 
 
-def test_kunserve_restores_only_after_2_calm_seconds():
-    """The shipped policy's hold (policies/kunserve.policy): a lull shorter than 2 s of the
-    monitor's clock restores nothing (a surge right after it would meet instances alone); at
-    50 ms rounds the 41st calm round running does, counted again after any round above half."""
+def test_kunserve_restores_only_after_4_calm_seconds():
+    """The shipped policy's hold (policies/kunserve.policy, round 8): a lull shorter than 4 s
+    of the monitor's clock restores nothing (a surge right after it would meet instances
+    alone); at 50 ms rounds the 81st calm round running does, counted again after any round
+    above half."""
     m = _monitor(text=None)
     m.formed(GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32))))
     calm = [_stats(used=90, total=600), None, _stats(used=10), _stats(used=10)]  # 27.5%
     busy = [_stats(used=90, total=600), None, _stats(used=95), _stats(used=95)]  # 70%
-    t = [0.05 * k for k in range(81)]
-    assert [m.decide(calm, ALIVE, now=t[k]) for k in range(39)] == [None] * 39  # 0-1.9 s
-    assert m.decide(busy, ALIVE, now=t[39]) is None
-    assert [m.decide(calm, ALIVE, now=t[k]) for k in range(40, 80)] == [None] * 40  # 2-3.95 s
-    assert m.decide(calm, ALIVE, now=t[80]) == Restore(heads=(0,))  # 2 s after the lull began
+    t = [0.05 * k for k in range(161)]
+    assert [m.decide(calm, ALIVE, now=t[k]) for k in range(79)] == [None] * 79  # 0-3.9 s
+    assert m.decide(busy, ALIVE, now=t[79]) is None
+    assert [m.decide(calm, ALIVE, now=t[k]) for k in range(80, 160)] == [None] * 80  # 4-7.95 s
+    assert m.decide(calm, ALIVE, now=t[160]) == Restore(heads=(0,))  # 4 s after the lull began
 
 
 HOLD_2S = ('policy hold_2s extends "kunserve.policy" {\n'
