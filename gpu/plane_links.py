@@ -71,7 +71,8 @@ class Held:
     nothing holds it, gloo closes its connections, and what a peer still waits for on them ends
     at once ("Connection closed by peer") instead of after gloo's timeout. While one of ours
     waits in it (for a peer that will not send), it is let go when that wait ends (the timeout):
-    let go under a waiting operation, the process group's end hung the thread letting it go."""
+    a waiting operation keeps gloo's side alive anyway (let go under one, in a two-process
+    check, neither end's wait ended before the timeout)."""
 
     def __init__(self, pg: Any, what: str) -> None:
         self._pg, self._what = pg, what
