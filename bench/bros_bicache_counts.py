@@ -177,7 +177,62 @@ def _count_preempt(p: Any, phase: Any, args: Any, out: Any) -> Any:
     return None
 
 
+def _count_iteration(p: Any, phase: Any, args: Any, out: Any) -> Any:
+    """Every policy, per iteration, as the planner sees it: the blocks RT and BE requests hold,
+    the RT requests still waiting for their first chunk, and whether the sequence cap binds."""
+    if phase == "before":
+        return None
+    requests, budget = args[1], args[2]
+    rt_blocks = be_blocks = rt_waiting = running = 0
+    for r in requests:
+        be = r.ttft_ms is None and r.tpot_ms is None
+        if be:
+            be_blocks += r.blocks
+        else:
+            rt_blocks += r.blocks
+            rt_waiting += r.state == "waiting"
+        running += r.state == "running"
+    COUNTS["iterations"] += 1
+    COUNTS["sum_rt_blocks"] += rt_blocks
+    COUNTS["sum_be_blocks"] += be_blocks
+    COUNTS["sum_planner_free_blocks"] += budget.free_blocks
+    COUNTS["sum_rt_waiting"] += rt_waiting
+    COUNTS["sum_running"] += running
+    COUNTS["max_rt_blocks"] = max(COUNTS["max_rt_blocks"], rt_blocks)
+    COUNTS["iterations_seq_cap"] += running >= budget.max_num_seqs
+    COUNTS["iterations_rt_waiting"] += rt_waiting > 0
+    return None
+
+
+_RESERVED: list[int] = []
+
+
+def _count_try(pack: Any, phase: Any, args: Any, out: Any) -> Any:
+    """Packing's verdict on each RT request: skipped for memory (its blocks neither free nor
+    lendable: FindPreemptBlock found none) is what a bidirectional cache could change."""
+    batch, r = args[0], args[2]
+    if phase == "before":
+        _RESERVED.clear()
+        return None
+    if r.ttft_ms is not None or r.tpot_ms is not None:
+        if out == "skip" and _RESERVED:
+            COUNTS[f"pack_rt_memory_skip_{r.state}"] += 1
+        elif out == "skip":
+            COUNTS["pack_rt_token_skip"] += 1
+    return None
+
+
+def _note_reserve(batch: Any, phase: Any, args: Any, out: Any) -> Any:
+    if phase == "before":
+        _RESERVED.append(args[0])
+    return None
+
+
 def install() -> None:
+    from policy_lang import pack_batch, packing
+    _wrap(planner._Planner, "__init__", _count_iteration)
+    _wrap(packing.PackOrder, "_try", _count_try)
+    _wrap(pack_batch.Batch, "reserve", _note_reserve)
     t = bidirectional.BidirectionalBlocks
     _wrap(t, "_preemption_order", _count_picks)
     _wrap_extends(t)
@@ -212,7 +267,10 @@ def run(policy: str, spec: str, config: EngineConfig) -> dict[str, Any]:
     rt, be = m.by_class.get("rt", {}), m.by_class.get("be", {})
     a = rt.get("slo_attainment", {})
     n = max(1, COUNTS["fit_iterations"])
-    pool = {k.replace("sum_", "mean_"): round(COUNTS.pop(k) / n, 1)
+    every = ("sum_rt_blocks", "sum_be_blocks", "sum_planner_free_blocks", "sum_rt_waiting",
+             "sum_running")  # counted every iteration, for every policy
+    pool = {k.replace("sum_", "mean_"): round(COUNTS.pop(k) / (
+        max(1, COUNTS["iterations"]) if k in every else n), 1)
             for k in list(COUNTS) if k.startswith("sum_")}
     return {"policy": policy, "rt_ttft_ok": a.get("ttft"), "rt_tpot_ok": a.get("tpot"),
             "rt_tpot_ok_per_token": a.get("tpot_per_token"),
@@ -268,6 +326,9 @@ def main() -> int:
     ap.add_argument("--workload", default="rtbe:rate={rate},duration={duration:g},seed=9",
                     help="spec with {rate} and {duration}")
     ap.add_argument("--max-batched-tokens", type=int, default=512)
+    ap.add_argument("--max-num-seqs", type=int, default=64,
+                    help="the engine's sequence cap (64, the engine's default, in rounds 4-5; "
+                    "bench/bros_compare.py runs every policy at vLLM V0's 256 since round 6)")
     ap.add_argument("--profile", default="llama3-8b-a100")
     ap.add_argument("--policies", default="bros_no_bicache,bros")
     ap.add_argument("--ablations", action="store_true",
@@ -283,7 +344,7 @@ def main() -> int:
     install()
     config = EngineConfig(backend="sim", profile=args.profile, num_blocks=args.num_blocks,
                           block_size=args.block_size, max_batched_tokens=args.max_batched_tokens,
-                          max_queued_requests=100_000)
+                          max_num_seqs=args.max_num_seqs, max_queued_requests=100_000)
     policies = args.policies.split(",") + (
         ["bench/bros_no_bicache_no_displace.policy"] if args.ablations else [])
     out: list[dict[str, Any]] = []
@@ -291,7 +352,7 @@ def main() -> int:
         spec = args.workload.format(rate=rate, duration=args.duration)
         for p in policies:
             row = {"rate": rate, "spec": spec, **attrs.asdict(config, filter=lambda a, v: a.name in (
-                "num_blocks", "block_size", "max_batched_tokens", "profile")), **run(p, spec, config)}
+                "num_blocks", "block_size", "max_batched_tokens", "max_num_seqs", "profile")), **run(p, spec, config)}
             out.append(row)
             print(json.dumps(finite(row)), flush=True)
     if args.json:
