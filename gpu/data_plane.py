@@ -209,6 +209,8 @@ def _open_watched(plane: DataPlane, ranks: tuple[int, ...], make: Callable[[], A
         lost = plane.lost(ranks)
         if lost and opening.is_alive():
             given_up.set()
+            if "pg" in done:  # made just now, after `run` looked
+                done["pg"].abort()
             raise GroupMemberLost(lost[0], what, RuntimeError("its process is gone"))
     if "error" in done:  # a member never came (it went away first)
         exc = done["error"]
