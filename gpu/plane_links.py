@@ -85,8 +85,8 @@ class Held:
         with self._lock:
             if self._pg is None:
                 raise RuntimeError(f"{self._what} was closed (the group broke)")
+            work = op(self._pg)  # (one that raises, naming no member, holds nothing)
             self._busy += 1
-            work = op(self._pg)
         try:
             work.wait(wait)
         finally:
