@@ -54,6 +54,7 @@ class BidirectionalBlocks(SlotQueries):
         self._displaced: set[int] = set()  # the blocks of displaced BE requests (kept, not rebuilt)
         self._free_host = list(reversed(range(host_slots)))
         self._seqs: dict[int, _Seq] = {}
+        self._be: dict[int, _Seq] = {}  # the BE requests of `_seqs`, for block preemption's picks
         self.checkpointed_slots_total = 0
         """Slots copied to the host by lazy checkpointing since the start."""
         self.guest_blocks_total = 0
@@ -93,6 +94,8 @@ class BidirectionalBlocks(SlotQueries):
         if rid in self._seqs:
             raise BidirectionalError(f"request {rid} is already in the table")
         self._seqs[rid] = _Seq(reverse=reverse)
+        if reverse:
+            self._be[rid] = self._seqs[rid]
 
     def _pick_rt_blocks(self, n: int) -> list[int]:
         """n blocks: free ones, then BE-only blocks by `_preempt_key` (block preemption; see
@@ -108,7 +111,7 @@ class BidirectionalBlocks(SlotQueries):
         return [(bool(seqs[(x := xs[b]).be].host), len(x.lost) - x.be_fill, -b) for b in blocks]
 
     def _preemption_order(self, k: int) -> list[int]:
-        last = [-s.table[-1] - 1 for s in self._seqs.values() if s.reverse and s.table]
+        last = [-s.table[-1] - 1 for s in self._be.values() if s.table]
         return preemption_order(k, self._be_only, self._holed, last, self._displaced,
                                 self._preempt_keys)
 
@@ -340,6 +343,7 @@ class BidirectionalBlocks(SlotQueries):
     def free(self, rid: int) -> None:
         """The request ends: its slots and host checkpoints go back."""
         s = self._seqs.pop(rid)
+        self._be.pop(rid, None)
         self._undisplace(s)
         self._release_all(s)
         self._free_host.extend(s.host.values())

@@ -75,7 +75,8 @@ class SlotModel:
         assert t.num_free == t.num_total - len(owned)
         be_only = [b for b in range(t.num_total) if t.block(b)[0] < 0 and t.block(b)[2] >= 0]
         assert t.rt_room() == t.num_free + len(be_only)
-        # the displaced requests' blocks the table keeps as it goes, not rebuilt per pick
+        # the displaced requests' blocks (and the BE requests) the table keeps as it goes
+        assert set(t._be) == {rid for rid in t.requests() if t.is_reversed(rid)}
         assert t._displaced == {decode(e)[0] for rid in t.requests()
                                 if t.is_reversed(rid) and t.displaced(rid) for e in t.table(rid)}
         # block preemption's order, found without keying every BE block, is the full sort's
