@@ -1,7 +1,8 @@
 """The KunServe simulator benches' bookkeeping: `bench/kunserve.py --merge` re-runs part of a
 report and keeps the rest as it was; `bench/kunserve_restore.py` marks the rule the shipped
 policy has; `bench/kunserve_restore_table.py` compares each rule with the best of every
-(window, monitor interval) cell."""
+(window, monitor interval) cell; `bench/kunserve_pipeline_gap.py` knows which instances were in
+a group when."""
 
 from __future__ import annotations
 
@@ -52,3 +53,13 @@ def test_the_restore_table_ranks_each_rule_against_each_cell_s_best():
     assert rows["for 2s"][2] == "2.000" and rows["for 2s"][3].strip(" |") == "2"
     table = kunserve_restore_table.window_table("a", a)
     assert "| for 2s | 1.00 s | 4.00 s | 0.50 s | 50.0 / 70.0 | 1/1 |" in table
+
+
+def test_the_gap_bench_knows_when_an_instance_was_grouped():
+    from bench.kunserve_pipeline_gap import grouped
+
+    events = [(10.0, "group", (0, 1)), (20.0, "restore", (0, 1)), (30.0, "group", (1, 2))]
+    assert [grouped(events, 0, t) for t in (5.0, 10.0, 15.0, 20.0, 35.0)] == [
+        False, True, True, False, False]
+    assert [grouped(events, 1, t) for t in (15.0, 25.0, 30.0)] == [True, False, True]
+    assert grouped(events, 3, 40.0) is False
