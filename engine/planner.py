@@ -182,20 +182,29 @@ class _Planner:
             self.preempt(victim)
 
     def running_pass(self) -> None:
-        # once per running request per iteration: `full`, `remaining_tokens` and make_room's
-        # first test written out, since each call costs about what the work does
-        work, preempted, seq_limit = self.plan.work, self.preempted_ids, self.seq_limit
+        # once per running request per iteration: `full`, `remaining_tokens`, make_room's
+        # first test, and `need` and `commit` without a prefix cache hit written out, since
+        # each call costs about what the work does
+        plan, preempted, seq_limit, bs = self.plan, self.preempted_ids, self.seq_limit, \
+            self.budget.block_size
+        work, views, targets = plan.work, plan.views, plan.block_targets
         for r in self.running:
-            if r.id in preempted or r.id in work:
+            rid = r.id
+            if rid in work or (preempted and rid in preempted):
                 continue
             if len(work) >= seq_limit or self.tokens <= 0:
                 return
             n = min(r.prompt_tokens + r.output_tokens - r.computed_tokens, self.tokens)
-            need = self.need(r, n)
+            cached = r.cached_tokens
+            need = self.need(r, n) if cached else -(-(r.computed_tokens + n) // bs) - r.blocks
             if need > self.free:
                 self.make_room(r, need)
-            if need <= self.free:
-                self.commit(r, n, need)
+            if need <= self.free:  # commit
+                self.free -= need
+                self.tokens -= n
+                work[rid] = n
+                views[rid] = r
+                targets[rid] = r.blocks + need - r.cached_idle_blocks + cached // bs
             elif self.budget.can_preempt:
                 self.preempt(r)
             else:

@@ -91,6 +91,10 @@ class ExprCompiler:
         raise AssertionError(f"unknown expression {e!r}")
 
     def _binary(self, op: Callable, left: ast.Expr, right: ast.Expr) -> tuple[bool, Any]:
+        if _pack_field(left) and _pack_field(right):  # `est_iteration < min_slack`: packing
+            # tests it for every request it tries, so one closure, not one per side as well
+            a, b, env = attrgetter(left.name), attrgetter(right.name), self.env
+            return False, lambda r: op(a(env), b(env))
         lc, a = self._c(left)
         rc, b = self._c(right)
         if lc and rc:
@@ -145,6 +149,11 @@ class ExprCompiler:
             if f.scope == Scope.REQUEST and f.attr is not None and f.scale > 0:
                 return f.attr
         return None
+
+
+def _pack_field(e: ast.Expr) -> bool:
+    """A field packing sets on its `Env` before each test (`Field.scope` PACK)."""
+    return isinstance(e, ast.Name) and FIELDS[e.name].scope == Scope.PACK
 
 
 DEFAULT_KEYS = (ast.SortKey(span=None, expr=ast.Name(span=None, name="arrival"), descending=False),)

@@ -23,6 +23,7 @@ class Batch:
         self.decode_reserve = 0
         """Tokens a prompt chunk leaves for the decodes of its class packing has yet to try."""
         self.block_size = view.block_size
+        self.now = view.now
         self.free = view.free_blocks
         self.reverse_free = view.reverse_free_blocks
         """Free blocks left for BE requests on a bidirectional table (None: no such table): a
@@ -30,18 +31,18 @@ class Batch:
         while `free` also counts BE blocks RT may overwrite. Without it, BE requests took token
         budget for memory `fit` then could not give them (sim, tests/sim/test_bros_overload.py:
         62% of planned BE tokens left out)."""
-        self.reverse_takes: list[int] = []
         self.selected: list[RequestView] = []
-        self.classes: list[int] = []
-        self.chunks: list[tuple[int, int]] = []
-        self.needs: list[int] = []
-        self.budgets: list[float] = []
-        """Per-iteration time budget each request counts with toward min_slack (inf: none)."""
+        self.entries: list[tuple[int, tuple[int, int], int, float, int, int]] = []
+        """Per selected request, in the same order: (class, chunk, blocks it needs, the budget
+        it counts with toward min_slack (inf: none), blocks it brings back from the host,
+        wholly free blocks it takes). One tuple per request: packing adds ~100 a iteration."""
+        self.keys: list[int] = []
+        """Per selected request: 2 x its class's pack rank, + 1 for a prompt chunk (the order
+        the planner gives running requests their tokens in: `order`)."""
         self.shape = [0, 0, 0, 0, 0]
         """The batch's BatchShape as its five numbers (one built per try cost more than the
         prediction), kept summed: exact integers, so the same predictions."""
         self.copy_blocks = 0  # KV blocks the batch brings back from the host (swap, checkpoints)
-        self.copies: list[int] = []
         self.min_slack = math.inf
         self.ids: set[int] = set()
         self.reserved: dict[int, tuple[int, int]] = {}
@@ -101,38 +102,57 @@ class Batch:
         return self.cost.iteration_of(*shape, self.copy_blocks + copies)
 
     def add(self, r: RequestView, cls: int, chunk: tuple[int, int], need: int,
-            budget: float, copies: int, shape: list[int]) -> None:
-        """`shape`: the batch's with r in it."""
+            budget: float, copies: int, shape: list[int], key: int) -> None:
+        """`shape`: the batch's with r in it; `key`: r's place in `order`."""
         take = 0
         if self.reverse_free is not None and (need or r.checkpointed_blocks):  # else 0
             take = self.reverse_need(r, need)
             self.reverse_free = max(0, self.reverse_free - take)
-        self.copies.append(copies)
         self.selected.append(r)
-        self.classes.append(cls)
-        self.chunks.append(chunk)
-        self.needs.append(need)
-        self.reverse_takes.append(take)
-        self.budgets.append(budget)
+        self.entries.append((cls, chunk, need, budget, copies, take))
+        self.keys.append(key)
         self.copy_blocks += copies
         self.ids.add(r.id)
         self.shape = shape
         self.tokens_left -= chunk[1]
         self.free -= need
-        self.min_slack = min(self.min_slack, budget)
+        if budget < self.min_slack:  # min(self.min_slack, budget)
+            self.min_slack = budget
 
     def remove(self, i: int) -> None:
-        self.tokens_left += self.chunks[i][1]
-        self.shape = plus(self.shape, self.chunks[i], -1)
-        self.free += self.needs[i]
+        _, chunk, need, budget, copies, take = self.entries[i]
+        self.tokens_left += chunk[1]
+        self.shape = plus(self.shape, chunk, -1)
+        self.free += need
         self.ids.discard(self.selected[i].id)
-        self.copy_blocks -= self.copies[i]
+        self.copy_blocks -= copies
         if self.reverse_free is not None:
-            self.reverse_free += self.reverse_takes[i]
-        for seq in (self.selected, self.classes, self.chunks, self.needs, self.budgets,
-                    self.copies, self.reverse_takes):
-            del seq[i]
-        self.min_slack = min(self.budgets, default=math.inf)
+            self.reverse_free += take
+        del self.selected[i], self.entries[i], self.keys[i]
+        self.min_slack = self.min_slack_without(i, budget, removed=True)
+
+    def min_slack_without(self, i: int, budget: float, *, removed: bool = False) -> float:
+        """min_slack over the batch but request i (whose `budget` is given; `removed`: it is
+        already out of `entries`). Where i's budget exceeds min_slack another request holds the
+        minimum, so no pass over the batch (`_replace` asks once for each candidate)."""
+        if budget > self.min_slack:
+            return self.min_slack
+        entries = self.entries
+        return min((e[3] for j, e in enumerate(entries) if removed or j != i), default=math.inf)
+
+    def last_of(self, cls: int) -> int | None:
+        """The index of the last selected request of class `cls`."""
+        entries = self.entries
+        for i in range(len(entries) - 1, -1, -1):
+            if entries[i][0] == cls:
+                return i
+        return None
+
+    def order(self) -> list[RequestView]:
+        """The selected requests by class in pack order and, within a class, decodes before
+        prompt chunks, each run in the order packed (a stable sort by `keys`, in C)."""
+        keys, selected = self.keys, self.selected
+        return list(map(selected.__getitem__, sorted(range(len(keys)), key=keys.__getitem__)))
 
 
 class Lender:

@@ -137,12 +137,11 @@ class PackOrder:
         self.batch = len(batch.selected)
         # the planner gives running requests their tokens in batch order: within a class,
         # decodes before prompt chunks, so each gets the tokens packing counted for it
-        packed = sorted(zip(batch.selected, batch.classes), key=lambda t: (
-            rank[t[1]], t[0].prompt_tokens + t[0].output_tokens - t[0].computed_tokens > 1))
-        batch.selected = [r for r, _ in packed]
+        batch.selected = batch.order()
+        ids = batch.ids  # most requests are in the batch: asked first
         rest = [r for c in sorted(range(n), key=rank.__getitem__)
                 for r in sorted_groups.get(c) or self._sort[c](groups[c])
-                if r.state == "running" and r.id not in batch.ids]
+                if r.id not in ids and r.state == "running"]
         return batch.selected + rest
 
     def _pull(self, cls: int, group: list[RequestView]) -> list[RequestView]:
@@ -158,32 +157,89 @@ class PackOrder:
 
     def _take(self, batch: Batch, step: Take, group: list[RequestView], lender: Lender,
               rank: int) -> list[RequestView]:
-        """Take from `group` in order; returns the requests not taken (for `replaces`)."""
+        """Take from `group` in order; returns the requests not taken (for `replaces`).
+
+        Most tries are running requests' decodes (~90 of ~95 an iteration at 12 RT/s): those
+        are tried here, `_try` written out for one new token of a running request (no memory
+        to lend or reserve, one iteration to its token), since the call and `_try`'s branches
+        for prompts cost about what the decode's test does. The same integers and floats as
+        `_try`, so the same decisions (tests/policy_lang/test_pack_decodes.py)."""
         left: list[RequestView] = []
         late: list[tuple[RequestView, int]] = []
-        # remaining_tokens, read once per request (a property of a property: this runs per
-        # request per iteration); decodes of this class not yet tried: a prompt chunk leaves
-        # them a token each (§4.1 bounds a batch by B requests and the iteration time, never by
-        # tokens, so a decode must not lose its place to a chunk of a prompt that can be cut)
-        remaining = [r.prompt_tokens + r.output_tokens - r.computed_tokens for r in group]
-        decode = [n == 1 and r.state == "running" for r, n in zip(group, remaining)]
-        decodes, selected, claimed = sum(decode), batch.selected, lender.claimed
+        selected, claimed, limit = batch.selected, lender.claimed, batch.limit
+        entries, keys, ids = batch.entries, batch.keys, batch.ids
+        cost, bs, now, cond, env = batch.cost, batch.block_size, batch.now, step.cond, self._env
+        be_table, cls, key = batch.reverse_free is not None, step.cls, 2 * rank
+        decode: list[bool] | None = None
         stopped = False
         for i, r in enumerate(group):
-            decodes -= decode[i]
-            if len(selected) >= batch.limit or batch.tokens_left <= 0:  # batch.full(), which
-                left += group[i:]  # stays so: only `_replace` takes requests out
+            if len(selected) >= limit or batch.tokens_left <= 0:  # batch.full(), which stays
+                left += group[i:]  # so: only `_replace` takes requests out
                 break
-            if r.id in claimed:
+            if claimed and r.id in claimed:
                 left.append(r)
                 continue
-            if remaining[i] > 1:  # the only tries that read it
-                batch.decode_reserve = max(0, min(decodes, batch.limit - len(selected) - 1))
-            verdict = self._try(batch, step, r, remaining[i], lender, rank, late_ok=False)
+            # remaining_tokens, read once (a property of a property)
+            remaining = r.prompt_tokens + r.output_tokens - r.computed_tokens
+            if remaining <= 1 and r.state == "running":  # a decode: `_try` written out
+                start = r.computed_tokens
+                need = -(-(start + 1) // bs) - r.blocks
+                if need < 0:
+                    need = 0
+                if (be_table and selected and r.ttft_ms is None and r.tpot_ms is None
+                        and batch.reverse_short(r, need)):
+                    left.append(r)
+                    continue
+                copies = r.checkpointed_blocks
+                pt, psq, ppre, ds, dc = batch.shape
+                ds, dc = ds + 1, dc + start + 1
+                est = (batch.average_ms if cost is None
+                       else cost.iteration_of(pt, psq, ppre, ds, dc, batch.copy_blocks + copies))
+                budget = (r.deadline - now) * 1000.0  # r.slack_ms(now) / its 1 iteration
+                if budget < est:
+                    late.append((r, remaining))
+                    continue
+                least = batch.min_slack
+                if cond is not None:
+                    env.est_iteration = est
+                    env.min_slack = budget if budget < least else least  # min(least, budget)
+                    env.batch_size = len(selected) + 1
+                    if not cond(r):
+                        self.violated = self.violated or step.violation
+                        stopped = True
+                        left += group[i:]
+                        break
+                if batch.reserved:
+                    batch.unreserve(r.id)
+                if be_table and (need or copies):  # batch.add, inline
+                    take = batch.reverse_need(r, need)
+                    batch.reverse_free = max(0, batch.reverse_free - take)
+                else:
+                    take = 0
+                selected.append(r)
+                entries.append((cls, (start, 1), need, budget, copies, take))
+                keys.append(key)
+                batch.copy_blocks += copies
+                ids.add(r.id)
+                batch.shape = [pt, psq, ppre, ds, dc]
+                batch.tokens_left -= 1
+                batch.free -= need
+                if budget < least:
+                    batch.min_slack = budget
+                continue
+            if remaining > 1:  # the only tries that read the decode reserve: decodes of this
+                # class not yet tried, which a prompt chunk leaves a token each (§4.1 bounds a
+                # batch by B requests and the iteration time, never by tokens, so a decode must
+                # not lose its place to a chunk of a prompt that can be cut)
+                if decode is None:
+                    decode = [q.prompt_tokens + q.output_tokens - q.computed_tokens == 1
+                              and q.state == "running" for q in group]
+                batch.decode_reserve = max(0, min(sum(decode[i + 1:]), limit - len(selected) - 1))
+            verdict = self._try(batch, step, r, remaining, lender, rank, False)
             if verdict is TAKEN:
                 continue
             if verdict is LATE:
-                late.append((r, remaining[i]))
+                late.append((r, remaining))
             elif verdict is STOP:
                 stopped = True
                 left += group[i:]
@@ -193,7 +249,7 @@ class PackOrder:
         batch.decode_reserve = 0
         for r, n in late:  # requests that cannot make their deadline: after those that can
             if (stopped or batch.full()
-                    or self._try(batch, step, r, n, lender, rank, late_ok=True) is not TAKEN):
+                    or self._try(batch, step, r, n, lender, rank, True) is not TAKEN):
                 left.append(r)
         return left
 
@@ -202,13 +258,20 @@ class PackOrder:
         # batch.chunk, batch.need, batch.iterations, copies_of, plus and batch.predict inline:
         # this runs per request per iteration (the same integers, so the same predictions)
         start = r.computed_tokens
-        room = batch.tokens_left - (batch.decode_reserve if remaining > 1 else 0)
-        if room <= 0:
-            return SKIP  # the tokens left are the decodes' behind it
-        n = max(1, min(remaining, room))
-        need = max(0, -(-(start + n) // batch.block_size) - r.blocks)
+        if remaining > 1:
+            room = batch.tokens_left - batch.decode_reserve
+            if room <= 0:
+                return SKIP  # the tokens left are the decodes' behind it
+            n = remaining if remaining < room else room
+        elif batch.tokens_left <= 0:
+            return SKIP
+        else:
+            n = 1
+        need = -(-(start + n) // batch.block_size) - r.blocks
+        if need < 0:
+            need = 0
         state = r.state
-        admits = state != "running" or n > 1
+        admits = n > 1 or state != "running"
         free = 0
         if admits:
             # FindPreemptBlock: only classes packed later lend memory for a new request or a
@@ -231,7 +294,7 @@ class PackOrder:
         est = (batch.average_ms if cost is None
                else cost.iteration_of(*shape, batch.copy_blocks + copies))
         rest = remaining - n
-        budget = (r.deadline - self._env.view.now) * 1000.0 / (  # r.slack_ms(now)
+        budget = (r.deadline - batch.now) * 1000.0 / (  # r.slack_ms(now)
             1 + (-(-rest // batch.budget_tokens) if rest > 0 else 0))
         if budget < est:
             if not late_ok:
@@ -240,9 +303,9 @@ class PackOrder:
                 return LATE
             budget = math.inf
         if step.cond is not None:
-            env = self._env
+            env, least = self._env, batch.min_slack
             env.est_iteration = est
-            env.min_slack = min(batch.min_slack, budget)
+            env.min_slack = budget if budget < least else least  # min(least, budget)
             env.batch_size = len(batch.selected) + 1
             if not step.cond(r):
                 self.violated = self.violated or (step.violation and not late_ok)
@@ -254,14 +317,28 @@ class PackOrder:
             batch.lent = lender.claimed
         if batch.reserved:
             batch.unreserve(r.id)
-        batch.add(r, step.cls, (start, n), need, budget, copies, shape)
+        # batch.add, inline (a call per request taken cost about what it does)
+        take = 0
+        if batch.reverse_free is not None and (need or r.checkpointed_blocks):
+            take = batch.reverse_need(r, need)
+            batch.reverse_free = max(0, batch.reverse_free - take)
+        batch.selected.append(r)
+        batch.entries.append((step.cls, (start, n), need, budget, copies, take))
+        batch.keys.append(2 * rank + (remaining > 1))
+        batch.copy_blocks += copies
+        batch.ids.add(r.id)
+        batch.shape = shape
+        batch.tokens_left -= n
+        batch.free -= need
+        if budget < batch.min_slack:
+            batch.min_slack = budget
         return TAKEN
 
     def _replace(self, batch: Batch, step: Replace,
                  candidates: list[RequestView]) -> list[RequestView]:
-        env = self._env
+        env, key = self._env, 2 * self._pack_rank[step.cls]
         for done, cand in enumerate(candidates):
-            i = _last_index(batch.classes, step.victim)
+            i = batch.last_of(step.victim)
             if i is None:
                 return candidates[done:]
             victim = batch.selected[i]
@@ -269,31 +346,25 @@ class PackOrder:
                 return candidates[done:]
             if cand.id in batch.lent:
                 continue
-            chunk = batch.chunk(cand, extra_tokens=batch.chunks[i][1])
+            _, victim_chunk, victim_need, victim_budget, victim_copies, victim_take = \
+                batch.entries[i]
+            chunk = batch.chunk(cand, extra_tokens=victim_chunk[1])
             if chunk[1] < cand.remaining_tokens:
                 continue  # a sliver of a prompt in a decode's place serves nobody
             need = batch.need(cand, chunk)
-            if need > batch.free + batch.needs[i] or batch.reverse_short(
-                    cand, need, batch.reverse_takes[i]):
+            if need > batch.free + victim_need or batch.reverse_short(cand, need, victim_take):
                 continue  # BE takes no memory from RT
             copies = copies_of(cand)
-            shape = plus(plus(batch.shape, chunk, 1), batch.chunks[i], -1)
-            est = batch.predict(shape, copies - batch.copies[i])
+            shape = plus(plus(batch.shape, chunk, 1), victim_chunk, -1)
+            est = batch.predict(shape, copies - victim_copies)
             budget = cand.slack_ms(env.view.now) / batch.iterations(cand, chunk)
             budget = budget if budget >= est else math.inf
             env.est_iteration = est
-            env.min_slack = min(min(batch.budgets[:i] + batch.budgets[i + 1:], default=math.inf),
-                                budget)
+            env.min_slack = min(batch.min_slack_without(i, victim_budget), budget)
             env.batch_size = len(batch.selected)
             if not step.cond(victim):
                 return candidates[done:]
             batch.remove(i)
-            batch.add(cand, step.cls, chunk, need, budget, copies, shape)
+            batch.add(cand, step.cls, chunk, need, budget, copies, shape,
+                      key + (cand.remaining_tokens > 1))
         return []
-
-
-def _last_index(classes: list[int], cls: int) -> int | None:
-    for i in range(len(classes) - 1, -1, -1):
-        if classes[i] == cls:
-            return i
-    return None
