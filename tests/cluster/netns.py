@@ -16,7 +16,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import attrs
 import pytest
@@ -49,12 +49,22 @@ def can_make_hosts() -> str:
     return ""
 
 
+def _free_subnet(first: int) -> int:
+    routes = subprocess.run(["ip", "-4", "route", "show"], capture_output=True,
+                            text=True).stdout
+    for k in [*range(first, 250), *range(first)]:
+        if f"10.231.{k}.0/24" not in routes:
+            return k
+    raise RuntimeError("no free 10.231.K.0/24 subnet for network-namespace hosts")
+
+
 @contextlib.contextmanager
 def make_hosts(n: int) -> Iterator[Hosts]:
-    """`n` hosts on one bridge, 10.231.K.2 .. 10.231.K.(n+1) (K from this process id, so two
-    test runs side by side do not share a subnet); removed on exit."""
+    """`n` hosts on one bridge, 10.231.K.2 .. 10.231.K.(n+1) (K the first subnet from this
+    process id on that no route of this machine uses yet, so two test runs side by side do not
+    share one); removed on exit."""
     tag = f"{os.getpid() % 100000}"
-    k = os.getpid() % 250
+    k = _free_subnet(os.getpid() % 250)
     bridge = f"shbr{tag}"
     names = tuple(f"shunter-{tag}-{i}" for i in range(n))
     addresses = tuple(f"10.231.{k}.{i + 2}" for i in range(n))
@@ -83,7 +93,7 @@ def make_hosts(n: int) -> Iterator[Hosts]:
 
 
 @pytest.fixture
-def netns_hosts() -> Iterator[type[Hosts]]:
+def netns_hosts() -> Iterator[Callable[[int], contextlib.AbstractContextManager[Hosts]]]:
     """Skips unless SHUNTER_NETNS=1, root and `ip`; the test calls `make_hosts(n)`."""
     why = can_make_hosts()
     if why:
