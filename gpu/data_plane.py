@@ -289,10 +289,11 @@ def leave_data_plane() -> None:
 
 
 def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
-    """Send one pickled message (its length first) to rank `dst`."""
+    """Send one pickled message (its length first) to rank `dst` (at once GroupMemberLost
+    when the watch knows it gone: a gloo send to a dead peer can wait out the whole timeout)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                             dtype=torch.uint8)
-    world = data_plane().world
+    world = _live_world(dst, what)
     try:
         world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag).wait()
         world.send([data], dst, tag + 1).wait()
@@ -302,7 +303,7 @@ def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
 
 def recv_obj(src: int, tag: int, what: str) -> Any:
     size = torch.empty(1, dtype=torch.int64)
-    world = data_plane().world
+    world = _live_world(src, what)
     try:
         world.recv([size], src, tag).wait()
         data = torch.empty(int(size), dtype=torch.uint8)
@@ -310,3 +311,11 @@ def recv_obj(src: int, tag: int, what: str) -> Any:
     except RuntimeError as exc:
         raise GroupMemberLost(src, what, exc) from exc
     return pickle.loads(data.numpy().tobytes())
+
+
+def _live_world(peer: int, what: str) -> Any:
+    """The world's process group, unless the watch knows `peer` is gone."""
+    plane = data_plane()
+    if plane.lost([peer]):
+        raise GroupMemberLost(peer, what, RuntimeError("its process is gone"))
+    return plane.world

@@ -98,3 +98,27 @@ def test_a_broken_close_ends_what_the_peer_still_waits_for():
     b.close(broken=True)
     assert ended and ended["after"] < 5.0, ended
     assert "Connection closed by peer" in ended["why"], ended
+
+
+def test_a_control_message_to_or_from_a_member_known_gone_fails_at_once(monkeypatch):
+    """`send_obj`/`recv_obj` look at the watch first: a peer known gone fails at once, its
+    world link untouched (a gloo send to a dead peer can wait out the whole timeout). Planted
+    bug checked by hand: without the look, the world's send or receive is called (fails)."""
+    import gpu.data_plane as dp
+
+    class Gone:
+        def lost(self, ranks):
+            return [r for r in ranks if r == 1]
+
+    class World:
+        def send(self, *args):
+            raise AssertionError("the world's send was called for a peer known gone")
+
+        recv = send
+
+    plane = DataPlane(rank=0, world_size=2, world=World(), watch=Gone())
+    monkeypatch.setattr(dp, "_plane", plane)
+    with pytest.raises(GroupMemberLost, match=r"instance 1 was lost while a test: .*gone"):
+        dp.send_obj("hello", 1, dp.CONTROL_TAG, "a test")
+    with pytest.raises(GroupMemberLost, match=r"instance 1 was lost while a test: .*gone"):
+        dp.recv_obj(1, dp.CONTROL_TAG, "a test")
