@@ -73,9 +73,7 @@ class GroupRunner:
         check_plan(ranks, layers, solo._model.config.num_layers)
         if kv_exchange not in ("coordinated", "fifo"):
             raise ValueError(f"kv_exchange must be 'coordinated' or 'fifo', got {kv_exchange!r}")
-        self.kv_exchange = kv_exchange
-        self.solo = solo
-        self.microbatch = microbatch
+        self.kv_exchange, self.solo, self.microbatch = kv_exchange, solo, microbatch
         self.fits = fits if fits is not None else StageFits(len(ranks))
         self.totals = PipelineTotals()
         """The steps' GPipe schedule replayed with each stage's measured microbatch times
@@ -88,8 +86,7 @@ class GroupRunner:
         """The last step's stage times per microbatch (seconds, the clock `cpu_clock` says)."""
         self.wall = [0.0, 0.0]
         """[stage compute seconds, stages x step wall seconds] as they ran here."""
-        self.ranks, self.layers = tuple(ranks), tuple(layers)
-        self.adopted = tuple(adopted)
+        self.ranks, self.layers, self.adopted = tuple(ranks), tuple(layers), tuple(adopted)
         self.chunk_blocks = chunk_blocks
         self.microbatches = microbatches or 2 * len(self.ranks)
         arena = solo._model.arena
@@ -98,10 +95,10 @@ class GroupRunner:
         """The group's block ids (they include the head's solo ids)."""
         self.stage: GroupStage | None = None
         self._fed_back: tuple[SampledToken, ...] = ()
-        self._expect: dict[int, set[int]] = {}
-        self._ready: list[int] = []
+        self._expect: dict[int, set[int]] = {}  # request -> members its KV still goes to
+        self._ready: list[int] = []  # arrived on every member, not yet taken by `arrived()`
         self.records: list[StepRecord] | None = None
-        self.exchange = None
+        self.exchange = None  # the head's exchange counters (set at `open`)
         self.restore_stats: dict[str, float] = {}
         self.set_up: set[int] = set()
         """Requests some step of this group set up (an adopted one not among them still has its
@@ -136,8 +133,7 @@ class GroupRunner:
             if getattr(self.solo._model, "drop_state", None) is not None:
                 restore_layers(self.solo._model)
             raise
-        self.exchange = self.stage.stats
-        """The head's exchange counters (bytes, chunks, per-request arrival times)."""
+        self.exchange = self.stage.stats  # (bytes, chunks, per-request arrival times)
         self.solo._seqs.clear()
         for t in start_transfers(start, self.stage.block_size):
             self._expect.setdefault(t.request_id, set()).add(t.dst)
@@ -174,6 +170,9 @@ class GroupRunner:
         check_cut(step.seqs, cut)
         self.last_cut = cut
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
+        if gone := _known_lost(self.ranks[1:]):
+            raise GroupMemberLost(gone[0], f"step {step.step_id} was sent",
+                                  RuntimeError("its process is gone"))
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
         try:
@@ -332,15 +331,25 @@ def check_plan(ranks: Sequence[int], layers: Sequence[range], num_layers: int) -
 
 def abandon_members(ranks: Sequence[int], *, lost: int, why: str) -> None:
     """Tell every member in `ranks` but `lost` that the group is over (`GroupAbandon`; a member
-    that had not started yet serves alone at once). Members that cannot be reached are
-    skipped."""
+    that had not started yet serves alone at once). Members that cannot be reached, or known
+    gone (`_known_lost`), are skipped."""
+    gone = _known_lost(ranks)
     for rank in ranks:
-        if rank != lost:
+        if rank != lost and rank not in gone:
             try:
                 send_obj(GroupAbandon(lost=lost, why=why), rank, CONTROL_TAG,
                          "the group was abandoned")
             except GroupMemberLost:
                 pass  # lost as well: nothing to tell it
+
+
+def _known_lost(ranks: Sequence[int]) -> list[int]:
+    """Those the data plane's watch knows are gone: a send to one may wait gloo's whole
+    timeout, which then closes the world's other links too ([] without a data plane)."""
+    try:
+        return getattr(data_plane(), "lost", lambda ranks: [])(ranks)  # (stand-ins: none)
+    except RuntimeError:
+        return []
 
 
 def restore_transfers(stage: GroupStage, layers: Sequence[range]) -> list[KvTransfer]:

@@ -227,15 +227,18 @@ async def test_a_new_member_lost_once_it_joined(anyio_backend, grow_config, grow
     its requests' KV): the growth succeeded, the head's next step finds it lost, the head
     restores from its host copy and recomputes every request (a step scheduled on the grown
     pool after the loss recomputes too), member 1 restores from its host copy in pieces (its
-    re-split kept the old pieces) and serves alone. Slow (SHUNTER_SLOW=1 only): the head's send
-    of its next step to the dead member waits out gloo's 60 s timeout, which also closes the
-    head's world link to member 1 (member 1 then reports the head lost)."""
+    re-split kept the old pieces) and serves alone. Slow (SHUNTER_SLOW=1 only: 28-200 s). The
+    head looks at the data plane's watch before each step (before, its send to the dead member
+    waited out gloo's 60 s, which also closed its world link to member 1); but when member 2
+    dies while a step waits for its KV chunks, that receive still waits gloo's 60 s, member 1's
+    answer to the step times out meanwhile and it reports the head lost: every request still
+    ends with transformers' tokens."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     if os.environ.get("SHUNTER_SLOW") != "1":
-        pytest.skip("its world send to the dead member waits gloo's 60 s: SHUNTER_SLOW=1")
+        pytest.skip("a third set of three processes: SHUNTER_SLOW=1")
     out = await _lose_one_while_growing(grow_config, monkeypatch, dead=2, point="grow-joined")
     assert out["grown"].members == (0, 1, 2), out["grown"]
-    assert "was lost" in out["head_lost"], out["head_lost"]
-    assert out["member"].get("abandoned"), out["member"]
+    assert "instance 2 was lost" in out["head_lost"], out["head_lost"]
+    assert out["member"].get("abandoned"), out["member"]  # (see above: "head lost" after 60 s)
     _check(out, grow_model)
