@@ -338,3 +338,4 @@ async def test_a_growth_that_never_settles_lets_the_new_member_go_and_recomputes
     assert len(tries) >= 2 and tries[0] == (7, 9), tries  # retried, with the live requests
     assert abandoned == [((2,), "requests [7] still wait for the group's last KV exchange")]
     assert recomputed == [q]
+

@@ -9,6 +9,8 @@ the merged group restores and every instance serves alone with its own pool.
 
 Groups are formed and merged by hand (the monitor's rules cannot fire), as in
 test_kunserve_torch_grow.py; requests are cancelled once each went 3 tokens past the merge.
+The order (restore, then the joining instances hand over only once its head's runner is alone)
+is checked with a stand-in front door (plant: no wait for the restore fails it).
 """
 
 from __future__ import annotations
@@ -115,3 +117,71 @@ async def test_two_running_groups_merge_while_requests_stream(anyio_backend, mer
         assert_matches(run.got[i], greedy_reference(merge_model, p, len(run.got[i])),
                        f"request {i}")
     assert_matches(after.token_ids, greedy_reference(merge_model, prompts[0], 8), "after")
+
+
+@pytest.mark.anyio
+async def test_a_merge_restores_the_joining_group_before_its_instances_join(monkeypatch):
+    """`merge` (stand-in front door): the head's check first, then the joining group restores,
+    and its instances are asked to hand their requests over only once its head's runner is
+    alone (its next step restores: `leading` goes False); a restore that does not fit yet
+    postpones the merge with nothing moved; a head that never restores fails it by name."""
+    import types
+
+    import shunter.cluster.remote_grow as rg
+    from engine.cluster.counters import ClusterCounters
+    from shunter.cluster.group_wire import GrowGroup
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    stays = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
+    joins = GroupPlan(group_id=2, members=(2, 3), layers=stage_layers(LAYERS, 2))
+    plan = GroupPlan(group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
+
+    class Groups:
+        num_layers = LAYERS
+
+        def __init__(self, fits=True, steps_to_restore=3):
+            self.calls, self.fits, self.leading = [], fits, None
+            self.steps = steps_to_restore
+            self.groups, self.counters = {0: stays, 2: joins}, ClusterCounters()
+            self.coordinator = types.SimpleNamespace(send=self._sent)
+            self.instances = [types.SimpleNamespace(alive=True, failure=None)] * 4
+
+        async def _sent(self, msg):
+            pass
+
+        async def _command(self, head, make):
+            msg = make(0)
+            self.calls.append(("check" if isinstance(msg, GrowGroup) and msg.check
+                               else type(msg).__name__, head))
+            return {"pool_blocks": 9}
+
+        async def restore(self, head):
+            self.calls.append(("restore", head))
+            if self.fits:
+                self.leading = self.steps
+            return self.fits
+
+        async def stats(self, head):
+            if self.leading:  # each look: one more step ran; the restore comes with one
+                self.leading -= 1
+            return {"head": {"leading": bool(self.leading)}}
+
+        async def _export(self, head, m):
+            self.calls.append(("export", m, bool(self.leading)))
+            return ()
+
+    g = Groups()
+    assert (await rg.merge(g, stays, joins, plan)).members == (0, 1, 2, 3)
+    assert g.calls[:2] == [("check", 0), ("restore", 2)], g.calls
+    exports = [c for c in g.calls if c[0] == "export"]
+    assert exports == [("export", 2, False), ("export", 3, False)], g.calls
+    assert g.counters.events[-1]["event"] == "merge", g.counters.events
+    g = Groups(fits=False)
+    with pytest.raises(rg.Postponed, match=r"group \(2, 3\) does not fit"):
+        await rg.merge(g, stays, joins, plan)
+    assert g.calls == [("check", 0), ("restore", 2)], g.calls
+    monkeypatch.setattr(rg, "RESTORED_S", 0.05)
+    g = Groups(steps_to_restore=10**9)
+    with pytest.raises(GroupCommandError, match=r"instance 2: its group \(2, 3\) had not restored"):
+        await rg.merge(g, stays, joins, plan)
+    assert not [c for c in g.calls if c[0] == "export"], g.calls
