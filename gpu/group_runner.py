@@ -84,11 +84,10 @@ class GroupRunner:
         """The last step's microbatches (engine/cluster/stage_fits.py `Cut`)."""
         self.last_stage_s: list = []
         """The last step's stage times per microbatch (seconds, the clock `cpu_clock` says)."""
-        self.wall = [0.0, 0.0]
-        """[stage compute seconds, stages x step wall seconds] as they ran here."""
+        self.wall = [0.0, 0.0]  # [stage compute s, stages x step wall s] as they ran here
         self.ranks, self.layers, self.adopted = tuple(ranks), tuple(layers), tuple(adopted)
-        self.chunk_blocks = chunk_blocks
-        self.microbatches = microbatches or 2 * len(self.ranks)
+        self.chunk_blocks, self.microbatches = chunk_blocks, microbatches or 2 * len(self.ranks)
+        self.last_step = time.monotonic()  # when a step was last sent (the head's keepalive)
         arena = solo._model.arena
         self.pool = range(arena.weight_blocks, arena.weight_blocks + group_pool_blocks(
             solo._model.config, arena.block_size, arena.dtype, arena.total_blocks, self.layers))
@@ -170,6 +169,7 @@ class GroupRunner:
         check_cut(step.seqs, cut)
         self.last_cut = cut
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
+        self.last_step = time.monotonic()
         if gone := _known_lost(self.ranks[1:]):
             raise GroupMemberLost(gone[0], f"step {step.step_id} was sent",
                                   RuntimeError("its process is gone"))

@@ -203,6 +203,9 @@ class InstanceGroups:
         for (_, mv), q in zip(msg.adopted, reqs, strict=True):
             await self.server.cancel_if_asked(mv.cluster_key, q.id)
         await self.watch_arrivals({q.id for q in waiting}, tg)
+        from shunter.cluster.group_keepalive import keepalive
+
+        tg.start_soon(keepalive, self, runner.group)
         return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
                 "exchanging": len(waiting)}
 
