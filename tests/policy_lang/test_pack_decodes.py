@@ -56,7 +56,8 @@ class EveryRequestTried(PackOrder):
                 left.append(r)
         batch.decode_reserve = 0
         for r, n in late:
-            if stopped or batch.full() or self._try(batch, step, r, n, lender, rank, True) is not TAKEN:
+            if (stopped or batch.full()
+                    or self._try(batch, step, r, n, lender, rank, True) is not TAKEN):
                 left.append(r)
         return left
 
@@ -90,7 +91,8 @@ def queue(draw):
 
 @settings(max_examples=250, deadline=None)
 @given(requests=queue(), name=st.sampled_from(["bros", "bros_no_bicache"]),
-       free=st.one_of(st.integers(0, 30), st.integers(0, 300)), reverse=st.one_of(st.none(), st.integers(0, 100)),
+       free=st.one_of(st.integers(0, 30), st.integers(0, 300)),
+       reverse=st.one_of(st.none(), st.integers(0, 100)),
        tokens=st.sampled_from([64, 512, 2048]), limit=st.integers(1, 48),
        cost=st.sampled_from([COST, None]), average_ms=st.sampled_from([0.0, 30.0]))
 def test_the_decode_path_packs_exactly_as_trying_every_request(requests, name, free, reverse,
