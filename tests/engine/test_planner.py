@@ -29,6 +29,15 @@ def test_decode_takes_one_token_and_grows_a_block_only_at_a_boundary():
     assert plan.block_targets == {inside.id: 2, boundary.id: 3}
 
 
+def test_a_running_prompt_takes_its_next_chunk_and_the_blocks_it_fills():
+    # 10 of 30 prompt tokens computed in 3 blocks of 4: a 16-token chunk reaches token 26
+    chunk = running(blocks=3, computed=10, prompt_tokens=30, output=0)
+    plan = plan_iteration(fcfs(chunk), [chunk], make_budget(max_batched_tokens=16, free_blocks=4))
+    assert (plan.work, plan.block_targets) == ({chunk.id: 16}, {chunk.id: 7})
+    tight = plan_iteration(fcfs(chunk), [chunk], make_budget(max_batched_tokens=16, free_blocks=3))
+    assert (tight.work, [v.id for v in tight.preempted]) == ({}, [chunk.id])
+
+
 def test_out_of_blocks_preempts_the_least_deserving_running_request():
     old = running(blocks=2, computed=8, prompt_tokens=8)
     young = running(blocks=2, computed=8, prompt_tokens=8)
