@@ -64,9 +64,8 @@ def _seqs(plan: IterationPlan, requests: Mapping[int, Request]) -> tuple[SeqWork
     new, seqs = tuple.__new__, []  # SeqWork's fields in order, skipping its Python-level __new__
     for rid, n in plan.work.items():
         r = requests[rid]
-        start = r.computed_tokens  # its context: context_tokens without the property's call
-        context = len(r.prompt_ids) + len(r.output_ids)
-        seqs.append(new(SeqWork, (rid, start, n, start + n == context)))
+        start = r.computed_tokens
+        seqs.append(new(SeqWork, (rid, start, n, start + n == r.context_tokens)))
     return tuple(seqs)
 
 
