@@ -48,8 +48,11 @@ from engine.snapshots import EngineSnapshot
 from shunter.backends import Backend, build_backend
 from shunter.client import Completion, GenerationStream, collect
 from shunter.cluster.groups import SimGroups, overload_monitor, policy_triggers
-from shunter.cluster.handles import InProcessInstance, RemoteInstance, refusal, tell
-from shunter.cluster.launch import Launched, Launcher, LocalLauncher, RayLauncher
+from shunter.cluster.handles import RemoteInstance, refusal, tell
+from shunter.cluster.heartbeat import Liveness
+from shunter.cluster.inprocess import InProcessInstance
+from shunter.cluster.launch import (Attached, Launched, Launcher, LocalLauncher, RayLauncher,
+                                   current_backend)
 from shunter.cluster.remote_groups import RemoteGroups, torch_overload_monitor
 from shunter.cluster.wire import Hello, Link
 from shunter.engine import Engine
@@ -93,6 +96,7 @@ class Cluster:
         self.table = DispatchTable(count, config.block_size)
         self._count = count
         self._monitor_interval_s = monitor_interval_s
+        self.liveness = Liveness()
         self._keys = itertools.count(1)
         self._where: dict[int, tuple[int, int]] = {}
         """Cluster request id -> (instance, demand tokens)."""
@@ -107,12 +111,13 @@ class Cluster:
     @contextlib.asynccontextmanager
     async def start(cls, config: EngineConfig | None = None, *, instances: int = 2,
                     kind: ClusterKind = "local", monitor_interval_s: float = 0.05,
-                    async_backend: str | None = None,
-                    attach: Sequence[Launched] = ()) -> AsyncIterator[Cluster]:
+                    async_backend: str | None = None, attach: Sequence[Launched] = (),
+                    liveness: Liveness | None = None) -> AsyncIterator[Cluster]:
         """Start `instances` engines from `config` (each the same model and policy), the
         coordinator and the monitor; stop them all when the block exits. With `attach`, use
         those running instances instead (started by `LocalLauncher.start_process`, all from
-        `config`) and leave them running."""
+        `config`) and leave them running. `liveness`: how an instance process that went silent
+        is found (shunter/cluster/heartbeat.py; default `Liveness()`)."""
         config = config or EngineConfig()
         backend = build_backend(config)
         capabilities = engine_capabilities(config, backend)
@@ -124,11 +129,12 @@ class Cluster:
         policy = initial_policy(config, None, capabilities)
         cluster = cls(config, policy, len(attach) or instances, monitor_interval_s,
                       attrs.evolve(backend, runner=None), capabilities.running(policy.settings))
+        cluster.liveness = liveness or Liveness()
         launcher: Launcher | None = None
         if attach:
-            launcher = _Attached(attach)
+            launcher = Attached(attach)
         elif kind == "local":
-            launcher = LocalLauncher(async_backend or _current_backend())
+            launcher = LocalLauncher(async_backend or current_backend())
         elif kind == "ray":
             launcher = RayLauncher(num_gpus=1.0 if config.device.startswith("cuda") else 0.0)
         send, recv = anyio.create_memory_object_stream[CoordinatorMessage](math.inf)
@@ -209,7 +215,7 @@ class Cluster:
             hello: Hello = await link.receive()
             handle = RemoteInstance(i, link, on_end=self._ended, redispatch=self._redispatch,
                                     on_down=self._instance_down, describe_death=up.describe_death,
-                                    kill=up.kill, pid=hello.pid)
+                                    kill=up.kill, pid=hello.pid, liveness=self.liveness)
             self.instances.append(handle)
             tg.start_soon(handle.run)
 
@@ -376,25 +382,3 @@ class Cluster:
             return "every instance of the cluster is down: " + "; ".join(
                 i.failure or "" for i in self.instances)
         return None
-
-
-def _current_backend() -> str:
-    try:
-        import sniffio
-
-        return sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:  # not inside an event loop
-        return "asyncio"
-
-
-class _Attached:
-    """Instances already running: nothing to launch, nothing to stop."""
-
-    def __init__(self, launched: Sequence[Launched]) -> None:
-        self._launched = list(launched)
-
-    async def launch(self, index: int, config: EngineConfig) -> Launched:
-        return self._launched[index]
-
-    def shutdown(self) -> None:
-        pass

@@ -1,12 +1,13 @@
 """The front door's handles on instances: one interface (submit, cancel, snapshot, replace the
 policy), two transports: `RemoteInstance` over a control link to an instance process (local or
 Ray), `InProcessInstance` around an Engine in this process (the simulator's N instances on one
-virtual clock).
+virtual clock; shunter/cluster/inprocess.py).
 
 A handle relays each request's outputs to the client's stream under the cluster's request id.
-When its instance dies, a request that has streamed nothing yet is handed back to the cluster
-to be dispatched again (`Redispatch`); one that has streamed tokens ends with finish reason
-`error` naming the instance and why it died (its tokens cannot be taken back, and a sampled
+When its instance dies (or goes silent: no answer to the heartbeat for `silent_after_s`,
+shunter/cluster/heartbeat.py), a request that has streamed nothing yet is handed back to the
+cluster to be dispatched again (`Redispatch`); one that has streamed tokens ends with finish
+reason `error` naming the instance and why it died (its tokens cannot be taken back, and a sampled
 continuation elsewhere would not be the same request). A request that an instance's stopped
 engine refused before admitting it is handed back the same way, the instance marked down.
 A client found gone has its request cancelled on the instance (one that left before its
@@ -15,6 +16,7 @@ A client found gone has its request cancelled on the instance (one that left bef
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Awaitable, Callable
@@ -29,7 +31,7 @@ from engine.outputs import Admitted, GenerationChunk, Rejected
 from engine.reply import Reply
 from engine.snapshots import EngineSnapshot
 from shunter.cluster.group_wire import GroupAnswer
-from shunter.cluster.instance import stopped_chunk
+from shunter.cluster.heartbeat import Heartbeat, Liveness
 from shunter.cluster.wire import (
     AskSnapshot,
     AskStats,
@@ -37,15 +39,15 @@ from shunter.cluster.wire import (
     Detach,
     Link,
     Output,
+    Ping,
     PolicyReplaced,
+    Pong,
     ReplacePolicyText,
     Shutdown,
     Snapshot,
     Stats,
     SubmitRequest,
-    summarize,
 )
-from shunter.engine import Engine
 
 Redispatch = Callable[[int, Submit, bool, float], Awaitable[None]]
 """(cluster request id, the client's submission, whether the client already got `Admitted`,
@@ -200,7 +202,7 @@ class RemoteInstance(_Relay):
 
     def __init__(self, index: int, link: Link, *, on_end: Ended, redispatch: Redispatch,
                  on_down: Down, describe_death: Callable[[], str], kill: Callable[[], None],
-                 pid: int | None = None) -> None:
+                 pid: int | None = None, liveness: Liveness | None = None) -> None:
         super().__init__(index, on_end, redispatch, on_down)
         self._link = link
         self._describe_death = describe_death
@@ -215,29 +217,49 @@ class RemoteInstance(_Relay):
         """A question could not be sent: the link broke (the process's fate says why)."""
         self.moved_to: dict[int, RemoteInstance] = {}
         """KunServe: requests that moved to a group's head, whose cancels go there."""
+        self.heartbeat = None if liveness is None else Heartbeat(index, liveness, self._ping,
+                                                                  self._went_silent)
+        self._reading = anyio.CancelScope()
+        self._silent: str | None = None
+        """Why the heartbeat declared the instance lost (its link never closed)."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         """Relay the instance's messages until its link closes."""
         task_status.started()
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._send_cancels)
-            while True:
+            if self.heartbeat is not None:
+                tg.start_soon(self.heartbeat.run)
+            while self._silent is None:
+                self._reading = anyio.CancelScope()  # cancelled when the instance goes silent
                 try:
-                    msg = await self._link.receive()
+                    with self._reading:
+                        msg = await self._link.receive()
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
                         anyio.ClosedResourceError, OSError):
                     break
+                if self._reading.cancel_called:
+                    break
+                if self.heartbeat is not None:
+                    self.heartbeat.heard()
                 match msg:
                     case Output(key=key, output=out):
                         await self._forward(key, out)
+                    case Pong(seq=seq):
+                        self.heartbeat.answered(seq)
                     case (Snapshot(key=key) | Stats(key=key) | PolicyReplaced(key=key)
                           | GroupAnswer(key=key)):
                         reply = self._asks.pop(key, None)
                         if reply is not None:
                             reply.send(msg)
             tg.cancel_scope.cancel()
-        died = not self._closing and (self.failure is None or bool(self._live))
-        if died and (self.failure is None or self._link_lost):  # not the engine's own reason
+        died = not self._closing and (self.failure is None or bool(self._live)
+                                      or self._silent is not None)
+        if died and self._silent is not None:  # its link never closed: close it, end it
+            reason = self._silent
+            await anyio.aclose_forcefully(self._link)
+            await anyio.to_thread.run_sync(_kill_quietly, self.kill, abandon_on_cancel=True)
+        elif died and (self.failure is None or self._link_lost):  # not the engine's own reason
             reason = await anyio.to_thread.run_sync(self._describe_death)
         else:
             reason = self.failure or f"instance {self.index}: its link was closed"
@@ -246,6 +268,15 @@ class RemoteInstance(_Relay):
         self._asks.clear()
         if died:
             await self._instance_died(reason)
+
+    def _went_silent(self, reason: str) -> None:
+        if not self._closing:
+            self._silent = reason
+            self._reading.cancel()  # the reader waits on a link that never closes
+
+    async def _ping(self, seq: int) -> None:
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._link.send(Ping(seq=seq))
 
     async def _send_cancels(self) -> None:
         async for key in self._cancels:
@@ -322,73 +353,8 @@ class RemoteInstance(_Relay):
         await self._link.aclose()
 
 
-class InProcessInstance(_Relay):
-    """An Engine in this process (the simulator's instances share its virtual clock)."""
-
-    def __init__(self, index: int, engine: Engine, *, on_end: Ended,
-                 redispatch: Redispatch, on_down: Down) -> None:
-        super().__init__(index, on_end, redispatch, on_down)
-        self.engine = engine
-        self.pid = None
-        self._ids: dict[int, int] = {}
-        self._cancel_to: dict[int, tuple[Engine, int]] = {}
-        """KunServe: requests adopted by a group's head are cancelled there (groups.py)."""
-        self._tg: anyio.abc.TaskGroup | None = None
-
-    async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            task_status.started()
-            await anyio.sleep_forever()
-
-    async def submit(self, key: int, submit: Submit, *, announced: bool = False,
-                     since: float | None = None) -> None:
-        self._live[key] = _live(submit, announced, since)
-        send, recv = anyio.create_memory_object_stream(math.inf)
-        own = attrs.evolve(submit, outputs=send)
-        try:
-            await self.engine._submit(own)
-        except EngineDeadError as exc:
-            await self._forward(key, Rejected(error=exc))
-            return
-        self._tg.start_soon(self._relay, key, recv)
-
-    async def _relay(self, key: int, recv) -> None:
-        async with recv:
-            async for out in recv:
-                if isinstance(out, Admitted):
-                    self._ids[key] = out.request_id
-                await self._forward(key, out)
-                if key not in self._live:
-                    break
-        if key in self._live:  # the engine stopped under the request (an actor failed)
-            # (a request moved to a KunServe group's head ends with the head engine's reason)
-            engine = self._cancel_to.get(key, (self.engine,))[0]
-            reason = engine.stopped_reason()
-            admitted = key in self._ids or key in self._cancel_to
-            await self._forward(key, stopped_chunk(reason) if admitted
-                                else Rejected(error=EngineDeadError(reason)))
-        self._ids.pop(key, None)
-        self._cancel_to.pop(key, None)
-
-    def cancel_nowait(self, key: int) -> None:
-        if key in self._cancel_to:
-            engine, rid = self._cancel_to[key]
-            engine._cancel_nowait(rid)
-        elif key in self._ids:
-            self.engine._cancel_nowait(self._ids[key])
-
-    async def snapshot(self) -> EngineSnapshot:
-        return await self.engine.inspect()
-
-    async def stats(self) -> InstanceStats:
-        return summarize(await self.engine.inspect())
-
-    async def replace_policy(self, text: str) -> None:
-        try:
-            await self.engine.replace_policy(text)
-        except EngineDeadError as exc:
-            raise EngineDeadError(f"instance {self.index}: {exc}") from None
-
-    async def close(self, *, detach: bool = False) -> None:
-        self._end_live()
+def _kill_quietly(kill: Callable[[], None]) -> None:
+    """A lost instance's process is ended where this machine can reach it (an instance that
+    comes back must not serve what was dispatched again elsewhere)."""
+    with contextlib.suppress(Exception):
+        kill()

@@ -28,7 +28,9 @@ from shunter.cluster.wire import (
     Hello,
     Link,
     Output,
+    Ping,
     PolicyReplaced,
+    Pong,
     ReplacePolicyText,
     Shutdown,
     Snapshot,
@@ -148,6 +150,8 @@ class InstanceServer:
                         anyio.ClosedResourceError, OSError):
                     break
                 match msg:
+                    case Ping(seq=seq):  # here, not on the device thread: a long step
+                        await self.send(Pong(seq=seq))  # does not delay it
                     case SubmitRequest():
                         tg.start_soon(self._serve, msg)
                     case CancelRequest(key=key):

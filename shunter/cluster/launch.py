@@ -181,3 +181,25 @@ class RayInstance:
             raise RuntimeError(port)
         return (ray.util.get_node_ip_address(), port, os.getpid(),
                 ray.get_runtime_context().get_node_id())
+
+
+def current_backend() -> str:
+    try:
+        import sniffio
+
+        return sniffio.current_async_library()
+    except sniffio.AsyncLibraryNotFoundError:  # not inside an event loop
+        return "asyncio"
+
+
+class Attached:
+    """Instances already running: nothing to launch, nothing to stop."""
+
+    def __init__(self, launched: Sequence[Launched]) -> None:
+        self._launched = list(launched)
+
+    async def launch(self, index: int, config: EngineConfig) -> Launched:
+        return self._launched[index]
+
+    def shutdown(self) -> None:
+        pass

@@ -70,8 +70,15 @@ class Detach:
     attached to running instances, such as the tests' shared ones)."""
 
 
+@attrs.frozen(kw_only=True)
+class Ping:
+    """Are you there? (shunter/cluster/heartbeat.py); answered by `Pong` with the same seq."""
+
+    seq: int
+
+
 ToInstance = (SubmitRequest | CancelRequest | AskSnapshot | AskStats | ReplacePolicyText
-              | Shutdown | Detach)
+              | Shutdown | Detach | Ping)
 
 
 # ---------------------------------------------------------------- instance -> front door
@@ -115,7 +122,14 @@ class Hello:
     policy_source: str
 
 
-FromInstance = Output | Snapshot | Stats | PolicyReplaced | Hello
+@attrs.frozen(kw_only=True)
+class Pong:
+    """The answer to `Ping`, sent by the task that reads the link (never the device thread)."""
+
+    seq: int
+
+
+FromInstance = Output | Snapshot | Stats | PolicyReplaced | Hello | Pong
 
 
 def summarize(snap: EngineSnapshot) -> InstanceStats:

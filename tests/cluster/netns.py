@@ -30,6 +30,14 @@ class Hosts:
     """Each host's address on the bridge."""
     gateway: str
     """This (root) namespace's address on the bridge: where the front door is reached."""
+    links: tuple[str, ...] = ()
+    """Each host's veth end on the bridge (in this namespace)."""
+
+    def cut(self, i: int) -> None:
+        """Cut host `i` off the network, as a pulled cable or a dead host would: its end of the
+        link goes down, so nothing it sends arrives and nothing reaches it (its processes
+        live on and its sockets stay open; no FIN, no reset ever reaches a peer)."""
+        _ip("link", "set", self.links[i], "down")
 
 
 def _ip(*args: str) -> None:
@@ -85,7 +93,8 @@ def make_hosts(n: int) -> Iterator[Hosts]:
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", inner)
             _ip("-n", name, "link", "set", inner, "up")
             _ip("-n", name, "route", "add", "default", "via", gateway)
-        yield Hosts(names=names, addresses=addresses, gateway=gateway)
+        yield Hosts(names=names, addresses=addresses, gateway=gateway,
+                    links=tuple(f"shv{tag}h{i}" for i in range(n)))
     finally:
         for thing in reversed(made):  # a namespace takes its veth pair with it
             with contextlib.suppress(RuntimeError):

@@ -23,7 +23,8 @@ from engine.errors import EngineDeadError, ShunterError
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from engine.reply import Reply
 from shunter.cluster.cluster import Cluster
-from shunter.cluster.handles import InProcessInstance, RemoteInstance
+from shunter.cluster.handles import RemoteInstance
+from shunter.cluster.inprocess import InProcessInstance
 from shunter.cluster.instance import InstanceServer
 from shunter.cluster.wire import (
     AskSnapshot,
