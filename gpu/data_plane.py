@@ -91,6 +91,9 @@ class DataPlane:
         """Those of `ranks` whose process is known to be gone."""
         return [] if self.watch is None else self.watch.lost(ranks)
 
+    def why_lost(self, rank: int) -> str:
+        return "its process is gone" if self.watch is None else self.watch.why(rank)
+
 
 Receiver = Callable[[torch.Tensor, int, int], None]
 """(tensor, source rank, tag): receives one tensor into `tensor`."""
@@ -211,7 +214,7 @@ def _open_watched(plane: DataPlane, ranks: tuple[int, ...], make: Callable[[], A
             given_up.set()
             if "pg" in done:  # made just now, after `run` looked
                 done["pg"].abort()
-            raise GroupMemberLost(lost[0], what, RuntimeError("its process is gone"))
+            raise GroupMemberLost(lost[0], what, RuntimeError(plane.why_lost(lost[0])))
     if "error" in done:  # a member never came (it went away first)
         exc = done["error"]
         raise GroupMemberLost(-1, what, exc) from exc
@@ -288,6 +291,16 @@ def leave_data_plane() -> None:
         _plane = None
 
 
+def peer_lost(rank: int) -> bool:
+    """The front door declared instance `rank` lost (silent): a channel being opened with it,
+    and every message to or from it, fail at once from now on (a send or receive already
+    waiting in gloo still waits its timeout). False when this instance is not in a world."""
+    if _plane is None or _plane.watch is None:
+        return False
+    _plane.watch.mark_lost(rank)
+    return True
+
+
 def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
     """Send one pickled message (its length first) to rank `dst` (at once GroupMemberLost
     when the watch knows it gone: a gloo send to a dead peer can wait out the whole timeout)."""
@@ -317,5 +330,5 @@ def _live_world(peer: int, what: str) -> Any:
     """The world's process group, unless the watch knows `peer` is gone."""
     plane = data_plane()
     if plane.lost([peer]):
-        raise GroupMemberLost(peer, what, RuntimeError("its process is gone"))
+        raise GroupMemberLost(peer, what, RuntimeError(plane.why_lost(peer)))
     return plane.world

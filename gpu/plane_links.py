@@ -17,8 +17,9 @@ class Watch:
     """Whether the other instances of the world still run: one TCP connection to each, made as
     the world is joined and never written to. A process that ends (killed included) has its
     kernel close its sockets, so the connection to it reads end-of-stream at its peers at once,
-    whatever host they are on; `lost` reads that without blocking. (A host that goes down
-    without closing them is found only by the timeouts.)"""
+    whatever host they are on; `lost` reads that without blocking. A host that goes down
+    without closing them is found by the front door's heartbeat (shunter/cluster/heartbeat.py),
+    which tells the others (`mark_lost`)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, address: str,
                  timeout_s: float) -> None:
@@ -37,6 +38,7 @@ class Watch:
                 conn.setblocking(False)
                 self._peers[r] = conn
         self._lost: set[int] = set()
+        self._silent: set[int] = set()
 
     def _accept(self) -> None:
         while True:
@@ -59,6 +61,15 @@ class Watch:
             except OSError:  # reset
                 self._lost.add(r)
         return [r for r in ranks if r in self._lost]
+
+    def mark_lost(self, rank: int) -> None:
+        """The front door found `rank` silent (its host cut off: no connection of it closes)."""
+        self._silent.add(rank)
+        self._lost.add(rank)
+
+    def why(self, rank: int) -> str:
+        return ("the front door found it silent" if rank in self._silent
+                else "its process is gone")
 
     def close(self) -> None:
         for conn in [self._listener, *self._peers.values(), *self._accepted]:

@@ -229,6 +229,10 @@ class Cluster:
     async def _instance_down(self, index: int, reason: str) -> None:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
             await self._coordinator.send(InstanceDown(instance=index, reason=reason))
+        if getattr(self.instances[index], "went_silent", False):  # no peer saw its links close
+            for other in self.instances:
+                if other.alive and other.index != index:
+                    await other.peer_lost(index)
         lost = getattr(self.groups, "instance_down", None)
         if lost is not None:  # torch groups: a lost head's members serve alone from now on
             await lost(index)

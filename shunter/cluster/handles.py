@@ -39,6 +39,7 @@ from shunter.cluster.wire import (
     Detach,
     Link,
     Output,
+    PeerLost,
     Ping,
     PolicyReplaced,
     Pong,
@@ -268,6 +269,16 @@ class RemoteInstance(_Relay):
         self._asks.clear()
         if died:
             await self._instance_died(reason)
+
+    @property
+    def went_silent(self) -> bool:
+        """Declared lost by the heartbeat (its link never closed)."""
+        return self._silent is not None
+
+    async def peer_lost(self, index: int) -> None:
+        """Instance `index` went silent: this one's data plane counts it gone."""
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._link.send(PeerLost(index=index))
 
     def _went_silent(self, reason: str) -> None:
         if not self._closing:

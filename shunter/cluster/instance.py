@@ -8,6 +8,7 @@ import contextlib
 import math
 import os
 import signal
+import sys
 from collections.abc import Callable
 
 import anyio
@@ -28,6 +29,7 @@ from shunter.cluster.wire import (
     Hello,
     Link,
     Output,
+    PeerLost,
     Ping,
     PolicyReplaced,
     Pong,
@@ -152,6 +154,8 @@ class InstanceServer:
                 match msg:
                     case Ping(seq=seq):  # here, not on the device thread: a long step
                         await self.send(Pong(seq=seq))  # does not delay it
+                    case PeerLost(index=index):
+                        peer_lost(index)
                     case SubmitRequest():
                         tg.start_soon(self._serve, msg)
                     case CancelRequest(key=key):
@@ -238,6 +242,12 @@ class InstanceServer:
         except EngineDeadError as exc:
             error, stopped = str(exc), True
         await self.send(PolicyReplaced(key=key, error=error, engine_stopped=stopped))
+
+
+def peer_lost(index: int) -> bool:
+    """Tell this instance's data plane (if it joined one) that instance `index` is lost."""
+    plane = sys.modules.get("gpu.data_plane")  # never joined when not imported
+    return plane is not None and plane.peer_lost(index)
 
 
 def stopped_chunk(reason: str) -> GenerationChunk:

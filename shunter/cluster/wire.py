@@ -77,8 +77,16 @@ class Ping:
     seq: int
 
 
+@attrs.frozen(kw_only=True)
+class PeerLost:
+    """The front door declared instance `index` lost without its link closing (it went
+    silent): the data plane's watch counts it gone (gpu/data_plane.py `peer_lost`)."""
+
+    index: int
+
+
 ToInstance = (SubmitRequest | CancelRequest | AskSnapshot | AskStats | ReplacePolicyText
-              | Shutdown | Detach | Ping)
+              | Shutdown | Detach | Ping | PeerLost)
 
 
 # ---------------------------------------------------------------- instance -> front door

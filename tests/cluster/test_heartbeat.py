@@ -166,7 +166,14 @@ async def test_a_stopped_instance_is_lost_after_the_silence_and_a_paused_one_is_
         assert len(paused) == len(first)
         _check_equal(paused, first, tiny_llama_dir, "paused")
 
-        # stopped for good, with requests streaming from it and new ones sent to it
+        # stopped for good, with requests streaming from it and new ones sent to it; the
+        # others are told (their data planes count it gone: no connection of it ever closes)
+        told: list[tuple[int, int]] = []
+        for other in cluster.instances[:2]:
+            async def spy(index: int, other=other, real=other.peer_lost) -> None:
+                told.append((other.index, index))
+                await real(index)
+            other.peer_lost = spy
         prompts = PROMPTS[6:18]
         results: dict = {}
         streamed = anyio.Event()
@@ -202,6 +209,7 @@ async def test_a_stopped_instance_is_lost_after_the_silence_and_a_paused_one_is_
         took = lost_at - stopped_at
         assert LIVENESS.silent_after_s <= took < LIVENESS.silent_after_s + 3.0, took
         assert handle.failure.startswith("instance 2 went silent: no answer to a ping for ")
+        assert sorted(told) == [(0, 2), (1, 2)], told
         failed = {i for i, r in results.items() if r[1] == "error"}
         assert failed, "the stopped instance had requests streaming"
         for i in failed:

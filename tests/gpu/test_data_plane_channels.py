@@ -110,6 +110,9 @@ def test_a_control_message_to_or_from_a_member_known_gone_fails_at_once(monkeypa
         def lost(self, ranks):
             return [r for r in ranks if r == 1]
 
+        def why(self, rank):
+            return "its process is gone"
+
     class World:
         def send(self, *args):
             raise AssertionError("the world's send was called for a peer known gone")
@@ -122,3 +125,36 @@ def test_a_control_message_to_or_from_a_member_known_gone_fails_at_once(monkeypa
         dp.send_obj("hello", 1, dp.CONTROL_TAG, "a test")
     with pytest.raises(GroupMemberLost, match=r"instance 1 was lost while a test: .*gone"):
         dp.recv_obj(1, dp.CONTROL_TAG, "a test")
+
+
+def test_a_member_the_front_door_found_silent_is_given_up_at_once():
+    """A member whose host was cut off closes no connection, so the watch cannot see it; the
+    front door's heartbeat finds it silent and tells the others (`PeerLost`, which calls
+    `peer_lost` -> `Watch.mark_lost`): a channel being opened with it gives up at once, naming
+    why, instead of after `channel_open_s` (plant: `mark_lost` not counting it lost fails the
+    bound)."""
+    from gpu.plane_links import Watch
+
+    planes = _planes(2, timeout_s=60.0, channel_open_s=20.0)
+    watches: list = [None, None]
+
+    def watch(i: int) -> None:
+        watches[i] = Watch(planes[i].store, i, 2, "127.0.0.1", 30.0)
+
+    threads = [threading.Thread(target=watch, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    planes[0].watch = watches[0]
+    threading.Timer(0.3, watches[0].mark_lost, args=(1,)).start()  # member 1 never opens
+    began = time.monotonic()
+    with pytest.raises(GroupMemberLost, match=r"instance 1 was lost while the group \(0, 1\)'s "
+                                              r"channel was being opened: RuntimeError: the "
+                                              r"front door found it silent"):
+        open_channel(planes[0], "0.9", (0, 1))
+    waited = time.monotonic() - began
+    assert waited < 5.0, f"waited {waited:.1f} s (channel_open_s is 20 s)"
+    assert watches[0].lost([1]) == [1] and watches[1].lost([0]) == []
+    for w in watches:
+        w.close()
