@@ -20,6 +20,7 @@ empty on the runner).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Mapping, Sequence
 
@@ -52,7 +53,7 @@ from gpu.group_stage import (
     restored_generator,
     start_transfers,
 )
-from gpu.kv_exchange import KvReceiver, KvTransfer
+from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost
 from gpu.pipeline import StepRecord
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
@@ -94,6 +95,7 @@ class GroupRunner:
         """The group's block ids (they include the head's solo ids)."""
         self.stage: GroupStage | None = None
         self._fed_back: tuple[SampledToken, ...] = ()
+        self._unanswered: list[int] = []  # sent the current step, answer not read yet
         self._expect: dict[int, set[int]] = {}  # request -> members its KV still goes to
         self._ready: list[int] = []  # arrived on every member, not yet taken by `arrived()`
         self.records: list[StepRecord] | None = None
@@ -170,11 +172,13 @@ class GroupRunner:
         self.last_cut = cut
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
         self.last_step = time.monotonic()
-        if gone := _known_lost(self.ranks[1:]):
+        if gone := known_lost(self.ranks[1:]):
             raise GroupMemberLost(gone[0], f"step {step.step_id} was sent",
                                   RuntimeError("its process is gone"))
+        self._unanswered = []
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
+            self._unanswered.append(rank)
         try:
             mine = self.stage.run(msg)
         finally:
@@ -182,6 +186,7 @@ class GroupRunner:
         replies = [mine]
         for m, rank in enumerate(self.ranks[1:], start=1):
             reply: MemberReply = recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")
+            self._unanswered.remove(rank)
             if reply.lost is not None:
                 raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
                                       f"instance {rank})", RuntimeError(reply.error))
@@ -293,6 +298,10 @@ class GroupRunner:
         request keeps its tokens but no KV (an empty table): the engine must recompute them.
         Returns their ids."""
         stage = self.stage
+        for rank in self._unanswered:  # sent the step: read its answer (its waits watch the
+            with contextlib.suppress(GroupMemberLost):  # plane; unread, that answer and our
+                recv_obj(rank, REPLY_TAG, "the step was answered")  # GroupAbandon deadlock)
+        self._unanswered = []
         abandon_members(self.ranks[1:], lost=lost, why=f"member instance {lost} lost")
         for t in self._fed_back:
             if t.request_id in stage.seqs:
@@ -332,8 +341,8 @@ def check_plan(ranks: Sequence[int], layers: Sequence[range], num_layers: int) -
 def abandon_members(ranks: Sequence[int], *, lost: int, why: str) -> None:
     """Tell every member in `ranks` but `lost` that the group is over (`GroupAbandon`; a member
     that had not started yet serves alone at once). Members that cannot be reached, or known
-    gone (`_known_lost`), are skipped."""
-    gone = _known_lost(ranks)
+    gone (`known_lost`), are skipped."""
+    gone = known_lost(ranks)
     for rank in ranks:
         if rank != lost and rank not in gone:
             try:
@@ -341,15 +350,6 @@ def abandon_members(ranks: Sequence[int], *, lost: int, why: str) -> None:
                          "the group was abandoned")
             except GroupMemberLost:
                 pass  # lost as well: nothing to tell it
-
-
-def _known_lost(ranks: Sequence[int]) -> list[int]:
-    """Those the data plane's watch knows are gone: a send to one may wait gloo's whole
-    timeout, which then closes the world's other links too ([] without a data plane)."""
-    try:
-        return getattr(data_plane(), "lost", lambda ranks: [])(ranks)  # (stand-ins: none)
-    except RuntimeError:
-        return []
 
 
 def restore_transfers(stage: GroupStage, layers: Sequence[range]) -> list[KvTransfer]:

@@ -25,7 +25,13 @@ from engine.messages import ExecuteStep, SampledToken, SeqWork
 from engine.params import SamplingParams
 from gpu.block_map import BlockMap
 from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
-from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, send_transfers
+from gpu.kv_exchange import (
+    ExchangeStats,
+    KvReceiver,
+    KvTransfer,
+    WatchedRecv,
+    send_transfers,
+)
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
@@ -297,6 +303,13 @@ class GroupStage:
                            cpu_s=tuple(cpu) if own_core else (),
                            arrived=tuple(self.receiver.take_arrived()))
 
+    def _activations(self, x: torch.Tensor, src: int, tag: int) -> None:
+        """Receive them while watching the other members (`WatchedRecv`)."""
+        w = self.__dict__.get("_watched")
+        if w is None or w.link is not self.plane:  # (a grown group has a channel of its own)
+            self._watched = w = WatchedRecv(self.plane)
+        w.recv(x, src, tag, "activations were due")
+
     def end_exchange(self) -> None:
         """The group has restored: every queued tensor sent; its channel is closed."""
         self.plane.queue.flush()
@@ -365,7 +378,7 @@ class GroupStage:
             began = time.perf_counter()
             x = torch.empty(len(inputs.input_ids), self._hidden, dtype=self.model.arena.dtype,
                             device=device)  # [T, hidden]
-            self.plane.recv_tensor(x, ranks[self.me - 1], tag, "activations were due")
+            self._activations(x, ranks[self.me - 1], tag)
             waited = time.perf_counter() - began
         began, cpu = time.perf_counter(), time.thread_time()
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)

@@ -10,10 +10,19 @@ chunk. The receiver has one thread per source, writes each chunk into the reques
 tensor, and marks a request ready once all of its chunks (from every source) are in; whoever
 needs a request's KV waits for exactly that request (`wait`). Bytes, chunks and per-request
 arrival times are counted.
+
+Whoever waits on a member (for a request's chunks, `KvReceiver.wait`; for activations,
+`WatchedRecv`) waits in slices of `WATCH_SLICE_S` and looks at the data plane's watch between
+them (`known_lost`): once any member of the group is gone, the group is broken, and the wait
+ends at once with `GroupMemberLost` naming it (gloo cannot cancel a posted receive: it stays
+posted on its thread until the channel is let go, `Channel.close(broken=True)`). Without this,
+a wait on a live member of a broken group (one that will never send, having found the loss
+itself) lasted gloo's whole timeout.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -21,9 +30,11 @@ from collections.abc import Callable, Sequence
 import attrs
 import torch
 
-from gpu.data_plane import KV_TAG, Channel, GroupMemberLost
+from gpu.data_plane import KV_TAG, Channel, GroupMemberLost, data_plane
 
 _EPOCH = 1 << 23
+WATCH_SLICE_S = 0.02
+"""How long a wait on a member goes between two looks at the data plane's watch."""
 
 
 @attrs.frozen(kw_only=True)
@@ -81,6 +92,59 @@ def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
             stats.chunks_sent += 1
 
 
+def known_lost(ranks: Sequence[int]) -> list[int]:
+    """Those of `ranks` the data plane's watch knows are gone ([] without a data plane, as in
+    tests' stand-ins)."""
+    try:
+        return getattr(data_plane(), "lost", lambda ranks: [])(ranks)
+    except RuntimeError:
+        return []
+
+
+def _gone(rank: int, what: str) -> GroupMemberLost:
+    return GroupMemberLost(rank, what, RuntimeError("its process is gone (the data plane's "
+                                                    "watch)"))
+
+
+class WatchedRecv:
+    """A channel's receives, each on one thread of its own while the caller waits for it in
+    slices and looks at the watch for every other member of the channel between them. The
+    thread ends once this is dropped (or `close`)."""
+
+    def __init__(self, link: Channel) -> None:
+        self.link = link
+        self._others = [r for r in link.ranks if r != link.rank]
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=_receive_jobs, args=(link, self._jobs), daemon=True,
+                         name="shunter-watched-recv").start()
+
+    def recv(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
+        box: list[BaseException] = []
+        done = threading.Event()
+        self._jobs.put(((t, src, tag, what), box, done))
+        while not done.wait(WATCH_SLICE_S):
+            if gone := known_lost(self._others):
+                raise _gone(gone[0], what)
+        if box:
+            raise box[0]
+
+    def close(self) -> None:
+        """No more receives (one still posted ends with the channel)."""
+        self._jobs.put(None)
+
+    __del__ = close
+
+
+def _receive_jobs(link: Channel, jobs: queue.SimpleQueue) -> None:
+    while (job := jobs.get()) is not None:
+        args, box, done = job
+        try:
+            link.recv_tensor(*args)
+        except BaseException as exc:  # noqa: BLE001 (raised by the waiting caller)
+            box.append(exc)
+        done.set()
+
+
 class KvReceiver:
     """Receives every transfer addressed to member `me`; one thread per source."""
 
@@ -90,6 +154,7 @@ class KvReceiver:
         """`block_shape`: one layer of one block, (2, block_size, Hkv, D); `link`: the group's
         channel the chunks come over."""
         self._link = link
+        self._others = [r for r in link.ranks if r != link.rank]
         self._mine = [t for t in transfers if t.dst == me]
         self.staging = {id(t): torch.empty((t.blocks, len(t.layers), *block_shape), dtype=dtype)
                         for t in self._mine}
@@ -141,7 +206,8 @@ class KvReceiver:
         with their staged data (and forgets them)."""
         with self._cond:
             while self._pending.get(request_id, 0) and self._error is None:
-                self._cond.wait()
+                if not self._cond.wait(WATCH_SLICE_S) and (gone := known_lost(self._others)):
+                    self._error = _gone(gone[0], "its KV was being exchanged")
             if self._pending.get(request_id, 0):
                 raise self._error
             self._pending.pop(request_id, None)
