@@ -253,12 +253,13 @@ class RemoteInstance(_Relay):
                         reply = self._asks.pop(key, None)
                         if reply is not None:
                             reply.send(msg)
+            if self._silent is not None:  # before waiting for its senders: a send blocked on
+                await anyio.aclose_forcefully(self._link)  # a full buffer ends now
             tg.cancel_scope.cancel()
         died = not self._closing and (self.failure is None or bool(self._live)
                                       or self._silent is not None)
-        if died and self._silent is not None:  # its link never closed: close it, end it
+        if died and self._silent is not None:  # its link, never closed, was closed above
             reason = self._silent
-            await anyio.aclose_forcefully(self._link)
             await anyio.to_thread.run_sync(_kill_quietly, self.kill, abandon_on_cancel=True)
         elif died and (self.failure is None or self._link_lost):  # not the engine's own reason
             reason = await anyio.to_thread.run_sync(self._describe_death)

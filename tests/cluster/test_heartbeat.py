@@ -39,8 +39,16 @@ class _Peer:
         self.answering = True
         self.rtt = rtt
         self.outstanding = 0
+        self.full = False
+        """Sends block until the link is closed (a cut-off peer's full buffer; `Link.send`
+        is shielded from cancellation)."""
+        self._closed = anyio.Event()
 
     async def send(self, msg: object) -> None:
+        if self.full:
+            with anyio.move_on_after(4, shield=True):  # the buffer would drain, in 4 s
+                await self._closed.wait()
+            raise anyio.ClosedResourceError
         if isinstance(msg, Ping) and self.answering:
             self._pings.send_nowait((anyio.current_time() + self.rtt, msg.seq))
             self.outstanding += 1
@@ -58,10 +66,12 @@ class _Peer:
 
     async def aclose(self) -> None:
         self._recv.close()
+        self._closed.set()
 
 
-async def _watch(peer: _Peer, liveness: Liveness, during) -> tuple[RemoteInstance, list[str]]:
-    downs: list[str] = []
+async def _watch(peer: _Peer, liveness: Liveness, during,
+                 downs: list[str] | None = None) -> tuple[RemoteInstance, list[str]]:
+    downs = [] if downs is None else downs
 
     async def on_down(index: int, reason: str) -> None:
         downs.append(reason)
@@ -112,6 +122,29 @@ async def test_an_instance_that_stops_answering_is_lost_after_the_silence():
     assert 0.4 <= lost_after[0] < 1.5, lost_after
     assert downs == [handle.failure]
     assert downs[0].startswith("instance 3 went silent: no answer to a ping for "), downs
+
+
+@pytest.mark.anyio
+async def test_a_ping_stuck_in_a_full_buffer_does_not_hold_the_loss_up():
+    """A cut-off peer whose send buffer filled: the ping's send blocks, shielded. The handle
+    closes the link before it waits for its senders, so the loss goes through (plant: closing
+    it only after them hangs)."""
+    peer = _Peer()
+
+    async def cut_off(handle: RemoteInstance) -> None:
+        await anyio.sleep(0.3)
+        peer.answering, peer.full = False, True
+        began = anyio.current_time()
+        while not downs and anyio.current_time() - began < 6:
+            await anyio.sleep(0.01)
+        waited.append(anyio.current_time() - began)
+
+    downs: list[str] = []
+    waited: list[float] = []
+    handle, got = await _watch(peer, Liveness(interval_s=0.05, silent_after_s=0.4), cut_off,
+                               downs)
+    assert got and got[0].startswith("instance 3 went silent"), got
+    assert waited[0] < 2.0, f"lost {waited[0]:.1f} s after the cut (0.4 s allowed)"
 
 
 def test_liveness_settings_are_checked():
