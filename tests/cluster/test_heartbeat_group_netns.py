@@ -1,0 +1,96 @@
+"""A KunServe group across two hosts, one host cut off the network once the group formed (no
+FIN, no reset reaches anyone): the front door declares it lost by the heartbeat (default
+`Liveness()`), tells the other instance (`PeerLost`), and every request ends: served at the
+instance left, equal to transformers', or, having streamed tokens from the lost one, with an
+error naming it. Reports how long the instance left took to serve alone again.
+
+Root and iproute2 only, with SHUNTER_NETNS=1:
+`sudo SHUNTER_NETNS=1 python -m pytest -q -s tests/cluster/test_heartbeat_group_netns.py`.
+"""
+
+from __future__ import annotations
+
+import random
+
+import anyio
+import pytest
+
+import shunter
+from shunter.cluster.cluster import Cluster
+from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
+from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _prompt
+from tests.reference import assert_matches, greedy_reference
+
+
+@pytest.mark.anyio
+async def test_a_host_cut_off_while_grouped_ends_every_request(
+        anyio_backend, netns_hosts, kunserve_config, kunserve_model):  # noqa: F811
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    from shunter.cluster.launch import LocalLauncher
+
+    rng = random.Random(0)
+    longs = [_prompt(rng, 8) for _ in range(2)]
+    burst = [_prompt(rng, 16) for _ in range(12)]
+    jobs = [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
+            *((f"B{i}", p, 8) for i, p in enumerate(burst))]
+    out: dict[str, tuple[list[int], str | None, str | None]] = {}
+    with netns_hosts(2) as hosts:
+        launcher = LocalLauncher("asyncio", hosts=list(zip(hosts.names, hosts.addresses)))
+        try:
+            instances = [launcher.start_process(i, kunserve_config) for i in range(2)]
+            async with Cluster.start(kunserve_config, attach=instances,
+                                     monitor_interval_s=0.02) as cluster:
+
+                async def one(name: str, prompt, n: int, started=None) -> None:
+                    tokens: list[int] = []
+                    async with cluster.generate(prompt, shunter.SamplingParams(
+                            max_tokens=n, temperature=0)) as stream:
+                        async for chunk in stream:
+                            tokens += chunk.token_ids
+                            if started is not None and len(tokens) >= 2:
+                                started.set()
+                            if chunk.finish_reason is not None:
+                                out[name] = (tokens, chunk.finish_reason, chunk.error)
+
+                cut = None
+                with anyio.move_on_after(200) as waited:
+                    async with anyio.create_task_group() as tg:
+                        started = [anyio.Event() for _ in longs]
+                        for i, p in enumerate(longs):
+                            tg.start_soon(one, f"L{i}", p, LONG_TOKENS, started[i])
+                        for ev in started:
+                            await ev.wait()
+                        for i, p in enumerate(burst):
+                            tg.start_soon(one, f"B{i}", p, 8)
+                        while not cluster.groups.groups:
+                            await anyio.sleep(0.005)
+                        (head, group), = cluster.groups.groups.items()
+                        cut = 1  # host 1: the head or the member, whichever it is
+                        role = "head" if head == 1 else "member"
+                        hosts.cut(1)
+                        cut_at = anyio.current_time()
+                        while cluster.instances[1].alive:
+                            await anyio.sleep(0.01)
+                        lost_at = anyio.current_time()
+                    ended_at = anyio.current_time()
+                assert not waited.cancelled_caught, (
+                    f"not done in 200 s: instance 1 declared lost: "
+                    f"{not cluster.instances[1].alive}; {len(out)} of {len(jobs)} requests ended")
+                print(f"\ngroup {group.members} head {head}; cut host 1 ({role}); lost "
+                      f"{lost_at - cut_at:.2f} s after the cut, every request ended "
+                      f"{ended_at - cut_at:.2f} s after it; "
+                      f"{sum(1 for r in out.values() if r[1] == 'error')} ended with an error")
+                assert cut == 1 and len(out) == len(jobs)
+                for name, prompt, n in jobs:
+                    tokens, reason, error = out[name]
+                    if reason == "error":
+                        assert error.startswith("instance 1 went silent"), (name, error)
+                        continue
+                    assert_matches(tokens, greedy_reference(kunserve_model, prompt, n), name)
+                again = await cluster.complete(burst[0], shunter.SamplingParams(
+                    max_tokens=8, temperature=0))
+                assert_matches(list(again.token_ids),
+                               greedy_reference(kunserve_model, burst[0], 8), "after")
+        finally:
+            launcher.shutdown(timeout_s=5)
