@@ -121,7 +121,8 @@ class WatchedRecv:
     def recv(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
         box: list[BaseException] = []
         done = threading.Event()
-        self._jobs.put(((t, src, tag, what), box, done))
+        # inference mode is per thread: the receiving one writes `t` in the caller's mode
+        self._jobs.put(((t, src, tag, what), torch.is_inference_mode_enabled(), box, done))
         while not done.wait(WATCH_SLICE_S):
             if gone := known_lost(self._others):
                 raise _gone(gone[0], what)
@@ -137,9 +138,10 @@ class WatchedRecv:
 
 def _receive_jobs(link: Channel, jobs: queue.SimpleQueue) -> None:
     while (job := jobs.get()) is not None:
-        args, box, done = job
+        args, inference, box, done = job
         try:
-            link.recv_tensor(*args)
+            with torch.inference_mode(inference):
+                link.recv_tensor(*args)
         except BaseException as exc:  # noqa: BLE001 (raised by the waiting caller)
             box.append(exc)
         done.set()
