@@ -21,30 +21,11 @@ import shunter
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.plan import stage_layers
 from shunter.cluster.cluster import Cluster
-from tests.cluster.test_kunserve_torch_grow import LAYERS, RUN_TOKENS, SOLO_BLOCKS
+from tests.cluster.test_kunserve_torch_grow import (LAYERS, RUN_TOKENS, SOLO_BLOCKS, grow_config,
+                                                   grow_model)
 from tests.reference import Reference, assert_matches, greedy_reference, reference_model
 
-
-@pytest.fixture(scope="module")
-def grow_model(tmp_path_factory):
-    from gpu.make_model import write_random_model
-
-    return write_random_model(tmp_path_factory.mktemp("kunserve-grow-faults-6l"), arch="llama",
-                              layers=LAYERS, hidden=64, heads=4, kv_heads=2, vocab=320, seed=3)
-
-
-@pytest.fixture(scope="module")
-def grow_config(grow_model, tmp_path_factory):
-    from engine.config import EngineConfig
-    from policies import policy_path
-
-    policy = tmp_path_factory.mktemp("kunserve-grow-faults") / "kunserve_grow.policy"
-    policy.write_text(f'policy kunserve_grow extends "{policy_path("fcfs")}" {{\n'
-                      f'  dispatch round_robin\n'
-                      f'  overload drop when waiting > 100\n'
-                      f'  overload restore when waiting > 100\n}}\n')
-    return EngineConfig(model=grow_model, device="cpu", threads=1, num_blocks=SOLO_BLOCKS,
-                        block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
+__all__ = ["grow_config", "grow_model"]  # the fixtures, shared with the growth's tests
 
 
 class Streams:
