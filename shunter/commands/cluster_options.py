@@ -1,4 +1,4 @@
-"""`--instances N [--pipeline-stages K] [--cluster local|ray]`: the commands that serve
+"""`--instances N [--pipeline-stages K] [--cluster local|ray] [--silent-after S]`: the commands that serve
 (generate, demo, serve) start one engine, a pipeline of K stage processes, or a cluster of N
 instances behind the coordinator, through `start_engine`."""
 
@@ -30,6 +30,35 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="where instances run: local processes, or Ray actors on the Ray "
                         "cluster RAY_ADDRESS names (a local one if unset; needs the cluster "
                         "extra)")
+    g.add_argument("--silent-after", type=silent_after, default=None, metavar="SECONDS",
+                   help="instance processes: one that answers no ping (every 0.25 s) for this "
+                        "long is lost, as if it had died: its host cut off or its process "
+                        "stopped (default 5; 0: never, only a closed link or a dead process)")
+
+
+def silent_after(text: str) -> float:
+    """An argparse type for `--silent-after`: 0 (never), or more than twice the ping interval."""
+    from shunter.cluster.heartbeat import Liveness
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    floor = 2 * Liveness().interval_s
+    if value != 0 and not value > floor:  # (NaN included)
+        raise argparse.ArgumentTypeError(
+            f"{text} must be more than {floor:g} s (twice the ping interval), or 0 for never")
+    return value
+
+
+def liveness(args: argparse.Namespace | None) -> Any:
+    """The `Liveness` `--silent-after` asks for (None: the cluster's default)."""
+    seconds = getattr(args, "silent_after", None)
+    if seconds is None:
+        return None
+    from shunter.cluster.heartbeat import Liveness
+
+    return Liveness(silent_after_s=seconds or None)
 
 
 def cluster_fields(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,7 +85,8 @@ async def start_engine(config: EngineConfig,
     from shunter.cluster.cluster import Cluster  # starts processes: only when asked for
 
     kind = "inprocess" if config.backend == "sim" else args.cluster
-    async with Cluster.start(config, instances=instances, kind=kind) as cluster:
+    async with Cluster.start(config, instances=instances, kind=kind,
+                             liveness=liveness(args)) as cluster:
         yield cluster
 
 

@@ -32,6 +32,12 @@ BAD = [
      "shunter generate: argument --cpu-swap-blocks: -2 is negative (see shunter generate --help)"),
     (["generate", "--prompt", "x", "--threads", "two"],
      "shunter generate: argument --threads: 'two' is not an integer (see shunter generate --help)"),
+    (["generate", "--prompt", "x", "--silent-after", "0.3"],
+     "shunter generate: argument --silent-after: 0.3 must be more than 0.5 s (twice the ping "
+     "interval), or 0 for never (see shunter generate --help)"),
+    (["serve", "--silent-after", "soon"],
+     "shunter serve: argument --silent-after: 'soon' is not a number of seconds "
+     "(see shunter serve --help)"),
     (["generate", "--prompt", "x", "--dtype", "int8"],
      "shunter generate: argument --dtype: invalid choice: 'int8' (choose from 'auto', "
      "'float32', 'bfloat16', 'float16') (see shunter generate --help)"),

@@ -1,0 +1,27 @@
+"""`--silent-after` reaches the cluster as the `Liveness` it names (shunter/commands/
+cluster_options.py); its bad values are refused by name in tests/shunter/test_cli_errors.py."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shunter.cluster.heartbeat import Liveness
+from shunter.commands.cluster_options import add_cluster_options, liveness
+
+
+def parsed(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_cluster_options(p)
+    return p.parse_args(list(argv))
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ((), None),  # the cluster's default, Liveness()
+    (("--silent-after", "7"), Liveness(silent_after_s=7.0)),
+    (("--silent-after", "0.75"), Liveness(silent_after_s=0.75)),
+    (("--silent-after", "0"), Liveness(silent_after_s=None)),  # never
+])
+def test_silent_after_gives_the_liveness_it_names(argv, expected):
+    assert liveness(parsed("--instances", "2", *argv)) == expected
