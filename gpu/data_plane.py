@@ -91,8 +91,10 @@ class DataPlane:
         """Those of `ranks` whose process is known to be gone."""
         return [] if self.watch is None else self.watch.lost(ranks)
 
-    def why_lost(self, rank: int) -> str:
-        return "its process is gone" if self.watch is None else self.watch.why(rank)
+    def lost_error(self, rank: int, what: str) -> GroupMemberLost:
+        """The error for member `rank`, which the watch knows is gone, lost while `what`."""
+        why = "its process is gone" if self.watch is None else self.watch.why(rank)
+        return GroupMemberLost(rank, what, RuntimeError(why))
 
 
 Receiver = Callable[[torch.Tensor, int, int], None]
@@ -214,7 +216,7 @@ def _open_watched(plane: DataPlane, ranks: tuple[int, ...], make: Callable[[], A
             given_up.set()
             if "pg" in done:  # made just now, after `run` looked
                 done["pg"].abort()
-            raise GroupMemberLost(lost[0], what, RuntimeError(plane.why_lost(lost[0])))
+            raise plane.lost_error(lost[0], what)
     if "error" in done:  # a member never came (it went away first)
         exc = done["error"]
         raise GroupMemberLost(-1, what, exc) from exc
@@ -330,5 +332,5 @@ def _live_world(peer: int, what: str) -> Any:
     """The world's process group, unless the watch knows `peer` is gone."""
     plane = data_plane()
     if plane.lost([peer]):
-        raise GroupMemberLost(peer, what, RuntimeError(plane.why_lost(peer)))
+        raise plane.lost_error(peer, what)
     return plane.world

@@ -102,8 +102,12 @@ def known_lost(ranks: Sequence[int]) -> list[int]:
 
 
 def _gone(rank: int, what: str) -> GroupMemberLost:
-    return GroupMemberLost(rank, what, RuntimeError("its process is gone (the data plane's "
-                                                    "watch)"))
+    """The data plane's error for a member its watch found gone (dead, or found silent by the
+    front door); the plain one where there is no data plane (tests' stand-ins)."""
+    try:
+        return data_plane().lost_error(rank, what)
+    except RuntimeError:
+        return GroupMemberLost(rank, what, RuntimeError("its process is gone"))
 
 
 class WatchedRecv:
