@@ -53,7 +53,7 @@ from gpu.group_stage import (
     restored_generator,
     start_transfers,
 )
-from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost
+from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost, lost_error
 from gpu.pipeline import StepRecord
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
@@ -173,8 +173,7 @@ class GroupRunner:
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
         self.last_step = time.monotonic()
         if gone := known_lost(self.ranks[1:]):
-            raise GroupMemberLost(gone[0], f"step {step.step_id} was sent",
-                                  RuntimeError("its process is gone"))
+            raise lost_error(gone[0], f"step {step.step_id} was sent")
         self._unanswered = []
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")

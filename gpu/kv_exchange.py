@@ -101,7 +101,7 @@ def known_lost(ranks: Sequence[int]) -> list[int]:
         return []
 
 
-def _gone(rank: int, what: str) -> GroupMemberLost:
+def lost_error(rank: int, what: str) -> GroupMemberLost:
     """The data plane's error for a member its watch found gone (dead, or found silent by the
     front door); the plain one where there is no data plane (tests' stand-ins)."""
     try:
@@ -129,7 +129,7 @@ class WatchedRecv:
         self._jobs.put(((t, src, tag, what), torch.is_inference_mode_enabled(), box, done))
         while not done.wait(WATCH_SLICE_S):
             if gone := known_lost(self._others):
-                raise _gone(gone[0], what)
+                raise lost_error(gone[0], what)
         if box:
             raise box[0]
 
@@ -213,7 +213,7 @@ class KvReceiver:
         with self._cond:
             while self._pending.get(request_id, 0) and self._error is None:
                 if not self._cond.wait(WATCH_SLICE_S) and (gone := known_lost(self._others)):
-                    self._error = _gone(gone[0], "its KV was being exchanged")
+                    self._error = lost_error(gone[0], "its KV was being exchanged")
             if self._pending.get(request_id, 0):
                 raise self._error
             self._pending.pop(request_id, None)
