@@ -44,8 +44,12 @@ from gpu.plane_links import Held, Watch
 from gpu.transfer import Sender, TransferQueue
 
 FAULT_ENV = "SHUNTER_TEST_FAULT"
-"""Tests' fault injection: `channel-open@<rank>` makes the instance of that data-plane rank
-SIGKILL itself as it starts to open a group's channel (a member: after its `GroupGo`)."""
+"""Tests' fault injection (`fault_point`): `<point>@<rank>` makes the instance of that data-plane
+rank SIGKILL itself when it reaches `point`, read when the point is reached (unset: nothing
+happens). Points: `channel-open` (as it starts to open a group's channel; a member: after its
+`GroupGo`), and in a growth (gpu/group_grow.py) `grow-go` (a member, its `GroupGo` received,
+before it re-splits or joins) and `grow-joined` (a new member, once it joined and sent the
+gained layers)."""
 WATCH_POLL_S = 0.01
 """How often a member opening a group's channel looks whether another member is gone."""
 

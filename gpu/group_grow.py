@@ -32,8 +32,6 @@ every member go (`KunServeTorchRunner.grow`); a member that finds the loss waits
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from collections.abc import Collection, Sequence
 
@@ -47,6 +45,7 @@ from gpu.data_plane import (
     WEIGHTS_TAG,
     GroupMemberLost,
     data_plane,
+    fault_point,
     new_channel_key,
     open_channel,
     recv_obj,
@@ -74,17 +73,6 @@ GROW_EPOCH = 2
 PEER_GAINS = True
 """The layers an old member gains come from the first new member over the grown group's
 channel (it holds every layer until it joins); False: from each one's host copy."""
-
-
-FAULT_ENV = "SHUNTER_TEST_FAULT"
-"""Tests' fault injection: `<point>@<rank>` makes the instance of that data-plane rank SIGKILL
-itself when it reaches `point` of a growth (`grow-go`: a member, its `GroupGo` received, before
-it re-splits or joins; `grow-joined`: a new member, once it joined and sent the gained layers). Read when the point is reached; unset, nothing happens."""
-
-
-def fault_point(point: str, rank: int) -> None:
-    if os.environ.get(FAULT_ENV) == f"{point}@{rank}":
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 class NotSettled(RuntimeError):

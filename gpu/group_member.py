@@ -15,8 +15,16 @@ from __future__ import annotations
 
 import attrs
 
-from gpu.data_plane import CONTROL_TAG, REPLY_TAG, GroupMemberLost, data_plane, recv_obj, send_obj
-from gpu.group_grow import await_abandon, fault_point, regrow_member, take_generators
+from gpu.data_plane import (
+    CONTROL_TAG,
+    REPLY_TAG,
+    GroupMemberLost,
+    data_plane,
+    fault_point,
+    recv_obj,
+    send_obj,
+)
+from gpu.group_grow import await_abandon, regrow_member, take_generators
 from gpu.group_runner import restore_transfers, restore_weights
 from gpu.group_stage import (
     GroupAbandon,
