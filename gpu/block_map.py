@@ -5,13 +5,15 @@ A group id gets its stage block the first time this member sees it and keeps it 
 lifetime, so a block the allocator frees and hands out again (or keeps as a cached prefix) still
 means the same memory. Blocks already holding this member's layers of a request's KV are
 *reserved* for that request: when its table arrives, its entries take those blocks, so the KV
-is used where it lies. Only when an entry was mapped before (the allocator reused a group id
-already seen) is the KV copied, and counted.
+is used where it lies. When an entry was mapped before (the allocator reused a group id
+already seen), the id moves onto the reserved block if no live table on this member still holds
+it (its old stage block is then free); only when one does (a shared prefix block) is the KV
+copied, and counted.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -48,23 +50,28 @@ class BlockMap:
             self._taken[b] = True
         self._reserved[request_id] = held
 
-    def assign(self, request_id: int, index: int, group_id: int) -> tuple[int, int] | None:
+    def assign(self, request_id: int, index: int, group_id: int,
+               in_use: Callable[[int], bool] = lambda _: True) -> tuple[int, int] | None:
         """Map table entry `index` of `request_id` (group id `group_id`). Returns (src, dst)
-        stage blocks to copy when the request's reserved block could not be used."""
+        stage blocks to copy when the request's reserved block could not be used: only when
+        `group_id` is mapped already and `in_use(group_id)` says a live table still holds it."""
         self._check(group_id)
         held = self._reserved.get(request_id)
         want = held[index] if held is not None and index < len(held) else None
-        copy = None
-        if self._local[group_id] < 0:
-            if want is not None:
-                self._local[group_id] = want
-                held[index] = -1
-            else:
+        mapped = int(self._local[group_id])
+        if want is None:
+            if mapped < 0:
                 self._local[group_id] = self._pop()
-        elif want is not None:
-            copy = (want, int(self._local[group_id]))
+            return None
+        if mapped >= 0 and in_use(group_id):
             self.copied_blocks += 1
-        return copy
+            return (want, mapped)
+        if mapped >= 0:  # the id's old block held KV nobody reads any more
+            self._taken[mapped] = False
+            self._free.append(mapped)
+        self._local[group_id] = want
+        held[index] = -1
+        return None
 
     def done_reserving(self, request_id: int) -> None:
         """The request's table is placed: blocks of its reservation left unused are free."""

@@ -328,11 +328,16 @@ class GroupStage:
             if u.reset:
                 seq.table.clear()
             for g in u.append:
-                copy = self.map.assign(u.request_id, len(seq.table), g)
+                copy = self.map.assign(u.request_id, len(seq.table), g, self._in_use)
                 if copy is not None:
                     self._copy_block(*copy)
                 seq.table.append(g)
             self.map.done_reserving(u.request_id)
+
+    def _in_use(self, group_id: int) -> bool:
+        """Whether a live request's table holds `group_id` (asked only when the head's
+        allocator hands an adopted request an id this member has seen before)."""
+        return any(group_id in s.table for s in self.seqs.values())
 
     def _copy_block(self, src: int, dst: int) -> None:
         for k_cache, v_cache in self.model._kv:

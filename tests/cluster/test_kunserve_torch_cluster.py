@@ -146,8 +146,10 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
             head_stats = [await cluster.groups.stats(i) for i in range(2)]
         report = cluster.groups.report(0.0)
     print(f"\nkunserve torch cluster: {report}; instance stats {head_stats}")
-    assert report["drops"] >= 1 and report["groups_formed"] == 1, report
-    assert report["restores"] == 1, report
+    # one drop -> group -> restore cycle, or more: under heavy load (three busy loops on two
+    # cores) a second group formed after the first restored (once in six runs); each ends
+    assert report["drops"] >= 1 and report["groups_formed"] >= 1, report
+    assert report["restores"] == report["groups_formed"], report
     formed = next(e for e in report["events"] if e["event"] == "group")
     restored = next(e for e in report["events"] if e["event"] == "restore")
     assert formed["pool_blocks"] > 3 * SOLO_BLOCKS and formed["adopted_with_kv"] >= 1, formed
