@@ -44,6 +44,7 @@ RULES = {
     "for 4s": "kv_usage < 50% for 4s",
     "for 6s": "kv_usage < 50% for 6s",
     "kv_usage < 40%": "kv_usage < 40%",
+    "40% for 4s": "kv_usage < 40% for 4s",
 }
 
 

@@ -50,7 +50,8 @@ def policy_dir(out: Path) -> Path:
 def run_row(label: str, policy_file: Path, workload, base: EngineConfig,
             instances: int = 4) -> dict:
     """One cluster run as a row of the variant benches: P50/P99 TTFT and TPOT, the monitor's
-    groups and restores as [seconds from the start, event, members], the run's wall time."""
+    groups and restores as [seconds from the start, event, members], the run's wall time and
+    the commit its code is (`bench.kunserve.code_version`)."""
     import bench.kunserve as bench  # (it imports this module)
 
     result, cluster, _, wall = bench.run(label, policy_file, workload, base, instances)
@@ -58,7 +59,7 @@ def run_row(label: str, policy_file: Path, workload, base: EngineConfig,
     events = [[round(e["t"] - result.started, 1), e["event"], e["members"]]
               for e in (cluster or {}).get("events", [])]
     return {k: s[k] for k in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms")} | {
-        "events": events, "wall_s": wall}
+        "events": events, "wall_s": wall, "code": bench.code_version()}
 
 
 def merge_report(old: dict, new: dict) -> dict:
