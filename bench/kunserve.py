@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.kunserve_ladder import ladder, ladder_lines
+from bench.kunserve_plot import plot
 from bench.kunserve_trace import add_trace_args, merge_report, sim_instance, trace_workload
 from engine.cluster.drop_plan import GroupPlan, group_pool
 from engine.cluster.plan import stage_layers
@@ -253,6 +254,9 @@ def main() -> None:
         entry["demand"] = demand_summary(demand)
         if cluster is not None:
             entry["cluster"] = cluster
+        if label == "kunserve":  # (the plot marks its threshold)
+            from bench.kunserve_restore import shipped_rule
+            entry["restore_rule"] = shipped_rule()
         if label in ("vllm_dp", "kunserve"):
             entry["ttft_series"] = sorted(
                 (round(t.arrival - result.started, 3), round(t.ttft_s, 3))
@@ -352,48 +356,6 @@ def table(report: dict) -> str:
                   + "; ".join(f"{k}: {e:.2%} (tokens: {t:.2%})" for k, e, t in fit) + "."]
     lines += ladder_lines(report.get("ladder") or ladder(runs))
     return "\n".join(lines) + "\n"
-
-
-def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no timeline plot (pip install 'shunter[plot]')")
-        return
-    run = report["runs"].get("kunserve")
-    if not run or not run.get("cluster"):
-        return
-    c = run["cluster"]
-    ts = [s["t"] for s in c["kv_usage"]]
-    fig, ax = plt.subplots(4, 1, figsize=(9, 10), sharex=True)
-    n = len(c["kv_usage"][0]["used"])
-    for i in range(n):
-        ax[0].plot(ts, [(s["used"][i] or 0) / max(1, s["pool"][i]) if s["pool"][i] else 0
-                        for s in c["kv_usage"]], label=f"instance {i}")
-        ax[1].step(ts, [s["dropped_layers"][i] + 0.15 * i for s in c["kv_usage"]], where="post",
-                   label=f"instance {i}")
-    ax[0].set_ylabel("KV usage (of own pool)")
-    ax[1].set_ylabel("dropped layers")
-    ax[2].plot(ts, [s["queued_tokens"] for s in c["kv_usage"]], color="k")
-    ax[2].set_ylabel("queued tokens")
-    for label, color in (("vllm_dp", "tab:gray"), ("kunserve", "tab:blue")):
-        series = report["runs"].get(label, {}).get("ttft_series")
-        if series:
-            ax[3].scatter([a for a, _ in series], [t for _, t in series], s=3, color=color,
-                          label=label)
-    ax[3].set_ylabel("TTFT s (by arrival)")
-    ax[3].legend(fontsize=7)
-    for e in c["events"]:
-        for a in ax:
-            a.axvline(e["t"], color="r" if e["event"] == "group" else "g", ls="--", lw=0.8)
-    ax[0].legend(fontsize=7)
-    ax[3].set_xlabel("seconds (red: group formed, green: restored)")
-    fig.suptitle(f"KunServe, {report['workload']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

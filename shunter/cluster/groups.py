@@ -133,7 +133,9 @@ class SimGroups:
                      for i, s in enumerate(stats)],
             "group": [member.get(i, i) for i in range(len(stats))],
             "dropped_layers": [self._dropped(i) for i in range(len(stats))],
-            "queued_tokens": sum(s.queued_tokens for s in stats if s is not None)})
+            "queued_tokens": sum(s.queued_tokens for s in stats if s is not None),
+            "demand": None if self.monitor is None else self.monitor.cluster_load(
+                stats, [x.alive for x in self.instances]).kv_usage})  # what restore reads
 
     def _dropped(self, index: int) -> int:
         """Layers `index` has dropped (0 alone)."""
@@ -349,7 +351,7 @@ class SimGroups:
             if fits else None,
             "kv_usage": [{"t": s["t"] - t0, "used": s["used"], "pool": s["pool"],
                           "group": s["group"], "dropped_layers": s["dropped_layers"],
-                          "queued_tokens": s["queued_tokens"]}
+                          "queued_tokens": s["queued_tokens"], "demand": s["demand"]}
                          for s in c.timeline[::step]],
         }
 

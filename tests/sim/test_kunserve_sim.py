@@ -114,6 +114,13 @@ def test_the_bench_json_records_a_cluster_block_for_kunserve_runs():
     assert 0 <= c["bubble_ratio"] < 1 and c["cost_model_error"] < 0.05
     sample = c["kv_usage"][-1]
     assert len(sample["used"]) == len(sample["pool"]) == 2 and sample["t"] >= 0
+    # each sample's demand is what the restore rule reads: against the pre-drop capacity (two
+    # pools of 300), not the grown pool, so while grouped it is at least the KV held over 600
+    grouped = [s for s in c["kv_usage"] if any(s["dropped_layers"]) and any(s["used"])]
+    assert grouped and all(s["demand"] >= sum(u or 0 for u in s["used"]) / 600 - 1e-9
+                           for s in grouped)
+    assert max(s["demand"] for s in grouped) > max(
+        sum(u or 0 for u in s["used"]) / sum(s["pool"]) for s in grouped)
 
 
 def test_an_engine_reports_the_oldest_queued_request_s_kv_as_its_head_of_line_demand():
