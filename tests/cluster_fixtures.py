@@ -47,21 +47,41 @@ def local_instances(cluster_config, local_launcher):
 
 
 @pytest.fixture(scope="session")
-def ray_instances(cluster_config):
-    """A local Ray (`ray.init(num_cpus=2)`, once per session) with two instance actors. Slow
-    (Ray's own start-up on 2 cores), so only with SHUNTER_SLOW=1 or SHUNTER_RAY=1."""
+def ray_cluster():
+    """One Ray for every Ray test of the session: a head with no CPUs and two worker nodes of
+    one CPU each (each its own raylet, so instances land on distinct nodes), connected with
+    `ray.init(address=...)`. Each test's actors take one CPU and are killed when the test (or
+    its module) ends, so the next one finds both nodes free. Skipped without Ray (the
+    `cluster` extra, which CI installs) or with SHUNTER_RAY=0."""
     import os
 
-    if os.environ.get("SHUNTER_SLOW") != "1" and os.environ.get("SHUNTER_RAY") != "1":
-        pytest.skip("Ray cluster tests run with SHUNTER_SLOW=1 or SHUNTER_RAY=1 (Ray's start-up "
-                    "alone takes longer than CI allows for them)")
+    if os.environ.get("SHUNTER_RAY") == "0":
+        pytest.skip("SHUNTER_RAY=0: Ray tests off")
     ray = pytest.importorskip("ray", reason="Ray is the cluster extra: pip install -e '.[cluster]'")
+    if ray.is_initialized():
+        pytest.skip("this process is connected to another Ray already")
+    from ray.cluster_utils import Cluster as RayCluster
+
+    nodes = RayCluster(initialize_head=True,
+                       head_node_args={"num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(2):
+            nodes.add_node(num_cpus=1)
+        nodes.wait_for_nodes()
+        ray.init(address=nodes.address, log_to_driver=False)
+        yield ray
+    finally:
+        ray.shutdown()
+        nodes.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_instances(cluster_config, ray_cluster):
+    """Two instance actors of the tiny Llama on the session's Ray, for one module."""
     from shunter.cluster.launch import RayLauncher
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     launcher = RayLauncher()
     try:
         yield [launcher.start_actor(i, cluster_config) for i in range(2)]
     finally:
         launcher.shutdown()
-        ray.shutdown()

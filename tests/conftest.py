@@ -53,5 +53,6 @@ from tests.cluster_fixtures import (  # noqa: E402,F401
     local_instances,
     local_launcher,
     pipeline_group,
+    ray_cluster,
     ray_instances,
 )

@@ -232,37 +232,24 @@ async def test_in_process_torch_engines_refuse_overload_rules_at_load(anyio_back
 
 @pytest.mark.anyio
 async def test_a_ray_cluster_forms_groups_over_its_instances_addresses(
-        anyio_backend, kunserve_config, kunserve_model):
-    """Instances as Ray actors (on this machine's Ray: its node address, not loopback): the
-    data plane's rendezvous is at instance 0's address on a port free there, the burst forms a
-    group and restores it, and every request gives transformers' tokens. Slow (Ray's start-up),
-    so only with SHUNTER_SLOW=1 or SHUNTER_RAY=1, like tests/cluster/test_ray.py."""
-    import os
-
+        anyio_backend, ray_cluster, kunserve_config, kunserve_model):
+    """Instances as Ray actors (on the session's Ray, tests/cluster_fixtures.py: their node
+    address, not loopback): the data plane's rendezvous is at instance 0's address on a port
+    free there, the burst forms a group and restores it, and every request gives
+    transformers' tokens."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    if not (os.environ.get("SHUNTER_SLOW") == "1" or os.environ.get("SHUNTER_RAY") == "1"):
-        pytest.skip("Ray cluster tests run with SHUNTER_SLOW=1 or SHUNTER_RAY=1")
-    ray = pytest.importorskip("ray", reason="Ray is the cluster extra")
-    mine = not ray.is_initialized()
-    if mine:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     rng = random.Random(0)
     longs = [_prompt(rng, 8) for _ in range(2)]
     burst = [_prompt(rng, 16) for _ in range(12)]
     got: dict[str, list[int]] = {}
 
-    try:
-        async with Cluster.start(kunserve_config, kind="ray",
-                                 monitor_interval_s=0.02) as cluster:
-            assert cluster.groups is not None and cluster._hosts[0] != "127.0.0.1"
-            with anyio.fail_after(300):
-                await _long_then_burst(cluster, longs, burst, got, {})
-                await cluster.wait_idle()
-            report = cluster.groups.report(0.0)
-    finally:
-        if mine:
-            ray.shutdown()
+    async with Cluster.start(kunserve_config, kind="ray", monitor_interval_s=0.02) as cluster:
+        assert cluster.groups is not None and cluster._hosts[0] != "127.0.0.1"
+        with anyio.fail_after(300):
+            await _long_then_burst(cluster, longs, burst, got, {})
+            await cluster.wait_idle()
+        report = cluster.groups.report(0.0)
     print(f"\nray: hosts {cluster._hosts}; {report}")
     assert report["groups_formed"] >= 1 and report["kv_exchanged_bytes"] > 0, report
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),

@@ -8,13 +8,12 @@ tokens.
 
 Honest limit: the nodes are several raylets on this one machine, so they share its address;
 this does not show that packets cross machines (Ray's own multi-node test setup, not several
-machines). Slow (three raylets start on 2 cores): only with SHUNTER_SLOW=1 or SHUNTER_RAY=1,
-like tests/cluster/test_ray.py.
+machines). The Ray cluster is the session's (tests/cluster_fixtures.py `ray_cluster`), shared
+with tests/cluster/test_ray.py.
 """
 
 from __future__ import annotations
 
-import os
 import random
 
 import anyio
@@ -25,30 +24,9 @@ from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _long_then_bu
 from tests.reference import assert_matches, greedy_reference
 
 
-@pytest.fixture
-def ray_nodes():
-    if os.environ.get("SHUNTER_SLOW") != "1" and os.environ.get("SHUNTER_RAY") != "1":
-        pytest.skip("Ray cluster tests run with SHUNTER_SLOW=1 or SHUNTER_RAY=1")
-    ray = pytest.importorskip("ray", reason="Ray is the cluster extra")
-    if ray.is_initialized():
-        pytest.skip("this process is connected to another Ray already")
-    from ray.cluster_utils import Cluster as RayCluster
-
-    nodes = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    try:
-        for _ in range(2):
-            nodes.add_node(num_cpus=1)
-        nodes.wait_for_nodes()
-        ray.init(address=nodes.address, log_to_driver=False)
-        yield ray
-    finally:
-        ray.shutdown()
-        nodes.shutdown()
-
-
 @pytest.mark.anyio
 async def test_a_group_forms_across_ray_nodes_with_transformers_outputs(
-        anyio_backend, ray_nodes, kunserve_config, kunserve_model):
+        anyio_backend, ray_cluster, kunserve_config, kunserve_model):
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from shunter.cluster.launch import RayLauncher

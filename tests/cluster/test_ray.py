@@ -1,6 +1,5 @@
-"""The same cluster through Ray (`--cluster ray`): instances are Ray actors on a local Ray
-started once per session. Slow: skipped unless SHUNTER_SLOW=1 or SHUNTER_RAY=1 (see
-tests/cluster_fixtures.py)."""
+"""The same cluster through Ray (`--cluster ray`): instances are Ray actors on the session's
+local Ray of two worker nodes (tests/cluster_fixtures.py `ray_cluster`)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,6 @@ from tests.cluster.test_cluster import _complete_all
 from tests.reference import assert_matches, greedy_reference
 
 
-@pytest.mark.slow
 @pytest.mark.anyio
 async def test_two_ray_instances_serve_32_prompts_like_transformers(cluster_config, ray_instances,
                                                                      tiny_llama_dir):
