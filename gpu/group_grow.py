@@ -97,6 +97,10 @@ class GrowStats:
     the total due)."""
     seconds: float = 0.0
     """The head's re-split, wall time (its own stage; not waiting for its chunks)."""
+    kv_adopted: int = 0
+    """The adopted requests' KV due over the data plane, to every member (the head's count)."""
+    kv_adopted_held: int = 0
+    """All of their KV, every layer (what a move of each byte once at most is measured by)."""
 
 
 class ResplitStage(GroupStage):
@@ -306,7 +310,7 @@ def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
         chunk_blocks=group.chunk_blocks, microbatches=2 * len(ranks),
         kv_exchange=group.kv_exchange, held=group.layers + (range(0),) * (len(ranks) - n_old),
         epoch=GROW_EPOCH + (group.grows - 1) % 14, channel=new_channel_key(data_plane()),
-        gain_from=n_old if PEER_GAINS else -1)
+        gain_from=n_old if PEER_GAINS and not any(a.parts for a in adopted) else -1)
     states = _start_all(start, group.ranks)
     for rank in ranks[1:]:
         send_obj(GroupGo(generator_states=states), rank, CONTROL_TAG, "the group was growing")
@@ -323,5 +327,11 @@ def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
     group._ready = [a.request_id for a in adopted if a.request_id not in group._expect]
     group._note_arrived(0, new.receiver.take_arrived())
     group.grow_stats = new.grown
+    c, mine = stage.model.config, {a.request_id for a in adopted}
+    per = 2 * new.block_size * c.num_kv_heads * c.head_dim * stage.model.arena.buffer.element_size()
+    new.grown.kv_adopted = sum(t.blocks * len(t.layers) * per for t in transfers
+                               if t.request_id in mine)  # (a block of one layer: `per` bytes)
+    new.grown.kv_adopted_held = sum(-(-a.kv_tokens // new.block_size) * c.num_layers * per
+                                    for a in adopted)
     own = tuple(sorted({t.request_id for t in transfers if t.request_id in new.seqs}))
     return pool, own

@@ -78,6 +78,21 @@ def serve_member(solo, head_rank: int) -> dict:
         fault_point("grow-joined", plane.rank)
     take_generators(stage, go.generator_states)  # joining a running group as its last stage
     solo._seqs.clear()
+    return serve_stage(stage, start, head_rank)
+
+
+def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> dict:
+    """A member's loop once it holds its stage: steps, growths, a merge into another group
+    (`GroupHandOver`: gpu/group_merge.py), until the head restores or the group breaks.
+    `start` None: the stage is of a group merging into the one `head_rank` leads."""
+    from gpu.group_merge import GroupHandOver, merge_into
+
+    if start is None:
+        joined = merge_into(stage, head_rank)
+        if isinstance(joined, dict):
+            return joined
+        stage, start = joined
+    me = start.ranks.index(data_plane().rank)
     while True:
         try:
             msg = recv_obj(head_rank, CONTROL_TAG, "waiting for the next step")
@@ -85,6 +100,13 @@ def serve_member(solo, head_rank: int) -> dict:
             return _abandon(stage, f"head lost: {exc}")
         if isinstance(msg, GroupAbandon):
             return _abandon(stage, msg.why or f"member instance {msg.lost} lost")
+        if isinstance(msg, GroupHandOver):  # its group merges into the one `msg.head` leads
+            joined = merge_into(stage, msg.head)
+            if isinstance(joined, dict):
+                return joined
+            (stage, start), head_rank = joined, msg.head
+            me = start.ranks.index(data_plane().rank)
+            continue
         if isinstance(msg, GroupStart):  # the group grows: a new split (gpu/group_grow.py)
             try:
                 grown = regrow_member(stage, msg, head_rank)
@@ -125,7 +147,8 @@ def serve_member(solo, head_rank: int) -> dict:
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
                 "copied_blocks": stage.map.copied_blocks,
                 "weights_sent": getattr(stage, "weights_sent", 0),
-                "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None}
+                "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None,
+                "merged": attrs.asdict(stage.merged) if hasattr(stage, "merged") else None}
 
 
 def _abandon(stage: GroupStage, why: str) -> dict:

@@ -246,8 +246,8 @@ class GroupRunner:
         """Solo again. `tables`: every live request's solo block ids (below the solo range's
         end); `release`: requests ended since the last step. Afterwards the head's TorchRunner
         holds every request, with these tables."""
-        began = time.perf_counter()
-        stage = self.stage
+        began, stage = time.perf_counter(), self.stage
+        received = stage.stats.received_bytes
         for rid in release:
             stage.seqs.pop(rid, None)
         for t in self._fed_back:  # the head is not the last stage: tokens it has not appended
@@ -287,7 +287,7 @@ class GroupRunner:
                 if seq is not None:  # the last member sampled: its generator goes on here
                     seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
-                              "kv_bytes": float(stage.stats.received_bytes)}
+                              "kv_bytes": float(stage.stats.received_bytes - received)}
         stage.end_exchange()
         self.stage = None
 

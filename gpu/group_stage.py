@@ -76,6 +76,9 @@ class Adopted:
     """Its id on the owner's runner."""
     kv_tokens: int
     """Tokens whose KV the owner holds."""
+    parts: tuple[tuple[int, range], ...] = ()
+    """A running group merging into this one hands its requests over from its members
+    (gpu/group_merge.py): (member index here, the layers it holds); (): the owner holds all."""
 
 
 @attrs.frozen(kw_only=True)
@@ -176,8 +179,7 @@ class _Seq:
 def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
     """Every KV transfer forming the group needs: each request's KV for every other member's
     layers, from the member holding it."""
-    out = []
-    n = len(start.ranks)
+    out, n = [], len(start.ranks)
     for s in start.seqs:  # the head's own requests: all of their table (if any)
         if start.held:  # a group grows: each member's new layers from those that hold them
             out += [KvTransfer(request_id=s.request_id, src=j, dst=k, layers=part,
@@ -187,10 +189,12 @@ def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
             continue
         out += [KvTransfer(request_id=s.request_id, src=0, dst=k, layers=start.layers[k],
                            blocks=len(s.table)) for k in range(1, n) if s.table]
-    for a in start.adopted:
+    for a in start.adopted:  # from the owner (every layer), or from each member of `parts`
         blocks = -(-a.kv_tokens // block_size)
-        out += [KvTransfer(request_id=a.request_id, src=a.owner, dst=k, layers=start.layers[k],
-                           blocks=blocks) for k in range(n) if k != a.owner and blocks]
+        held = a.parts or ((a.owner, range(start.layers[0].start, start.layers[-1].stop)),)
+        out += [KvTransfer(request_id=a.request_id, src=j, dst=k, layers=part, blocks=blocks)
+                for k in range(n) for j, h in held
+                if j != k and blocks and len(part := overlap(h, start.layers[k]))]
     return out
 
 

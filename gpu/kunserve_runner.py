@@ -65,6 +65,18 @@ class KunServeTorchRunner(TorchRunner):
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
         `serve_group` takes them."""
+        self.handing_over = False
+        """Its group merges into another (`hand_over`): the step carrying the engine's plan of
+        one does not restore it (its KV goes to the merged group's members instead)."""
+
+    def hand_over(self, head: int) -> dict:
+        """The group this instance leads merges into the one instance `head` leads, its
+        scheduler having handed every request over (gpu/group_merge.py `hand_over_group`): it
+        serves that group as a member, on the device thread, until it restores."""
+        from gpu.group_merge import hand_over_group
+
+        self.holding = False
+        return hand_over_group(self, head)
 
     def serve_group(self, head: int) -> dict:
         """A member's part in the group led by instance `head`, on the device thread, until the
@@ -155,6 +167,9 @@ class KunServeTorchRunner(TorchRunner):
         plan = step.group
         if self.holding and step.release:
             step = attrs.evolve(step, release=())
+        if self.handing_over and plan is not None and len(plan.members) == 1:
+            step = attrs.evolve(step, group=None, pool_blocks=None, moves=())
+            plan = None
         if (plan is not None and self.group is None and self.lost is not None
                 and tuple(plan.members) == self._lost_ranks):  # lost before this step came
             step = attrs.evolve(step, group=None, pool_blocks=None)

@@ -40,6 +40,7 @@ from engine.cluster.drop_plan import GroupPlan
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.reply import Reply
 from gpu.group_stage import Adopted
+from shunter.cluster.instance_grow import HandOverGroup, hand_over_here
 from shunter.cluster.group_wire import (
     AdoptQueued,
     AskGroupStats,
@@ -87,6 +88,8 @@ class InstanceGroups:
             match msg:
                 case JoinDataPlane():
                     value = await anyio.to_thread.run_sync(_join, msg)
+                case HandOverGroup():  # (an ExportGroup: first)
+                    value = await hand_over_here(self, msg, task_group)
                 case ExportGroup():
                     value = await self._export(msg, task_group)
                 case HeadGroup():

@@ -16,10 +16,12 @@ dropped and recomputes the requests they handed over here; the group goes on as 
 from __future__ import annotations
 
 import anyio
+import attrs
 import structlog
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import Regroup
+from shunter.cluster.group_wire import ExportGroup, GrowGroup
 
 log = structlog.get_logger(actor="instance-groups")
 
@@ -28,6 +30,23 @@ SETTLE_S = 10.0
 growth (the requests adopted then must have run a step here; on these CPU tests a step takes
 milliseconds)."""
 SETTLE_POLL_S = 0.01
+
+
+@attrs.frozen(kw_only=True)
+class MergeGroup(GrowGroup):
+    """A `GrowGroup` whose new members are a running group merging in (gpu/group_merge.py):
+    `adopted` came from its head, and their KV lies on its members: `parts` (member index in
+    `plan`, the layers it holds)."""
+
+    parts: tuple[tuple[int, range], ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class HandOverGroup(ExportGroup):
+    """The group this instance leads merges into the one instance `head` leads: once its last
+    exchange settled, every live request is handed over (the answer: a tuple of `Moved`), the
+    pool goes back to its own, and the runner serves the merged group as a member. (An
+    `ExportGroup`, so the instance's link takes it as a group command.)"""
 
 
 async def grow_here(ig, msg, tg) -> dict:
@@ -49,6 +68,9 @@ async def grow_here(ig, msg, tg) -> dict:
                                  f"{exc}") from exc
         return {"pool_blocks": len(pool)}
     adopted, reqs = await ig._adopt(msg.adopted)
+    if parts := getattr(msg, "parts", ()):  # a merge: their KV lies on the joining members
+        adopted = [attrs.evolve(a, parts=parts) if a.owner == parts[0][0] else a
+                   for a in adopted]
     new_members = tuple(plan.members[len(group.ranks):])
     deadline = anyio.current_time() + SETTLE_S
     tries = 0
@@ -85,7 +107,50 @@ async def grow_here(ig, msg, tg) -> dict:
     return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
             "exchanging": len(waiting), "settle_tries": tries,
             "weights_copied_bytes": grown.weights_restored + grown.weights_saved,
-            "kv_local_bytes": grown.kv_local, "kv_sent_bytes": grown.kv_sent}
+            "kv_local_bytes": grown.kv_local, "kv_sent_bytes": grown.kv_sent,
+            "kv_adopted_bytes": grown.kv_adopted, "kv_adopted_held_bytes": grown.kv_adopted_held}
+
+
+async def hand_over_here(ig, msg: HandOverGroup, tg) -> tuple:
+    """The joining group's head: waits until its group's last exchange settled (else refuses,
+    nothing moved), hands every request over with the pool back to its own and a plan of one
+    (its runner does not restore at that step: `handing_over`), then serves the merged group
+    on its device thread (`KunServeTorchRunner.hand_over`)."""
+    from gpu.group_grow import unsettled
+    from shunter.cluster.instance_groups import GroupNotFormed, _ask
+
+    eng, runner = ig.engine, ig.runner
+    group = getattr(runner, "group", None)
+    if group is None:
+        raise RuntimeError("this instance leads no group")
+    deadline = anyio.current_time() + SETTLE_S
+    while waiting := await runner._thread.run(
+            unsettled, group, (await eng.inspect()).scheduler.live_requests):
+        if anyio.current_time() >= deadline:
+            raise GroupNotFormed(f"group {group.ranks} cannot merge into instance {msg.head}'s "
+                                 f"yet: requests {sorted(waiting)} still wait for its last KV "
+                                 f"exchange")
+        await anyio.sleep(SETTLE_POLL_S)
+    me = group.ranks[0]
+    solo = GroupPlan(group_id=-1, members=(me,), layers=(range(runner._model_config.num_layers),))
+    runner.holding = runner.handing_over = True
+    reqs = await _ask(eng._scheduler_send, lambda r: Regroup(
+        export=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
+    out = await ig._hand_over(reqs)
+    done = ig.member_task = anyio.Event()
+
+    async def serve() -> None:
+        try:
+            ig.member_stats = await runner._thread.run(runner.hand_over, msg.head)
+            log.info("merged group left", stats=ig.member_stats)
+        except Exception:  # its layers are gone: the instance ends (the head sees it lost)
+            log.exception("serving the merged group failed", head=msg.head)
+            raise
+        finally:
+            done.set()
+
+    tg.start_soon(serve)
+    return out
 
 
 async def _broken(ig, runner, msg, reqs) -> None:

@@ -10,12 +10,16 @@ that cannot join after others handed their requests over: the head recomputes th
 them go (`HeadGroup.not_formed`); the group goes on as it was.
 
 Two running groups merge (Algorithm 6 merges the smallest groups, which may be groups already):
-the group whose head leads the plan (else the larger) stays; the other restores first (§4.4: its
-head takes every layer and its requests' KV back, its members serve alone), then its instances
-join as instances serving alone do: its head hands its requests over with their KV, its members
-join empty, and the layers split again over all members. Its KV thus moves twice (back to its
-head, then to the grown group's members). A merge whose joining group's requests do not fit its
-head's own pool yet is postponed (asked again next round), as a restore is.
+the group whose head leads the plan (else the larger) stays. Directly (`DIRECT`, the default):
+the other's head hands its requests over (`HandOverGroup`; refused, nothing moved, while its
+last exchange runs: postponed) and the staying head grows the group with the joining instances
+as new members, in their order, each request's KV sent from the members holding it to those
+keeping those layers now (`MergeGroup.parts`, gpu/group_merge.py): it moves once. A plan that
+also adds instances serving alone, or `direct=False`: the other restores first (§4.4: its head
+takes every layer and its requests' KV back, its members serve alone), then its instances join
+as instances serving alone do (its KV moves twice: back to its head, then out again); a merge
+whose joining group's requests do not fit its head's own pool yet is postponed (asked again
+next round), as a restore is.
 """
 
 from __future__ import annotations
@@ -71,11 +75,22 @@ def grown_plan(old: GroupPlan, g: GroupPlan, num_layers: int) -> GroupPlan:
                      layers=stage_layers(num_layers, len(members)))
 
 
-async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan) -> GroupPlan:
-    """Group `joins` restores, then its instances join `stays` (`grow`). Returns the grown plan;
-    raises `CannotGrow` or `Postponed` (nothing moved), or `GroupCommandError`."""
+DIRECT = True
+"""A merge hands the joining group's requests over straight from its members (`merge`); False:
+it restores first, then its instances join as instances serving alone do."""
+
+
+async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan, *,
+                direct: bool | None = None) -> GroupPlan:
+    """Group `joins` merges into `stays`: directly (`direct`, default `DIRECT`: its head hands
+    its requests over, its members send the KV of the layers others keep now: gpu/group_merge.py)
+    or by restoring first and growing. Returns the grown plan; raises `CannotGrow` or
+    `Postponed` (nothing moved), or `GroupCommandError`."""
     from shunter.cluster.remote_groups import GroupCommandError
 
+    if (direct if direct is not None else DIRECT) and len(g.members) == stays.size + joins.size:
+        return await _merge_direct(groups, stays, joins, g)  # (instances alone in the plan
+    # too: they join after the restore, with the joining group's instances)
     await _check(groups, stays.head, grown_plan(stays, g, groups.num_layers))
     if not await groups.restore(joins.head):
         raise Postponed(f"group {joins.members} does not fit its head's own pool yet")
@@ -91,6 +106,48 @@ async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan) -> Gro
                                    "from": [list(stays.members), list(joins.members)],
                                    "members": list(plan.members)})
     return plan
+
+
+async def _merge_direct(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan) -> GroupPlan:
+    """The joining head hands its requests over (`HandOverGroup`; a group whose last exchange
+    has not settled refuses: `Postponed`, nothing moved), then the staying head grows the group
+    with the joining instances as new members, the KV of those requests from where it lies
+    (`MergeGroup.parts`)."""
+    from shunter.cluster.instance_grow import HandOverGroup, MergeGroup
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    members = stays.members + joins.members  # the joining group's order: its head first
+    plan = GroupPlan(group_id=g.group_id, members=members,
+                     layers=stage_layers(groups.num_layers, len(members)))
+    await _check(groups, stays.head, plan)
+    try:
+        moved = await groups._command(joins.head, lambda key: HandOverGroup(key=key,
+                                                                            head=stays.head))
+    except GroupCommandError as exc:  # refused before anything moved
+        raise Postponed(str(exc)) from exc
+    src, to = groups.instances[joins.head], groups.instances[stays.head]
+    for mv in moved:  # their outputs (and cancels) now go through the staying head
+        live = src._live.pop(mv.cluster_key, None)
+        if live is not None:
+            to._live[mv.cluster_key] = live
+            src.moved_to[mv.cluster_key] = to
+    for inst in groups.instances:  # handed to the joining head before: at the staying one now
+        for key in [k for k, t in inst.moved_to.items() if t is src and k in to._live]:
+            inst.moved_to[key] = to
+    del groups.groups[joins.head]
+    k = plan.members.index(joins.head)
+    parts = tuple((plan.members.index(m), r) for m, r in zip(joins.members, joins.layers,
+                                                             strict=True))
+    try:
+        grown = await _grown(groups, stays, plan, lambda key: MergeGroup(
+            key=key, plan=plan, adopted=tuple((k, mv) for mv in moved), parts=parts), len(moved))
+    except Exception:
+        await groups.coordinator.send(GroupsChanged(restored=joins.head))
+        raise
+    groups.counters.events.append({"t": anyio.current_time(), "event": "merge", "direct": True,
+                                   "from": [list(stays.members), list(joins.members)],
+                                   "members": list(grown.members)})
+    return grown
 
 
 async def _check(groups, head: int, plan: GroupPlan) -> None:
@@ -123,9 +180,17 @@ async def grow(groups, old: GroupPlan, g: GroupPlan, *, checked: bool = False) -
                                       f"instance {m} could not join ({exc})")
             raise
         exported.append(m)
+    return await _grown(groups, old, plan, lambda key: GrowGroup(
+        key=key, plan=plan, adopted=tuple(adopted)), len(adopted))
+
+
+async def _grown(groups, old: GroupPlan, plan: GroupPlan, make, adopted: int) -> GroupPlan:
+    """The head grows `old` to `plan` (`make(key)`: its `GrowGroup`); the bookkeeping."""
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    head = old.head
     try:
-        counts = await groups._command(head, lambda key: GrowGroup(
-            key=key, plan=plan, adopted=tuple(adopted)))
+        counts = await groups._command(head, make)
     except (GroupCommandError, EngineDeadError) as exc:
         if not await _leads(groups, head):  # broken while it grew: the head serves alone
             groups.groups.pop(head, None)
@@ -139,7 +204,7 @@ async def grow(groups, old: GroupPlan, g: GroupPlan, *, checked: bool = False) -
     groups.groups[head] = plan
     await groups.coordinator.send(GroupsChanged(formed=plan))
     c = groups.counters
-    c.adopted_requests += len(adopted)
+    c.adopted_requests += adopted
     c.events.append({"t": anyio.current_time(), "event": "grow", "from": list(old.members),
                      "members": list(plan.members), **counts})
     log.info("group grew", members=plan.members, **counts)

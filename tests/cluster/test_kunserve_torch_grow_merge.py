@@ -1,16 +1,23 @@
 """Two running KunServe groups of torch instance processes merge (shunter/cluster/remote_grow.py
-`merge`): four instances of a tiny 8-layer Llama, two requests streaming on each; instances 0
-and 1 form a group (0-3 | 4-7), instances 2 and 3 another; then the plan merges them: group
-(2, 3) restores (instance 2 takes its layers and its four requests' KV back) and joins (0, 1)
-as instances serving alone do: instance 2 hands its four requests over with their KV, instance
-3 joins empty, the layers split again over the four (0-1 | 2-3 | 4-5 | 6-7). Every request goes
-on streaming across the three changes and its tokens equal transformers' greedy ones; once idle
-the merged group restores and every instance serves alone with its own pool.
+`merge`): four instances of a tiny 8-layer Llama (shared by both tests), two requests streaming
+on each; instances 0 and 1 form a group (0-3 | 4-7), instances 2 and 3 another; then the plan
+merges them into (0, 1, 2, 3) (0-1 | 2-3 | 4-5 | 6-7), two ways:
 
+- directly (gpu/group_merge.py): instance 2 hands its four requests over to instance 0 and tells
+  instance 3 its new head; instance 2 sends their layers 0-1 and 2-3 to instances 0 and 1,
+  instance 3 sends 4-5 to instance 2 and keeps 6-7: each byte of that KV moves once at most
+  (6 of its 8 layers here, counted by the head and by the members);
+- restore then grow (`direct=False`): group (2, 3) restores (instance 2 takes its layers and
+  its four requests' KV back), then joins as instances serving alone do (instance 2 hands its
+  requests over with their KV, instance 3 joins empty): that KV moves twice. The direct test
+  compares the two (bytes moved over the joining group's KV) when both ran in one session.
+
+Every request goes on streaming across the changes and its tokens equal transformers' greedy
+ones; once idle the merged group restores and every instance serves alone with its own pool.
 Groups are formed and merged by hand (the monitor's rules cannot fire), as in
 test_kunserve_torch_grow.py; requests are cancelled once each went 3 tokens past the merge.
-The order (restore, then the joining instances hand over only once its head's runner is alone)
-is checked with a stand-in front door (plant: no wait for the restore fails it).
+The restore path's order (restore, then the joining instances hand over only once its head's
+runner is alone) is checked with a stand-in front door (plant: no wait for the restore fails it).
 """
 
 from __future__ import annotations
@@ -24,8 +31,8 @@ import shunter
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.plan import stage_layers
 from shunter.cluster.cluster import Cluster
-from tests.cluster.test_kunserve_torch_grow_faults import Streams
-from tests.reference import assert_matches, greedy_reference
+from tests.cluster.test_kunserve_torch_grow_faults import Streams, _references
+from tests.reference import Reference, assert_matches, greedy_reference
 
 LAYERS = 8
 RUN_TOKENS = 160
@@ -58,65 +65,137 @@ def merge_config(merge_model, tmp_path_factory):
                         block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
 
 
-@pytest.mark.anyio
-async def test_two_running_groups_merge_while_requests_stream(anyio_backend, merge_config,
-                                                              merge_model):
+@pytest.fixture(scope="module")
+def merge_instances(merge_config):
+    """Four instance processes, shared by both merges (each test attaches its own cluster)."""
     from shunter.cluster.launch import LocalLauncher
+
+    launcher = LocalLauncher("asyncio")
+    yield [launcher.start_process(i, merge_config) for i in range(4)]
+    launcher.shutdown(timeout_s=0)
+
+
+MOVED: dict[str, float] = {}
+"""Each path's bytes of the joining group's KV moved over all of it (its every layer at the
+merge): the direct test compares them when both ran in one session."""
+
+
+async def _merge_while_streaming(config, instances, model, *, direct: bool, seed: int) -> dict:
+    """Groups (0, 1) and (2, 3) form with two requests streaming on each instance, then merge
+    (`direct` or restore-then-grow); every request goes 3 tokens past the merge and is
+    cancelled; the merged group restores; a new request is served. Returns what happened."""
     from shunter.cluster.remote_grow import merge
 
-    if anyio_backend != "asyncio":
-        pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    launcher = LocalLauncher("asyncio")
-    instances = [launcher.start_process(i, merge_config) for i in range(4)]
-    rng = random.Random(31)
+    rng = random.Random(seed)
     prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(8)]
     halves = stage_layers(LAYERS, 2)
     a = GroupPlan(group_id=1, members=(0, 1), layers=halves)
     b = GroupPlan(group_id=2, members=(2, 3), layers=halves)
-    try:
-        async with Cluster.start(merge_config, attach=instances,
-                                 monitor_interval_s=0.02) as cluster:
-            groups, run = cluster.groups, Streams(cluster, prompts, RUN_TOKENS)
-            with anyio.fail_after(180):
-                async with anyio.create_task_group() as tg:
-                    await run.start(tg)
-                    assert [len(i._live) for i in cluster.instances] == [2] * 4
-                    await groups.form(a)
-                    await groups.form(b)
-                    await run.past(run.marks())
-                    assert [len(i._live) for i in cluster.instances] == [4, 0, 4, 0]
-                    merged = await merge(groups, a, b, GroupPlan(
-                        group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4)))
-                    live = [len(i._live) for i in cluster.instances]
-                    assert live == [8, 0, 0, 0], (live, run.marks(), groups.counters.events)
-                    marks = run.marks()
-                    await run.past(marks)
-                    run.cancel()
-                stats = await groups.stats(0)
-                await cluster.wait_idle()
-                assert await groups.restore(0)
-                snap = await cluster.wait_idle()
-                after = await cluster.complete(prompts[0], shunter.SamplingParams(
-                    max_tokens=8, temperature=0))
-    finally:
-        launcher.shutdown(timeout_s=0)
-    events = groups.counters.events
-    print(f"\nmerge: {[e for e in events if e['event'] in ('group', 'restore', 'grow')]}; "
-          f"head {stats['head']['restore']}")
+    out: dict = {"prompts": prompts}
+    async with Cluster.start(config, attach=instances, monitor_interval_s=0.02) as cluster:
+        groups, run = cluster.groups, Streams(cluster, prompts, RUN_TOKENS)
+        with anyio.fail_after(240):
+            async with anyio.create_task_group() as tg:
+                await run.start(tg)
+                assert [len(i._live) for i in cluster.instances] == [2] * 4
+                await groups.form(a)
+                await groups.form(b)
+                await run.past(run.marks())
+                assert [len(i._live) for i in cluster.instances] == [4, 0, 4, 0]
+                out["joining_restore"] = None
+                merged = await merge(groups, a, b, GroupPlan(
+                    group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4)),
+                    direct=direct)
+                live = [len(i._live) for i in cluster.instances]
+                assert live == [8, 0, 0, 0], (live, run.marks(), groups.counters.events)
+                marks = run.marks()
+                await run.past(marks)
+                run.cancel()
+            if not direct:  # the joining group's restore: its members' KV back to its head
+                out["joining_restore"] = (await groups.stats(2))["head"]["restore"]
+            await cluster.wait_idle()
+            assert await groups.restore(0)
+            out["snap"] = await cluster.wait_idle()
+            out["members"] = {}
+            for m in (1, 2, 3):  # each member's counters, once its loop returned them
+                while not ((st := (await groups.stats(m))["member"]) or {}).get("merged") \
+                        and direct and m > 1:
+                    await anyio.sleep(0.01)
+                out["members"][m] = st
+            out["after"] = await cluster.complete(prompts[0], shunter.SamplingParams(
+                max_tokens=8, temperature=0))
+    out.update(merged=merged, marks=marks, got=run.got, events=groups.counters.events)
+    return out
+
+
+def _check_outputs(out: dict, model) -> None:
+    merged, events, snap = out["merged"], out["events"], out["snap"]
     assert merged.members == (0, 1, 2, 3) and merged.layers == stage_layers(LAYERS, 4)
-    kinds = [e["event"] for e in events]
-    assert kinds == ["group", "group", "restore", "grow", "merge", "restore"], kinds
     g = next(e for e in events if e["event"] == "grow")
     assert g["adopted"] == 4 and g["adopted_with_kv"] == 4, g  # instance 2's, with their KV
     formed = next(e for e in events if e["event"] == "group")
     assert g["pool_blocks"] > formed["pool_blocks"], (g, formed)
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
     assert [s.scheduler.free_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
-    for i, p in enumerate(prompts):
-        assert len(run.got[i]) >= marks[i] + 3, (i, marks[i], run.got[i])
-        assert_matches(run.got[i], greedy_reference(merge_model, p, len(run.got[i])),
-                       f"request {i}")
-    assert_matches(after.token_ids, greedy_reference(merge_model, prompts[0], 8), "after")
+    refs = _references(model, out["prompts"], max(len(g) for g in out["got"].values()))
+    for i in range(8):
+        assert len(out["got"][i]) >= out["marks"][i] + 3, (i, out["marks"][i], out["got"][i])
+        got = out["got"][i]
+        assert_matches(got, Reference(tokens=refs[i].tokens[:len(got)],
+                                      top2=refs[i].top2[:len(got)]), f"request {i}")
+    assert_matches(out["after"].token_ids, greedy_reference(model, out["prompts"][0], 8),
+                   "after")
+
+
+@pytest.mark.anyio
+async def test_two_running_groups_merge_after_the_joining_one_restores(
+        anyio_backend, merge_config, merge_instances, merge_model):
+    """Restore-then-grow (`direct=False`): instance 2 takes its group's layers and KV back,
+    then joins with its four requests as an instance serving alone does."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    out = await _merge_while_streaming(merge_config, merge_instances, merge_model,
+                                       direct=False, seed=31)
+    events = out["events"]
+    print(f"\nmerge (restore first): {[e for e in events if e['event'] in ('restore', 'grow')]}")
+    kinds = [e["event"] for e in events]
+    assert kinds == ["group", "group", "restore", "grow", "merge", "restore"], kinds
+    _check_outputs(out, merge_model)
+    g = next(e for e in events if e["event"] == "grow")
+    restored = out["joining_restore"]["kv_bytes"]
+    assert restored > 0 and g["kv_adopted_bytes"] > 0, (out["joining_restore"], g)
+    MOVED["restore_then_grow"] = (restored + g["kv_adopted_bytes"]) / g["kv_adopted_held_bytes"]
+
+
+@pytest.mark.anyio
+async def test_two_running_groups_merge_directly(anyio_backend, merge_config, merge_instances,
+                                                 merge_model):
+    """Direct (gpu/group_merge.py): the joining group's members send the layers of its requests'
+    KV that others keep now (0-1 and 2-3 from instance 2, 4-5 from instance 3; instance 3 keeps
+    6-7): each byte moves once at most, 6 of 8 layers here."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    out = await _merge_while_streaming(merge_config, merge_instances, merge_model,
+                                       direct=True, seed=37)
+    events = out["events"]
+    g = next(e for e in events if e["event"] == "grow")
+    print(f"\nmerge (direct): {g}; members {out['members']}")
+    kinds = [e["event"] for e in events]
+    assert kinds == ["group", "group", "grow", "merge", "restore"], kinds
+    _check_outputs(out, merge_model)
+    moved, held = g["kv_adopted_bytes"], g["kv_adopted_held_bytes"]
+    assert moved * LAYERS == held * 6, g  # layers 0-5 moved, 6-7 stayed on instance 3
+    merged = {m: out["members"][m]["merged"] for m in (2, 3)}
+    assert merged[2]["kv_kept"] == 0 and merged[3]["kv_kept"] * LAYERS == held * 2, merged
+    assert merged[2]["kv_sent"] + merged[3]["kv_sent"] == moved, (merged, g)
+    assert merged[2]["kv_sent"] == 2 * merged[3]["kv_sent"], merged  # 4 layers to 2
+    assert all(out["members"][m]["copied_blocks"] == 0 for m in (1, 2, 3)), out["members"]
+    MOVED["direct"] = moved / held
+    if "restore_then_grow" in MOVED:  # both ran in this session
+        ratio = MOVED["direct"] / MOVED["restore_then_grow"]
+        print(f"moved per byte of the joining group's KV: direct {MOVED['direct']:.3f}, "
+              f"restore then grow {MOVED['restore_then_grow']:.3f} (ratio {ratio:.3f})")
+        assert MOVED["direct"] <= 1.0 < MOVED["restore_then_grow"], MOVED
 
 
 @pytest.mark.anyio
@@ -171,17 +250,17 @@ async def test_a_merge_restores_the_joining_group_before_its_instances_join(monk
             return ()
 
     g = Groups()
-    assert (await rg.merge(g, stays, joins, plan)).members == (0, 1, 2, 3)
+    assert (await rg.merge(g, stays, joins, plan, direct=False)).members == (0, 1, 2, 3)
     assert g.calls[:2] == [("check", 0), ("restore", 2)], g.calls
     exports = [c for c in g.calls if c[0] == "export"]
     assert exports == [("export", 2, False), ("export", 3, False)], g.calls
     assert g.counters.events[-1]["event"] == "merge", g.counters.events
     g = Groups(fits=False)
     with pytest.raises(rg.Postponed, match=r"group \(2, 3\) does not fit"):
-        await rg.merge(g, stays, joins, plan)
+        await rg.merge(g, stays, joins, plan, direct=False)
     assert g.calls == [("check", 0), ("restore", 2)], g.calls
     monkeypatch.setattr(rg, "RESTORED_S", 0.05)
     g = Groups(steps_to_restore=10**9)
     with pytest.raises(GroupCommandError, match=r"instance 2: its group \(2, 3\) had not restored"):
-        await rg.merge(g, stays, joins, plan)
+        await rg.merge(g, stays, joins, plan, direct=False)
     assert not [c for c in g.calls if c[0] == "export"], g.calls

@@ -1,0 +1,197 @@
+"""Two running pipeline groups merge without restoring the joining one first (KunServe §4.1:
+Algorithm 6 merges the smallest groups, which may be groups already; §4.2: the KV of requests
+in flight moves in chunks behind the activations). Group A (head H) stays; group B (head J)
+joins. J's scheduler hands B's requests over to H (their KV stays where B's members hold it);
+J tells B's members that their head is H now (`GroupHandOver`); then every member of B, J
+included, joins A's growth as a new member (gpu/group_grow.py: the layers split again over A's
+members, then B's, in order). H adopts B's requests with `Adopted.parts`: which member of the
+merged group holds which layers of them. At `GroupGo` each member of B sends the layers of B's
+requests it holds to the members that keep them now (the coordinated exchange: chunks,
+activations first), reads the layers it keeps to the host (its view's stride changes), changes
+its layers (`redrop_layers`, the ones it gains from its host copy) and writes the kept ones into
+each request's blocks at its first step here. Each byte of B's KV thus moves at most once; the
+restore-then-grow path moved B's members' layers to J, then out again.
+
+A member lost meanwhile: H recovers as in any growth (every request recomputed at H), every
+survivor restores its dropped layers from its host copy and serves alone.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from gpu.block_map import BlockMap
+from gpu.data_plane import (
+    CONTROL_TAG,
+    GroupMemberLost,
+    data_plane,
+    fault_point,
+    open_channel,
+    recv_obj,
+    send_obj,
+)
+from gpu.group_grow import await_abandon, take_generators
+from gpu.group_stage import (
+    GroupAbandon,
+    GroupGo,
+    GroupStage,
+    GroupStart,
+    _Seq,
+    overlap,
+    start_transfers,
+)
+from gpu.kv_exchange import ExchangeStats, send_transfers
+from gpu.stage_view import redrop_layers, restore_layers
+
+
+@attrs.frozen(kw_only=True)
+class GroupHandOver:
+    """From a joining group's head to its members: the group merges into the one instance
+    `head` leads; its `GroupStart`, then `GroupGo` (or `GroupAbandon`), come from there."""
+
+    head: int
+
+
+@attrs.define
+class MergeStats:
+    """What one member of the joining group moved as the groups merged (bytes)."""
+
+    requests: int = 0
+    """The joining group's requests it held KV of."""
+    kv_sent: int = 0
+    """Their KV sent to the members keeping those layers now."""
+    kv_kept: int = 0
+    """Their KV of the layers it keeps: read to the host and written back (new stride)."""
+    weights_restored: int = 0
+    weights_saved: int = 0
+
+
+class MergeStage(GroupStage):
+    """A joining group's member in the merged group: built from its stage in the joining group
+    (`old`), keeping `start.layers[me]`. The staying group's requests are new here (their KV
+    comes from its members); the joining group's are adopted (`Adopted.parts`)."""
+
+    def __init__(self, old: GroupStage, start: GroupStart, me: int) -> None:
+        for rid in list(old.seqs):  # every chunk of its last exchange in its blocks first
+            old._place(rid)
+        old.plane.queue.flush()
+        old.plane.close()
+        plane = open_channel(data_plane(), start.channel, start.ranks)  # the merged group's
+        try:
+            self._merge(old, plane, start, me)
+        except BaseException:
+            plane.close(broken=True)
+            raise
+
+    def _merge(self, old: GroupStage, plane, start: GroupStart, me: int) -> None:
+        model = old.model
+        self.model, self.plane, self.start, self.me = model, plane, start, me
+        self.block_size = model.arena.block_size
+        self.keep, was = start.layers[me], old.keep
+        self.stats, self.merged = ExchangeStats(), MergeStats()
+        handed = {a.request_id: a for a in start.adopted
+                  if a.parts and a.old_request_id in old.seqs and a.kv_tokens}
+        transfers = start_transfers(start, self.block_size)
+
+        def held(rid: int, blocks: int, layers: range) -> torch.Tensor:
+            table = old.seqs[handed[rid].old_request_id].table[:blocks]
+            return old.read_layers(table)[:, layers.start - was.start:layers.stop - was.start]
+
+        plane.queue.fifo = start.kv_exchange == "fifo"
+        send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
+                       lambda t: held(t.request_id, t.blocks, t.layers), self.stats)
+        self.merged.kv_sent, self.merged.requests = self.stats.sent_bytes, len(handed)
+        stay = overlap(was, self.keep)
+        self._kept = {rid: (stay, held(rid, -(-a.kv_tokens // self.block_size), stay))
+                      for rid, a in handed.items() if len(stay)}
+        """Each adopted request's KV of the layers this member keeps, until its first step."""
+        self.merged.kv_kept = sum(x.numel() * x.element_size() for _, x in self._kept.values())
+        self.drop, self.merged.weights_restored, self.merged.weights_saved = redrop_layers(
+            model, self.keep)
+        self.map = BlockMap(self.drop.view, start.group)
+        self.seqs = {}
+        for s in start.seqs:  # the staying group's requests: all of their KV comes here
+            self.seqs[s.request_id] = _Seq(tokens=list(s.tokens), table=list(s.table),
+                                           sampling=s.sampling, generator=None)
+            for i, g in enumerate(s.table):
+                self.map.assign(s.request_id, i, g)
+        self._owned_gens = {rid: old.seqs[a.old_request_id].generator
+                            for rid, a in handed.items()}
+        self.receiver = self._kv_receiver(transfers)
+        self._hidden = model.config.hidden_size
+
+    def _place(self, request_id: int) -> None:
+        """An adopted request's kept layers into its blocks (its table came with this step),
+        then its chunks from the other members."""
+        kept = self._kept.pop(request_id, None)
+        if kept is not None:
+            layers, data = kept
+            table = self.seqs[request_id].table[:len(data)]
+            self.write_layers(torch.tensor(self.map.locals(table)), layers, data)
+        super()._place(request_id)
+
+
+def join_merged(stage: GroupStage, head_rank: int) -> tuple[MergeStage, GroupStart] | None:
+    """A joining group's member (its head included; on its device thread): wait for the
+    merged group's `GroupStart` and `GroupGo` from instance `head_rank`, then re-split. None:
+    the head abandoned the merge first. A member lost while it re-splits: `GroupMemberLost`
+    once the head's `GroupAbandon` was read (unread, the head's send of it hangs)."""
+    rank = data_plane().rank
+    start = recv_obj(head_rank, CONTROL_TAG, "the groups were merging")
+    if isinstance(start, GroupAbandon):
+        return None
+    assert isinstance(start, GroupStart), start
+    go = recv_obj(head_rank, CONTROL_TAG, "the groups were merging")
+    if isinstance(go, GroupAbandon):
+        return None
+    assert isinstance(go, GroupGo), go
+    fault_point("grow-go", rank)
+    try:
+        new = MergeStage(stage, start, start.ranks.index(rank))
+    except GroupMemberLost as exc:
+        if exc.rank != head_rank:
+            await_abandon(head_rank, exc)
+        raise
+    fault_point("grow-joined", rank)
+    take_generators(new, go.generator_states)
+    return new, start
+
+
+def merge_into(stage: GroupStage, head_rank: int) -> tuple[MergeStage, GroupStart] | dict:
+    """`join_merged`, or the member's final answer when the merge broke: it serves alone
+    again, its dropped layers from its host copy (the head recomputes every request)."""
+    try:
+        joined = join_merged(stage, head_rank)
+    except GroupMemberLost as exc:
+        why = f"lost while the groups merged: {exc}"
+    else:
+        if joined is not None:
+            return joined
+        why = "the merge was abandoned"
+    if getattr(stage.model, "drop_state", None) is not None:
+        restore_layers(stage.model)
+    stage.plane.close(broken=True)
+    return {"abandoned": why}
+
+
+def hand_over_group(runner, head_rank: int) -> dict:
+    """The joining group's head, on its device thread, once its scheduler handed every request
+    over: it leads no group now; its members are told the new head; then it serves the merged
+    group as a member (gpu/group_member.py `serve_stage`) until that restores. A member that
+    cannot be told is the merged head's to find (its `GroupStart` fails)."""
+    from gpu.group_member import serve_stage
+
+    group, runner.group = runner.group, None
+    runner.last_group = group
+    try:
+        for rank in group.ranks[1:]:
+            try:
+                send_obj(GroupHandOver(head=head_rank), rank, CONTROL_TAG,
+                         "the groups were merging")
+            except GroupMemberLost:
+                pass
+        return serve_stage(group.stage, None, head_rank)
+    finally:
+        runner._seqs.clear()
+        runner.handing_over = False
