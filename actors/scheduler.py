@@ -234,13 +234,14 @@ class Scheduler(AdoptionMixin):
 
     def _preempt(self, req: Request, rank: int) -> None:
         """Preempt by swap when the policy says so and the host has room (only what no valid
-        copy holds is copied, FastSwitch §3.3); else by recompute: drop the KV, keep the tokens,
-        prefill them again later."""
+        copy holds is copied, FastSwitch §3.3; BROS's table: engine/bidirectional_step.py);
+        else by recompute: drop the KV, keep the tokens, prefill them again later."""
         req.preemptions += 1
         self._stats.preemptions += 1
         bs, copies = self._config.block_size, self._copies
-        plan = copies and copies.preempt(
-            req.id, req.computed_tokens, rank=rank, swap=self._policy.settings.preempt_mode == "swap",
+        swap = self._policy.settings.preempt_mode == "swap"
+        plan = self._bidi.swap_out(req.id) if swap and self._bidi else copies and copies.preempt(
+            req.id, req.computed_tokens, rank=rank, swap=swap,
             expected_blocks=blocks_for(req.prompt_tokens + req.sampling.max_tokens, bs))
         if plan:
             req.swapped_out(blocks_for(req.computed_tokens, bs))

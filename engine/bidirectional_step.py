@@ -12,7 +12,10 @@ which a best-effort (BE) block still counts as room for a real-time (RT) request
   slot); one whose slots were overwritten first swaps back exactly its checkpointed slots, or
   waits;
 - when an RT request still finds no room (§5.2's extreme case), requests outside the step are
-  swapped out whole, BE first, then RT, the one with the most time left first;
+  swapped out whole, BE first, then RT, the one with the most time left first; so are the
+  planner's own victims when the policy preempts by swap (`swap_out`, called by the scheduler
+  before the fit), into the table's copy space: whole blocks in block groups, shared blocks
+  slot-masked (engine/memory/slot_swap.py); a swapped request swaps back in with its step;
 - a request that cannot be placed leaves the step (it keeps its KV and tries again next time).
 The result is one `BidirectionalOrders`: the changed block tables and every slot copy, all done
 before the step computes.
@@ -35,12 +38,37 @@ def best_effort(r: Request) -> bool:
 
 
 class BidirectionalMemory:
-    def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
-        self.table = BidirectionalBlocks(block_ids, block_size, host_slots)
+    def __init__(self, block_ids: range, block_size: int, host_slots: int,
+                 copy_blocks: range | None = None) -> None:
+        self.table = BidirectionalBlocks(block_ids, block_size, host_slots,
+                                         copy_blocks=copy_blocks)
         self._sent: dict[int, list[int]] = {}
         """The block table the executor holds for each request."""
+        self._pending: list[SwapTransfer] = []
+        """Copies of the scheduler's victims swapped out since the last fit (its step's first)."""
         self.swapped_out = 0
         """Requests swapped out whole by the extreme case since the start."""
+        self.victims_swapped = 0
+        """Of those, the scheduler's victims (`swap_out`), the rest `_make_room`'s."""
+        self.recomputed = 0
+        """Requests `_make_room` recomputed because nothing fit and none could be swapped out."""
+
+    def swap_out(self, rid: int) -> bool:
+        """The scheduler preempts request `rid` by swap (the planner's victim: BE first, then RT
+        by slack, as the policy ranks them): its KV goes to the table's copy space now, its
+        copies first in the next step. False when it cannot (no copy space, no room there,
+        nothing computed): the caller recomputes it, and the next fit forgets it."""
+        t = self.table
+        if not t.has_copy_space or rid not in t or not t.tokens(rid):
+            return False
+        if not t.swapped(rid):  # else `_make_room` swapped it out already
+            if not t.can_swap_out(rid):
+                return False
+            _add(self._pending, rid, t.swap_out(rid))
+            self.swapped_out += 1
+            self.victims_swapped += 1
+        self._sent.pop(rid, None)
+        return True
 
     def planning_free(self) -> int:
         """The planner's free blocks: those an RT request could still take (free ones and BE
@@ -59,8 +87,9 @@ class BidirectionalMemory:
             release: Sequence[int]) -> BidirectionalOrders:
         """Fit `plan` (changed in place: requests that cannot be placed leave it) and return
         the step's table changes and slot copies."""
-        t, transfers = self.table, []
-        for rid in [*release, *(v.id for v in plan.preempted)]:
+        t, transfers, self._pending = self.table, self._pending, []
+        for rid in [*release, *(v.id for v in plan.preempted
+                                if (r := requests.get(v.id)) is None or r.state != "swapped")]:
             if rid in self._sent or rid in t:
                 self._forget(rid)
         left: list[tuple[int, int]] = []
@@ -81,6 +110,8 @@ class BidirectionalMemory:
             self._make_room(rid, tokens, plan, requests, transfers, force=True)
             if self._place(rid, tokens, plan, requests, transfers):
                 plan.work[rid], plan.block_targets[rid] = n, 0
+                if requests[rid].state == "swapped":
+                    plan.swapped_in.append(requests[rid].view())
         blocks, sent = [], self._sent
         for rid in plan.work:
             table = t.entries(rid)  # not a copy: copied only when it changed
@@ -135,19 +166,28 @@ class BidirectionalMemory:
                    force: bool = False) -> None:
         """§5.2's extreme case: swap out requests outside the step, BE first, then RT with the
         most time to their next deadline first, until request `rid` fits (`force`: also when it
-        is displaced, which its swap-back needs room for too)."""
+        is displaced, which its swap-back needs room for too). With a copy space and `force`
+        (nothing in the step fits), one that cannot be swapped out, or already is, is
+        recomputed instead: a full copy space or checkpoint space would stop the engine."""
         t = self.table
         if t.can_extend(rid, tokens) or (not force and (t.swapped(rid) or t.displaced(rid))):
             return
+        drop = force and t.has_copy_space
         idle = [i for i in t.requests()
-                if i != rid and i not in plan.work and not t.swapped(i) and i in requests]
+                if i != rid and i not in plan.work and (drop or not t.swapped(i)) and i in requests]
         idle.sort(key=lambda i: (not t.is_reversed(i), -requests[i].next_deadline()))
         for victim in idle:
-            if not t.can_swap_out(victim):
+            if not t.swapped(victim) and t.can_swap_out(victim):
+                _add(transfers, victim, t.swap_out(victim))
+                self._sent.pop(victim, None)
+                self.swapped_out += 1
+            elif drop:
+                self._forget(victim)
+                requests[victim].preemptions += 1
+                requests[victim].recompute()
+                self.recomputed += 1
+            else:
                 continue
-            _add(transfers, victim, t.swap_out(victim))
-            self._sent.pop(victim, None)
-            self.swapped_out += 1
             if t.can_extend(rid, tokens) or t.can_restore(rid) or t.can_swap_in(rid):
                 return
 
@@ -163,6 +203,9 @@ def _add(transfers: list[SwapTransfer], rid: int, copies: SlotCopies) -> None:
 
 
 def _leave(plan: IterationPlan, rid: int) -> None:
+    """The request leaves the step; one swapped out by a preemption stays so (it swaps in only
+    with its step)."""
     plan.work.pop(rid, None)
     plan.block_targets.pop(rid, None)
     plan.admitted = [v for v in plan.admitted if v.id != rid]
+    plan.swapped_in = [v for v in plan.swapped_in if v.id != rid]

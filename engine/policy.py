@@ -276,6 +276,9 @@ class EngineCapabilities:
     bidirectional: bool | None = None
     """Whether the engine runs BROS's bidirectional block table, once chosen (from the policy
     it starts with); a later policy cannot turn it on."""
+    bidirectional_swap: bool | None = None
+    """The bidirectional table has a copy space for whole requests preempted by swap, once
+    chosen (the policy the engine starts with has bidirectional on and preempt swap)."""
     group_modes: frozenset[str] = frozenset()
     """KunServe group settings its runner honours (`kv_exchange`, `microbatch` values)."""
     no_overload: str | None = None
@@ -289,8 +292,9 @@ class EngineCapabilities:
     def running(self, settings: PolicySettings) -> EngineCapabilities:
         """These capabilities once the device allocator follows `settings` (the policy the
         engine starts with)."""
-        return attrs.evolve(self, allocator=settings.memory.swap_granularity,
-                            bidirectional=settings.memory.bidirectional)
+        bidi = settings.memory.bidirectional
+        return attrs.evolve(self, allocator=settings.memory.swap_granularity, bidirectional=bidi,
+                            bidirectional_swap=bidi and settings.preempt_mode == "swap")
 
     def unsupported(self, settings: PolicySettings,
                     written: Collection[str] = ()) -> list[tuple[str, str]]:
@@ -340,9 +344,14 @@ class EngineCapabilities:
                    "with this policy") + "; BROS checkpoints overwritten slots to host memory"
             out.append(("bidirectional",
                         f"bidirectional on is not supported by this engine ({why})"))
-        if m.bidirectional and settings.preempt_mode == "swap":
-            out.append(("bidirectional", "bidirectional on swaps slot by slot through its own "
-                        "table: use preempt recompute with it, not preempt swap"))
+        for name, bad, why in (
+                ("bidirectional", swaps and self.bidirectional_swap is False, "bidirectional on "
+                 "with preempt swap needs a host copy space the engine sets aside only when it "
+                 "starts with such a policy: restart it with this one, or preempt recompute"),
+                ("swap_in", swaps and m.swap_in != "sync", f"swap_in {m.swap_in} is not supported "
+                 "with bidirectional on (a request swaps back in the step that needs it)")):
+            if m.bidirectional and bad:
+                out.append((name, why))
         if m.kv_reuse and not self.kv_reuse:
             why = "it keeps no CPU copies across turns" if self.swap else self.no_swap
             out.append(("kv_reuse", f"kv_reuse on is not supported by this engine ({why})"))

@@ -165,9 +165,12 @@ class Engine:
         pool = BlockGroupManager(block_ids) if groups else BlockPool(block_ids)
         swapping = self.swapper is not None
         # BROS §5: with bidirectional blocks the scheduler's table places KV slot by slot and
-        # keeps its lazy checkpoints in the host swap space, which host copies then do not use
+        # keeps its lazy checkpoints in the host swap space, which host copies then do not use;
+        # a policy that preempts by swap gets half of it for whole requests (slot_swap.py)
         host = cpu_swap_blocks(c, block_ids) if swapping else 0
-        bidi = (BidirectionalMemory(block_ids, c.block_size, host * c.block_size)
+        whole = host // 2 if self.capabilities.bidirectional_swap else 0
+        bidi = (BidirectionalMemory(block_ids, c.block_size, (host - whole) * c.block_size,
+                                    range(host - whole, host) if whole else None)
                 if host and self.capabilities.bidirectional else None)
         actors: list[Actor] = [
             Executor(runner=b.runner, inbox=exec_recv, scheduler=sched_send),

@@ -22,27 +22,28 @@ checkpoint space), which the caller must run in the order given and before the s
   with its surviving slots into a fresh block). A BE request whose next slot is taken by an RT
   guest moves that block's live slots to a fresh block (`extend`).
 - `swap_out` (§5.2's extreme case; the caller picks whom) copies every live slot of a request
-  to the host and releases its blocks; `swap_in` brings them back into fresh blocks.
+  to the host and releases its blocks; `swap_in` brings them back into fresh blocks: whole
+  blocks in block groups, shared ones slot-masked, when the table has a copy space
+  (engine/memory/slot_swap.py).
 """
 
 from __future__ import annotations
 
 from engine.memory.preemption_order import preemption_order
 from engine.memory.slot_owners import Block as _Block
+from engine.memory.slot_owners import BidirectionalError
 from engine.memory.slot_owners import Seq as _Seq
 from engine.memory.slot_owners import SlotQueries, guest_block
+from engine.memory.slot_swap import HostBlocks, SlotSwaps
 from engine.memory.slot_runs import NO_COPIES, SlotCopies, decode, encode, physical_slot
 
 __all__ = ["BidirectionalBlocks", "BidirectionalError", "SlotCopies", "decode", "encode",
            "physical_slot"]
 
 
-class BidirectionalError(Exception):
-    """The caller asked for something the table cannot do (a bug, not a user error)."""
-
-
-class BidirectionalBlocks(SlotQueries):
-    def __init__(self, block_ids: range, block_size: int, host_slots: int) -> None:
+class BidirectionalBlocks(SlotQueries, SlotSwaps):
+    def __init__(self, block_ids: range, block_size: int, host_slots: int, *,
+                 copy_blocks: range | None = None) -> None:
         if len(block_ids) == 0 or block_size < 1:
             raise BidirectionalError("a bidirectional table needs blocks and slots")
         self.block_size = block_size
@@ -53,6 +54,9 @@ class BidirectionalBlocks(SlotQueries):
         self._holed: set[int] = set()  # blocks whose `lost` may be non-empty (a superset)
         self._displaced: set[int] = set()  # the blocks of displaced BE requests (kept, not rebuilt)
         self._free_host = list(reversed(range(host_slots)))
+        self._copy_space = HostBlocks(copy_blocks) if copy_blocks is not None else None
+        """Host blocks for whole requests swapped out (engine/memory/slot_swap.py), after the
+        checkpoint slots in the host space; None: they go out slot by slot to those slots."""
         self._seqs: dict[int, _Seq] = {}
         self._be: dict[int, _Seq] = {}  # the BE requests of `_seqs`, for block preemption's picks
         self.checkpointed_slots_total = 0
@@ -289,57 +293,6 @@ class BidirectionalBlocks(SlotQueries):
 
     # ------------------------------------------------------------------------ swap, free
 
-    def can_swap_out(self, rid: int) -> bool:
-        s = self._seqs[rid]
-        return not s.swapped and s.tokens - len(s.host) <= len(self._free_host)
-
-    def swap_out(self, rid: int) -> SlotCopies:
-        """Copy every live slot of the request to the host and release its blocks (§5.2's
-        extreme case); it keeps its checkpointed slots, and `swap_in` brings all back."""
-        s = self._seqs[rid]
-        if not self.can_swap_out(rid):
-            raise BidirectionalError(f"request {rid} cannot be swapped out now")
-        self._undisplace(s)
-        out = []
-        for pos in range(s.tokens):
-            if pos not in s.host:
-                host = self._free_host.pop()
-                s.host[pos] = host
-                out.append((physical_slot(s.table[pos // self.block_size], pos % self.block_size,
-                                          self.block_size), host))
-        self._release_all(s)
-        s.swapped = True
-        return SlotCopies(out=tuple(out))
-
-    def can_swap_in(self, rid: int) -> bool:
-        s = self._seqs[rid]
-        if not s.swapped:
-            return False
-        return -(-s.tokens // self.block_size) <= len(self._free)
-
-    def swap_in(self, rid: int) -> SlotCopies:
-        """Bring a swapped-out request back into blocks of its own (free ones)."""
-        s = self._seqs[rid]
-        if not self.can_swap_in(rid):
-            raise BidirectionalError(f"request {rid} cannot be swapped in now")
-        bs, into = self.block_size, []
-        for _ in range(-(-s.tokens // self.block_size)):
-            b = self._free.pop()
-            self._own(b, rid, s.reverse)
-            s.table.append(encode(b, s.reverse))
-        for pos in range(s.tokens):
-            host = s.host.pop(pos)
-            into.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))
-            self._free_host.append(host)
-            block, _ = decode(s.table[pos // bs])
-            x = self._blocks[block]
-            if s.reverse:
-                x.be_fill = pos % bs + 1
-            else:
-                x.rt_fill = pos % bs + 1
-        s.swapped = False
-        return SlotCopies(into=tuple(into))
-
     def free(self, rid: int) -> None:
         """The request ends: its slots and host checkpoints go back."""
         s = self._seqs.pop(rid)
@@ -347,6 +300,8 @@ class BidirectionalBlocks(SlotQueries):
         self._undisplace(s)
         self._release_all(s)
         self._free_host.extend(s.host.values())
+        if s.copy and self._copy_space is not None:
+            self._copy_space.give(s.copy)
 
     def _release_all(self, s: _Seq) -> None:
         for e in s.table:

@@ -13,6 +13,10 @@ import attrs
 from engine.memory.slot_runs import physical_slot
 
 
+class BidirectionalError(Exception):
+    """The caller asked for something the table cannot do (a bug, not a user error)."""
+
+
 @attrs.define(slots=True)
 class Block:
     rt: int = -1
@@ -33,7 +37,13 @@ class Seq:
     host: dict[int, int] = attrs.field(factory=dict)
     """Logical position -> host slot, for positions whose KV is only on the host."""
     swapped: bool = False
-    """Swapped out whole: `host` holds every position, `table` is empty."""
+    """Swapped out whole: `table` is empty, and `host` holds every position or, with the
+    table's copy space, the checkpoints and `copy` the rest (engine/memory/slot_swap.py)."""
+    copy: list[int] = attrs.field(factory=list)
+    """Swapped out into the copy space: the host block holding logical block j, its slots at
+    the device block's offsets."""
+    masked: set[int] = attrs.field(factory=set)
+    """Of `copy`, the logical blocks copied slot by slot (shared with another owner)."""
 
 
 class SlotQueries:
@@ -67,16 +77,19 @@ class SlotQueries:
     def holdings(self) -> Iterator[tuple[int, int, int]]:
         """(request, device blocks, slots held only on the host) of every request."""
         bs = self.block_size
-        return ((rid, 0 if s.swapped else -(-s.tokens // bs), len(s.host))
+        return ((rid, 0, s.tokens) if s.swapped else (rid, -(-s.tokens // bs), len(s.host))
                 for rid, s in self._seqs.items())
 
     def checkpointed_slots(self, rid: int) -> int:
         """Slots of the request held only on the host."""
-        return len(self._seqs[rid].host)
+        s = self._seqs[rid]
+        return s.tokens if s.swapped else len(s.host)
 
     def checkpointed_blocks(self, rid: int) -> int:
         """Logical blocks of the request with a slot held only on the host."""
-        return len(set(map(self.block_size.__rfloordiv__, self._seqs[rid].host)))  # p // bs
+        if (s := self._seqs[rid]).swapped:
+            return -(-s.tokens // self.block_size)
+        return len(set(map(self.block_size.__rfloordiv__, s.host)))  # p // bs
 
     def block(self, b: int) -> tuple[int, int, int, int, frozenset[int]]:
         """(RT owner, RT fill, BE owner, BE fill, overwritten BE offsets) of block b; -1 = none."""
@@ -96,7 +109,13 @@ class SlotQueries:
 
     def host_slots(self, rid: int) -> dict[int, int]:
         """Logical position -> host slot of what the request holds only on the host."""
-        return dict(self._seqs[rid].host)
+        s, bs = self._seqs[rid], self.block_size
+        if not s.copy:
+            return dict(s.host)
+        rev = s.reverse
+        return {pos: s.host[pos] if pos in s.host else
+                s.copy[pos // bs] * bs + (bs - 1 - pos % bs if rev else pos % bs)
+                for pos in range(s.tokens)}
 
 
 def guest_block(slots: int, block_size: int, seqs: Iterable[Seq],

@@ -53,17 +53,30 @@ SlotDirection = str
 
 def slot_runs(pairs: Sequence[tuple[int, int]], block_size: int) -> list[tuple[int, int, int]]:
     """(first source slot, first destination slot, length) of each run of pairs consecutive on
-    both sides and within one block on both sides, in the given order."""
+    both sides and within one block on both sides, in the given order; except that whole
+    blocks, aligned on both sides and consecutive on both sides, are one run across blocks
+    (a block group: the arena is block-major, so such a run is one contiguous copy; a whole
+    request swapped out, engine/memory/slot_swap.py). A run longer than a block is always
+    whole blocks."""
     runs: list[list[int]] = []
     for src, dst in pairs:
         if runs:
             s, d, n = runs[-1]
-            if (src == s + n and dst == d + n and src // block_size == s // block_size
-                    and dst // block_size == d // block_size):
+            if src == s + n and dst == d + n and (
+                    ((s + n - 1) // block_size == src // block_size
+                     and (d + n - 1) // block_size == dst // block_size)
+                    or (n % block_size == 0 and s % block_size == 0 and d % block_size == 0)):
                 runs[-1][2] += 1
                 continue
         runs.append([src, dst, 1])
-    return [(s, d, n) for s, d, n in runs]
+    out = []
+    for s, d, n in runs:  # a group that ran on into a partial block: the partial part apart
+        if n > block_size and n % block_size:
+            whole = n - n % block_size
+            out += [(s, d, whole), (s + whole, d + whole, n - whole)]
+        else:
+            out.append((s, d, n))
+    return out
 
 
 def slot_blocks(direction: SlotDirection, pairs: Sequence[tuple[int, int]],
