@@ -172,5 +172,5 @@ def test_explain_says_what_the_rules_do():
     assert "Order: all requests by arrival, earliest first." in text
     assert ("Overload (KunServe §4.1): ask to drop parameters when "
             "head_tokens + pending_tokens > free_tokens has held for 2 iterations.") in text
-    assert "Restore them (KunServe §4.4) when kv_usage < 50% has held for 4s." in text
+    assert "Restore them (KunServe §4.4) when kv_usage < 40% has held for 4s." in text
     assert "Batch size: at most 4 requests per iteration." in text

@@ -239,16 +239,16 @@ def kv_view(iteration: int, free_blocks: int, queued_prompt: int):
                                total_blocks=100, block_size=16, now=0.05 * iteration)
 
 
-def test_kunserve_drops_after_two_overloaded_iterations_and_restores_below_half():
+def test_kunserve_drops_after_two_overloaded_iterations_and_restores_below_40_percent():
     policy = load("kunserve")
     # (free blocks, queued prompt tokens) per iteration; 4 free blocks = 96% used, 64 tokens free
-    calm = [(60, 10)]  # 40% used: below half
+    calm = [(65, 10)]  # 35% used and 10 tokens queued: 35.6%, below 40%
     trace = ([(4, 100), (4, 100), (4, 100), (4, 10), (40, 10)] + calm * 79 + [(40, 10)]
              + calm * 81 + [(4, 100)])
     signals = [policy.decide(kv_view(i, free, queued)).overload
                for i, (free, queued) in enumerate(trace)]
     # iterations 50 ms apart: a lull of 79 (3.9 s) restores nothing; the 81st calm iteration
-    # running, 4 s after the lull began, does (the hold: one iteration above half resets it)
+    # running, 4 s after the lull began, does (the hold: one iteration above 40% resets it)
     assert signals == [None, "drop", "drop"] + [None] * 162 + ["restore", None]
     n = len(trace)
     assert policy.decide(kv_view(n - 1, 4, 100)).overload is None  # same iteration: same answer

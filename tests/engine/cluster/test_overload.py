@@ -119,10 +119,10 @@ def test_groups_restore_on_the_whole_cluster_s_load_against_its_pre_drop_capacit
 
 
 def test_kunserve_restores_only_after_4_calm_seconds():
-    """The shipped policy's hold (policies/kunserve.policy, round 8): a lull shorter than 4 s
-    of the monitor's clock restores nothing (a surge right after it would meet instances
-    alone); at 50 ms rounds the 81st calm round running does, counted again after any round
-    above half."""
+    """The shipped policy's rule (policies/kunserve.policy: 40% since round 9, 4 s since round
+    8): a lull shorter than 4 s of the monitor's clock restores nothing (a surge right after it
+    would meet instances alone); at 50 ms rounds the 81st calm round running does, counted again
+    after any round at 40% or above; 45% (below the paper's 50%) is not calm."""
     m = _monitor(text=None)
     m.formed(GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32))))
     calm = [_stats(used=90, total=600), None, _stats(used=10), _stats(used=10)]  # 27.5%
@@ -132,6 +132,10 @@ def test_kunserve_restores_only_after_4_calm_seconds():
     assert m.decide(busy, ALIVE, now=t[79]) is None
     assert [m.decide(calm, ALIVE, now=t[k]) for k in range(80, 160)] == [None] * 80  # 4-7.95 s
     assert m.decide(calm, ALIVE, now=t[160]) == Restore(heads=(0,))  # 4 s after the lull began
+    m = _monitor(text=None)
+    m.formed(GroupPlan(group_id=0, members=(0, 1), layers=(range(16), range(16, 32))))
+    mid = [_stats(used=90, total=600), None, _stats(used=45), _stats(used=45)]  # 180 of 400
+    assert [m.decide(mid, ALIVE, now=0.05 * k) for k in range(200)] == [None] * 200
 
 
 HOLD_2S = ('policy hold_2s extends "kunserve.policy" {\n'
