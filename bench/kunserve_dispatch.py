@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.kunserve_trace import (
     add_trace_args,
+    merge_report,
     policy_dir,
     run_row,
     sim_instance,
@@ -38,6 +39,8 @@ def main() -> None:
                     help="vllm_dp (fcfs, recompute) or shipped KunServe policy names")
     ap.add_argument("--rules", default="least_load,freeness")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_dispatch"))
+    ap.add_argument("--merge", action="store_true", help="re-run only --policies' rows into "
+                    "--out's .json, keeping its other rows")
     args = ap.parse_args()
     spec, workload = trace_workload(args)
     base = sim_instance()
@@ -65,6 +68,8 @@ def main() -> None:
                   f"P50 TPOT {s['tpot_p50_ms']:.1f} ms, sent {sent}, events {s['events']}",
                   flush=True)
     DispatchTable.dispatched = dispatched
+    if args.merge:
+        report = merge_report(json.loads(out.with_suffix(".json").read_text()), report)
     out.with_suffix(".json").write_text(json.dumps(report, indent=1))
     lines = [f"# Dispatch rules: {spec}, 4 x llama3-8b-a10", "",
              ("| policy / dispatch | P50 TTFT s | P99 TTFT s | P50 TPOT ms | P99 TPOT ms | sent "
