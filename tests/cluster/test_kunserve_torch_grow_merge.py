@@ -122,10 +122,9 @@ async def _merge_while_streaming(config, instances, model, *, direct: bool, seed
             assert await groups.restore(0)
             out["snap"] = await cluster.wait_idle()
             out["members"] = {}
-            for m in (1, 2, 3):  # each member's counters, once its loop returned them
-                while not ((st := (await groups.stats(m))["member"]) or {}).get("merged") \
-                        and direct and m > 1:
-                    await anyio.sleep(0.01)
+            for m in (2, 3) if direct else ():  # their counters, once their loops returned
+                while not ((st := (await groups.stats(m))["member"]) or {}).get("merged"):
+                    await anyio.sleep(0.01)  # (a stale one, of the other test's group: none)
                 out["members"][m] = st
             out["after"] = await cluster.complete(prompts[0], shunter.SamplingParams(
                 max_tokens=8, temperature=0))
@@ -195,7 +194,7 @@ async def test_two_running_groups_merge_directly(anyio_backend, merge_config, me
     assert merged[2]["kv_kept"] == 0 and merged[3]["kv_kept"] * LAYERS == held * 2, merged
     assert merged[2]["kv_sent"] + merged[3]["kv_sent"] == moved, (merged, g)
     assert merged[2]["kv_sent"] == 2 * merged[3]["kv_sent"], merged  # 4 layers to 2
-    assert all(out["members"][m]["copied_blocks"] == 0 for m in (1, 2, 3)), out["members"]
+    assert all(out["members"][m]["copied_blocks"] == 0 for m in (2, 3)), out["members"]
     MOVED["direct"] = moved / held
     if "restore_then_grow" in MOVED:  # both ran in this session
         ratio = MOVED["direct"] / MOVED["restore_then_grow"]

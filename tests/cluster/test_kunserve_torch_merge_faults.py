@@ -12,6 +12,7 @@ each serves a new request alone.
 
 from __future__ import annotations
 
+import os
 import random
 
 import anyio
@@ -33,7 +34,9 @@ from tests.reference import Reference, assert_matches, greedy_reference
 
 
 @pytest.mark.anyio
-@pytest.mark.parametrize("dead", [3, 2])
+@pytest.mark.parametrize("dead", [3, pytest.param(2, marks=pytest.mark.skipif(
+    os.environ.get("SHUNTER_SLOW") != "1", reason="SHUNTER_SLOW=1: the joining head lost too "
+    "(CI runs the joining member's case: four processes of their own each)"))])
 async def test_a_joining_member_lost_during_a_direct_merge(anyio_backend, merge_config,
                                                            merge_model, monkeypatch, dead):
     """`dead`: instance 3 (the joining group's member) or 2 (its head, once it handed its
