@@ -269,3 +269,73 @@ async def test_a_merge_restores_the_joining_group_before_its_instances_join(monk
     with pytest.raises(GroupCommandError, match=r"instance 2: its group \(2, 3\) had not restored"):
         await rg.merge(g, stays, joins, plan, direct=False)
     assert not [c for c in g.calls if c[0] == "export"], g.calls
+
+
+@pytest.mark.anyio
+async def test_a_direct_merge_hands_the_joining_group_over():
+    """`merge` directly (stand-in front door): the head's check, then the joining head's
+    `HandOverGroup`, then the staying head's `MergeGroup` naming where each layer of the
+    handed-over requests lies; their streams follow them. A joining head that refuses
+    (its last exchange still running) postpones the merge with nothing else asked; a plan
+    that also adds an instance serving alone takes the restore path."""
+    import types
+
+    import shunter.cluster.remote_grow as rg
+    from engine.cluster.counters import ClusterCounters
+    from shunter.cluster.group_wire import GrowGroup
+    from shunter.cluster.instance_grow import HandOverGroup, MergeGroup
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    stays = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
+    joins = GroupPlan(group_id=2, members=(2, 3), layers=stage_layers(LAYERS, 2))
+    plan = GroupPlan(group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
+    moved = tuple(types.SimpleNamespace(cluster_key=k) for k in (11, 12))
+
+    class Groups:
+        num_layers = LAYERS
+
+        def __init__(self, refuse=False):
+            self.calls, self.refuse, self.sent = [], refuse, []
+            self.groups, self.counters = {0: stays, 2: joins}, ClusterCounters()
+            self.coordinator = types.SimpleNamespace(send=self._sent)
+            self.instances = [types.SimpleNamespace(alive=True, failure=None, _live={},
+                                                    moved_to={}) for _ in range(5)]
+            self.instances[2]._live = {11: "a", 12: "b"}
+
+        async def _sent(self, msg):
+            self.sent.append(msg)
+
+        async def _command(self, head, make):
+            msg = make(0)
+            self.calls.append((type(msg).__name__, head))
+            if isinstance(msg, HandOverGroup):
+                if self.refuse:
+                    raise GroupCommandError(f"instance {head}: not settled")
+                return moved
+            if isinstance(msg, MergeGroup):
+                self.merge_msg = msg
+            return {"pool_blocks": 9} if isinstance(msg, GrowGroup) else None
+
+        async def restore(self, head):
+            self.calls.append(("restore", head))
+            return False
+
+    g = Groups()
+    assert (await rg.merge(g, stays, joins, plan)).members == (0, 1, 2, 3)
+    assert g.calls == [("GrowGroup", 0), ("HandOverGroup", 2), ("MergeGroup", 0)], g.calls
+    m = g.merge_msg
+    assert m.parts == ((2, range(0, 4)), (3, range(4, 8))), m.parts  # member 2 and 3's layers
+    assert [k for k, _ in m.adopted] == [2, 2] and m.plan.layers == stage_layers(LAYERS, 4)
+    assert g.instances[0]._live == {11: "a", 12: "b"} and not g.instances[2]._live
+    assert g.groups == {0: m.plan}, g.groups
+    assert g.counters.events[-1]["event"] == "merge" and g.counters.events[-1]["direct"]
+    g = Groups(refuse=True)
+    with pytest.raises(rg.Postponed, match="not settled"):
+        await rg.merge(g, stays, joins, plan)
+    assert g.calls == [("GrowGroup", 0), ("HandOverGroup", 2)], g.calls
+    assert g.groups == {0: stays, 2: joins} and g.instances[2]._live, g.groups
+    g = Groups()
+    with pytest.raises(rg.Postponed):  # (the stand-in's restore does not fit)
+        await rg.merge(g, stays, joins, GroupPlan(group_id=3, members=(0, 1, 2, 3, 4),
+                                                  layers=stage_layers(LAYERS, 5)))
+    assert ("restore", 2) in g.calls and ("HandOverGroup", 2) not in g.calls, g.calls
