@@ -88,10 +88,10 @@ def restore_threshold(rule: str | None) -> float | None:
     return float(m.group(1)) / 100 if m else None
 
 
-def window_s(spec: str) -> float | None:
-    """The arrival window's length from a workload spec (`duration=...`)."""
-    m = re.search(r"duration=([0-9.]+)", spec)
-    return float(m.group(1)) if m else None
+def last_arrival(series: list) -> float | None:
+    """The last arrival in a run's `ttft_series` (a window at rate 0.5x spans twice its
+    duration, so the spec's `duration` is not where the arrivals end)."""
+    return max((a for a, _ in series), default=None)
 
 
 def plot(report: dict, path: Path) -> bool:
@@ -120,17 +120,21 @@ def plot(report: dict, path: Path) -> bool:
         for e in c["events"]:
             a.axvline(e["t"], color="tab:red" if e["event"] == "group" else "tab:green",
                       ls="--", lw=0.8)
-        end = window_s(report["workload"])
+        end = last_arrival(run.get("ttft_series") or [])
         if end is not None:
             a.axvline(end, color="k", ls=":", lw=0.8)
 
     xs, rates = arrivals_per_s(run.get("ttft_series") or [])
     ax[0].bar(xs, rates, width=1.0, align="edge", color="0.75", label="arrivals / s")
     ax[0].set_ylabel("arrivals / s")
+    ax[0].set_ylim(bottom=0)
+    if xs:  # from just before the first arrival (a trace window may start quiet)
+        ax[0].set_xlim(max(0.0, min(a for a, _ in run["ttft_series"]) - 5), None)
     q = ax[0].twinx()
     q.plot(ts, [s["queued_tokens"] / 1e3 for s in samples], color="k", lw=0.8,
            label="queued tokens (k)")
     q.set_ylabel("queued tokens (k)")
+    q.set_ylim(bottom=0)
     ax[0].legend(loc="upper left", fontsize=7)
     q.legend(loc="upper right", fontsize=7)
 
@@ -146,8 +150,12 @@ def plot(report: dict, path: Path) -> bool:
         ax[1].axhline(share, color="tab:green", ls=":", lw=1.2,
                       label=f"restore: {run['restore_rule']}")
     ax[1].set_ylabel("KV usage (of own pool;\na head: its group's)")
-    ax[1].set_ylim(0, max(1.05, min(2.0, max(demand, default=0) * 1.05)))
-    ax[1].legend(fontsize=7, loc="upper left")
+    top = max(demand, default=0) * 1.05
+    ax[1].set_ylim(0, max(1.05, min(2.0, top)))
+    if top > 2.0:
+        ax[1].text(0.5, 0.97, f"demand clipped at 2 (peak {top / 1.05:.2f})", ha="center",
+                   va="top", fontsize=7, transform=ax[1].transAxes)
+    ax[1].legend(fontsize=7, loc="best")
 
     heads = sorted({h for runs in segments(samples) for _, _, h, d in runs if d})
     for i, runs in enumerate(segments(samples)):
@@ -172,9 +180,9 @@ def plot(report: dict, path: Path) -> bool:
     ax[3].set_ylabel("TTFT s (by arrival)")
     ax[3].legend(fontsize=7, loc="upper left")
     ax[3].set_xlabel("seconds from the window's start (grey: layers dropped; red: group "
-                     "formed, green: restored; dotted: the arrivals end)")
+                     "formed, green: restored; dotted: the last arrival)")
     fig.suptitle(f"KunServe, {report['workload']}\n{report['instances']} x {report['profile']}"
-                 f", {c['drops']} drops / {c['restores']} restores, code {run.get('code')}",
+                 f"; drops {c['drops']}, restores {c['restores']}; code {run.get('code')}",
                  fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -50,10 +50,11 @@ def test_the_demand_shown_is_the_restore_rule_s_own_when_recorded():
     assert not own and held == [0.0, 0.75, 0.6, 0.075]  # over the first sample's 200 blocks
 
 
-def test_the_restore_threshold_and_the_window_are_read_from_their_text():
+def test_the_restore_threshold_and_the_last_arrival_are_read_from_the_run():
     assert kp.restore_threshold("kv_usage < 40% for 4s") == 0.4
     assert kp.restore_threshold(None) is None
-    assert kp.window_s("azure-conv:start=1560.0,duration=90.0,rate=1x") == 90.0
+    assert kp.last_arrival([(0.1, 1.0), (7.5, 0.2), (3.0, 9.0)]) == 7.5
+    assert kp.last_arrival([]) is None
 
 
 def _report():
