@@ -131,6 +131,8 @@ def main() -> int:
     ap.add_argument("--duration", type=float, default=120.0)
     ap.add_argument("--profile", default="llama3-8b-a100")
     ap.add_argument("--policies", default="bros,bench/bros_swap.policy")
+    ap.add_argument("--cpu-swap-blocks", type=int, default=None,
+                    help="host blocks (default: as many as the device has)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--report", type=Path, nargs="+", default=None)
     args = ap.parse_args()
@@ -144,12 +146,12 @@ def main() -> int:
         blocks, rate = int(point.split(":")[0]), float(point.split(":")[1])
         config = EngineConfig(backend="sim", profile=args.profile, num_blocks=blocks,
                               block_size=16, max_batched_tokens=2048, max_num_seqs=256,
-                              max_queued_requests=100_000)
+                              max_queued_requests=100_000, cpu_swap_blocks=args.cpu_swap_blocks)
         for seed in args.seeds.split(","):
             spec = f"rtbe:rate={rate},duration={args.duration:g},seed={seed}"
             for p in args.policies.split(","):
                 row = {"num_blocks": blocks, "rate": rate, "seed": int(seed), "spec": spec,
-                       **run(p, spec, config)}
+                       "cpu_swap_blocks": config.cpu_swap_blocks, **run(p, spec, config)}
                 out.append(row)
                 print(json.dumps(finite(row)), flush=True)
                 if args.json:  # as it goes: a long sweep keeps what it ran

@@ -124,7 +124,7 @@ class Engine:
             block_ids = await engine.backend.runner.start()
             if engine.capabilities.swap:
                 engine.swapper = await engine.backend.runner.make_swapper(
-                    cpu_swap_blocks(config, block_ids))
+                    engine._host_blocks(block_ids))
             async with anyio.create_task_group() as tg:
                 await tg.start(engine._run_actors, block_ids)
                 try:
@@ -143,6 +143,12 @@ class Engine:
                 close_runner()
         if body_error is not None:
             raise body_error
+
+    def _host_blocks(self, block_ids: range) -> int:
+        """Host KV blocks: `cpu_swap_blocks`, by default as many as the device has, twice that
+        for bidirectional blocks with preempt swap (checkpoints and whole requests, half each)."""
+        twice = self.capabilities.bidirectional_swap and self.config.cpu_swap_blocks is None
+        return cpu_swap_blocks(self.config, block_ids) * (2 if twice else 1)
 
     async def _run_actors(self, block_ids: range, *,
                           task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
@@ -167,7 +173,7 @@ class Engine:
         # BROS §5: with bidirectional blocks the scheduler's table places KV slot by slot and
         # keeps its lazy checkpoints in the host swap space, which host copies then do not use;
         # a policy that preempts by swap gets half of it for whole requests (slot_swap.py)
-        host = cpu_swap_blocks(c, block_ids) if swapping else 0
+        host = self._host_blocks(block_ids) if swapping else 0
         whole = host // 2 if self.capabilities.bidirectional_swap else 0
         bidi = (BidirectionalMemory(block_ids, c.block_size, (host - whole) * c.block_size,
                                     range(host - whole, host) if whole else None)

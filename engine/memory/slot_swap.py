@@ -143,11 +143,14 @@ class SlotSwaps:
                 whole += [(b * bs + o, h * bs + o) for o in range(bs)]
                 continue
             s.masked.add(j)  # shared: exactly its live slots, at their offsets
-            for pos in range(j * bs, min(s.tokens, (j + 1) * bs)):
-                if pos not in s.host:
-                    o = physical_slot(s.table[j], pos % bs, bs) - b * bs
-                    masked.append((b * bs + o, h * bs + o))
+            masked += sorted((b * bs + o, h * bs + o) for o in self._live_offsets(s, j))
         return whole + masked
+
+    def _live_offsets(self, s: Seq, j: int) -> list[int]:
+        """Offsets in its block of the positions of logical block j the request holds live."""
+        bs = self.block_size
+        return [physical_slot(s.table[j], pos % bs, bs) % bs
+                for pos in range(j * bs, min(s.tokens, (j + 1) * bs)) if pos not in s.host]
 
     def can_swap_in(self, rid: int) -> bool:
         s = self._seqs[rid]
@@ -183,10 +186,7 @@ class SlotSwaps:
                 if j not in s.masked:
                     into += [(h * bs + o, b * bs + o) for o in range(bs)]
                     continue
-                for pos in range(j * bs, j * bs + fill):
-                    if pos not in s.host:
-                        o = physical_slot(s.table[j], pos % bs, bs) - b * bs
-                        into.append((h * bs + o, b * bs + o))
+                into += sorted((h * bs + o, b * bs + o) for o in self._live_offsets(s, j))
         for pos in sorted(s.host):  # checkpoints (all of it without a copy space)
             host = s.host.pop(pos)
             into.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))

@@ -63,11 +63,11 @@ def made_tables() -> Iterator[list[BidirectionalMemory]]:
         BidirectionalMemory.__init__ = init
 
 
-async def serve(model_dir, *, plant_bug: bool = False, seed: int = 0):
+async def serve(model_dir, *, plant_bug: bool = False, seed: int = 0, policy_text: str = POLICY):
     rng = random.Random(seed)
     config = EngineConfig(model=model_dir, num_blocks=8, block_size=8, max_batched_tokens=64,
                           max_num_seqs=16, cpu_swap_blocks=40, record_iterations=True)
-    policy = compile_policy(POLICY, base_dir=policy_dir())
+    policy = compile_policy(policy_text, base_dir=policy_dir())
     be = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([21, 30, 40]))] for _ in range(BE)]
     rt = [[rng.randrange(2, VOCAB) for _ in range(rng.choice([3, 9, 17]))]
           for _ in range(3 * BE)]
