@@ -94,9 +94,12 @@ class MergeStage(GroupStage):
                   if a.parts and a.old_request_id in old.seqs and a.kv_tokens}
         transfers = start_transfers(start, self.block_size)
 
+        read: dict[int, torch.Tensor] = {}  # request -> its blocks' KV of every layer held
+
         def held(rid: int, blocks: int, layers: range) -> torch.Tensor:
-            table = old.seqs[handed[rid].old_request_id].table[:blocks]
-            return old.read_layers(table)[:, layers.start - was.start:layers.stop - was.start]
+            if rid not in read:
+                read[rid] = old.read_layers(old.seqs[handed[rid].old_request_id].table[:blocks])
+            return read[rid][:, layers.start - was.start:layers.stop - was.start]
 
         plane.queue.fifo = start.kv_exchange == "fifo"
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
@@ -107,6 +110,7 @@ class MergeStage(GroupStage):
                       for rid, a in handed.items() if len(stay)}
         """Each adopted request's KV of the layers this member keeps, until its first step."""
         self.merged.kv_kept = sum(x.numel() * x.element_size() for _, x in self._kept.values())
+        read.clear()
         self.drop, self.merged.weights_restored, self.merged.weights_saved = redrop_layers(
             model, self.keep)
         self.map = BlockMap(self.drop.view, start.group)
