@@ -17,7 +17,11 @@ channel of a group that is gone, nothing is ever sent or received again.
 Every instance holds a TCP connection to every other one (`Watch`, made as the world is joined,
 never written to): a process that ends, killed included, has its kernel close them, so the
 members opening a group's channel learn at once that one of them is gone and give the group up,
-instead of waiting `channel_open_s` for it.
+instead of waiting `channel_open_s` for it. A host that goes down without closing them is found
+by the front door's heartbeat, which tells the others (`peer_lost`). Nothing already posted
+waits on a member the watch knows gone: a channel's process group is broken then (`Held`: its
+sends and receives end at once, at the other members too), and a control message's wait on the
+world ends while its operation stays posted, matching nothing (`_wait`, `Waiter`).
 
 Tags keep the traffic apart: activations use gpu.pipeline_stage's step/microbatch tags (below
 2**28), KV chunks count up from 2**28 per (source, destination), control from 2**29.
@@ -25,6 +29,7 @@ Tags keep the traffic apart: activations use gpu.pipeline_stage's step/microbatc
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 import os
@@ -40,7 +45,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from gpu.plane_links import Held, Watch
+from gpu.plane_links import BREAK_WAIT, Broken, Held, Waiter, Watch
 from gpu.transfer import Sender, TransferQueue
 
 FAULT_ENV = "SHUNTER_TEST_FAULT"
@@ -57,6 +62,8 @@ KV_TAG = 1 << 28
 CONTROL_TAG = 1 << 29
 REPLY_TAG = CONTROL_TAG + 4
 WEIGHTS_TAG = CONTROL_TAG + 8
+BREAK_TAG = CONTROL_TAG + 12
+"""A channel's receive that nothing ever matches, posted to break its process group (`Held`)."""
 
 
 class GroupMemberLost(RuntimeError):
@@ -90,15 +97,20 @@ class DataPlane:
     """The world's process group (control messages)."""
     watch: Watch | None = None
     """Which other instances of the world are gone (None: not watched)."""
+    waiter: Waiter = attrs.Factory(Waiter)
+    """Waits for the world's control messages while the caller watches (`_wait`)."""
 
     def lost(self, ranks: Sequence[int]) -> list[int]:
         """Those of `ranks` whose process is known to be gone."""
         return [] if self.watch is None else self.watch.lost(ranks)
 
+    def why(self, rank: int) -> str:
+        """How the watch knows `rank` is gone."""
+        return "its process is gone" if self.watch is None else self.watch.why(rank)
+
     def lost_error(self, rank: int, what: str) -> GroupMemberLost:
         """The error for member `rank`, which the watch knows is gone, lost while `what`."""
-        why = "its process is gone" if self.watch is None else self.watch.why(rank)
-        return GroupMemberLost(rank, what, RuntimeError(why))
+        return GroupMemberLost(rank, what, RuntimeError(self.why(rank)))
 
 
 Receiver = Callable[[torch.Tensor, int, int], None]
@@ -124,20 +136,24 @@ class Channel:
     def recv_tensor(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
         try:
             self._recv(t, src, tag)
+        except Broken as exc:  # the group broke: a member known lost, or it was closed
+            raise _member_lost(exc, src, what) from exc
+        except GroupMemberLost:
+            raise
         except RuntimeError as exc:
             raise GroupMemberLost(src, what, exc) from exc
 
     def close(self, *, broken: bool = False) -> None:
         """The group is over. `broken`: it ended without its last transfers (a member was
-        lost): a sending thread blocked for good is not waited for, and the process group is
-        aborted and let go (`Held.release`); what it left posted can never match anything
-        again."""
-        self.queue.close(timeout=0.0 if broken else 5.0)
-        if broken and self._pg is not None:
-            self._pg.abort()
-        self._pg = None
+        lost): its process group is broken and let go (`Held.release`), so every send or
+        receive still waiting in it ends at once, here and at the other members; what it left
+        posted can never match anything again."""
         if broken and self.held is not None:
-            self.held.release()
+            self.held.release()  # its sends waiting in gloo end now: their threads can stop
+        self.queue.close(timeout=0.0 if broken else 5.0)
+        self._pg = None
+        if self.held is not None:
+            self.held.finish()
 
 
 _plane: DataPlane | None = None
@@ -173,18 +189,35 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
 
     wait = datetime.timedelta(seconds=plane.timeout_s)  # the group was made with the shorter
 
-    held = Held(pg, f"the group {ranks}'s channel")
+    others = [r for r in ranks if r != plane.rank]
+
+    def lost() -> tuple[int, str] | None:
+        gone = plane.lost(others)
+        return (gone[0], plane.why(gone[0])) if gone else None
+
+    poke_at = member(others[0])
+    held = Held(pg, f"the group {ranks}'s channel", lost=lost, poll_s=WATCH_POLL_S,
+                poke=lambda g: g.recv([torch.zeros(1)], poke_at, BREAK_TAG))
 
     def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
-        held.run(lambda g: g.send([tensor], member(dst), tag), wait)
+        try:
+            held.run(lambda g: g.send([tensor], member(dst), tag), wait)
+        except Broken as exc:
+            raise _member_lost(exc, dst, f"a tensor was being sent to instance {dst}") from exc
 
     def recv(tensor: torch.Tensor, src: int, tag: int) -> None:
-        held.run(lambda g: g.recv([tensor], member(src), tag), wait)
+        held.run(lambda g: g.recv([tensor], member(src), tag), wait)  # Broken: recv_tensor
 
     channel = Channel(ranks, plane.rank, send, recv, pg)
     channel.held = held
     del pg
     return channel
+
+
+def _member_lost(exc: Broken, peer: int, what: str) -> GroupMemberLost:
+    """A channel's send or receive ended because its group broke: the member known lost, else
+    the peer it was with."""
+    return GroupMemberLost(peer if exc.rank < 0 else exc.rank, what, RuntimeError(exc.why))
 
 
 def fault_point(point: str, rank: int) -> None:
@@ -299,8 +332,9 @@ def leave_data_plane() -> None:
 
 def peer_lost(rank: int) -> bool:
     """The front door declared instance `rank` lost (silent): a channel being opened with it,
-    and every message to or from it, fail at once from now on (a send or receive already
-    waiting in gloo still waits its timeout). False when this instance is not in a world."""
+    every message to or from it, and what already waits on it (a group's channel with it is
+    broken; a control message's wait ends) fail at once from now on. False when this instance
+    is not in a world."""
     if _plane is None or _plane.watch is None:
         return False
     _plane.watch.mark_lost(rank)
@@ -308,28 +342,44 @@ def peer_lost(rank: int) -> bool:
 
 
 def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
-    """Send one pickled message (its length first) to rank `dst` (at once GroupMemberLost
-    when the watch knows it gone: a gloo send to a dead peer can wait out the whole timeout)."""
+    """Send one pickled message (its length first) to rank `dst`: GroupMemberLost at once when
+    the watch knows it gone, and as soon as it does while the send waits (`_wait`)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                             dtype=torch.uint8)
     world = _live_world(dst, what)
-    try:
-        world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag).wait()
-        world.send([data], dst, tag + 1).wait()
-    except RuntimeError as exc:
-        raise GroupMemberLost(dst, what, exc) from exc
+    _wait(world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag), dst, what)
+    _wait(world.send([data], dst, tag + 1), dst, what)
 
 
 def recv_obj(src: int, tag: int, what: str) -> Any:
     size = torch.empty(1, dtype=torch.int64)
     world = _live_world(src, what)
-    try:
-        world.recv([size], src, tag).wait()
-        data = torch.empty(int(size), dtype=torch.uint8)
-        world.recv([data], src, tag + 1).wait()
-    except RuntimeError as exc:
-        raise GroupMemberLost(src, what, exc) from exc
+    _wait(world.recv([size], src, tag), src, what)
+    data = torch.empty(int(size), dtype=torch.uint8)
+    _wait(world.recv([data], src, tag + 1), src, what)
     return pickle.loads(data.numpy().tobytes())
+
+
+def _wait(work: Any, peer: int, what: str) -> None:
+    """Wait for a control message's posted send or receive with `peer`, looking at the watch
+    every `WATCH_POLL_S`: a peer known lost (its process gone, or found silent by the front
+    door) ends the wait at once; the operation stays posted and matches nothing (`Waiter`).
+    After the plane's `timeout_s` with the peer not known lost, the world's connections at
+    this instance are closed, as gloo's own timeout does."""
+    plane = data_plane()
+    outcome = "done"
+    try:
+        outcome = plane.waiter.wait(work, lambda: bool(plane.lost([peer])), plane.timeout_s,
+                                    WATCH_POLL_S)
+    except RuntimeError as exc:
+        raise GroupMemberLost(peer, what, exc) from exc
+    if outcome == "lost":
+        raise plane.lost_error(peer, what)
+    if outcome == "timeout":
+        with contextlib.suppress(RuntimeError):
+            plane.world.recv([torch.zeros(1)], peer, BREAK_TAG).wait(BREAK_WAIT)
+        raise GroupMemberLost(peer, what, TimeoutError(
+            f"no answer in {plane.timeout_s:.0f} s (the world's connections were closed)"))
 
 
 def _live_world(peer: int, what: str) -> Any:

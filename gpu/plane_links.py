@@ -1,12 +1,15 @@
 """Two parts of the data plane's links (gpu/data_plane.py): `Watch`, which tells whether the
 other instances of the world still run, and `Held`, through which a group's channel reaches its
-process group, so that a broken group's process group can be let go."""
+process group, so that what waits in a broken group's process group ends at once and the
+process group is let go."""
 
 from __future__ import annotations
 
 import datetime
+import queue
 import socket
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,41 +79,123 @@ class Watch:
             conn.close()
 
 
-class Held:
-    """A group's process group as its channel's sends and receives reach it. `release` (the
-    group broke) lets it go as soon as no send or receive of this process waits in it: once
-    nothing holds it, gloo closes its connections, and what a peer still waits for on them ends
-    at once ("Connection closed by peer") instead of after gloo's timeout. While one of ours
-    waits in it (for a peer that will not send), it is let go when that wait ends (the timeout):
-    a waiting operation keeps gloo's side alive anyway (let go under one, in a two-process
-    check, neither end's wait ended before the timeout)."""
+class Broken(RuntimeError):
+    """A group's channel was broken on purpose (`Held`): member `rank` is known lost (-1: the
+    group ended without a loss named), `why` says how it was found."""
 
-    def __init__(self, pg: Any, what: str) -> None:
+    def __init__(self, rank: int, why: str) -> None:
+        super().__init__(why)
+        self.rank, self.why = rank, why
+
+
+Lost = Callable[[], "tuple[int, str] | None"]
+"""(rank, why) of a member of the group known lost, or None."""
+Poke = Callable[[Any], Any]
+"""Posts, on the process group, a receive nothing will ever match (see `Held`)."""
+
+BREAK_WAIT = datetime.timedelta(milliseconds=1)
+
+
+class Held:
+    """A group's process group as its channel's sends and receives reach it.
+
+    gloo cannot cancel one posted send or receive (torch 2.13: `Work` has no `abort`, gloo's
+    `ProcessGroup.abort`/`shutdown` do nothing, `is_completed` stays False until `wait`), but an
+    operation whose wait times out closes every connection of its process group at once, and
+    with them every other operation posted in it, here ("Application timeout caused pair
+    closure") and at the peers ("Connection closed by peer"). `Held` breaks the group's process
+    group that way (`_break`: a receive nothing matches, waited 1 ms) when the group is over:
+    - a member is known lost (`lost`, the data plane's watch: its process gone, or the front
+      door found it silent): a thread of this `Held` looks at the watch every `poll_s` while a
+      send or receive waits, so nothing waits on a lost member beyond the watch's knowing it
+      (gloo's own timeout was 60 s); what waited ends with `Broken` naming the member;
+    - the group broke (`release`) while one of ours still waits: it ends at once, and so does
+      what the peers still wait for on it.
+    Once broken, every later send or receive fails at once (`Broken`), and the process group is
+    let go as soon as no wait of ours is left in it."""
+
+    def __init__(self, pg: Any, what: str, *, lost: Lost | None = None,
+                 poke: Poke | None = None, poll_s: float = 0.02) -> None:
         self._pg, self._what = pg, what
+        self._lost, self._poke, self._poll_s = lost, poke, poll_s
         self._busy = 0
         self._released = False
-        self._lock = threading.Lock()
+        self._broken: Broken | None = None
+        self._over = False
+        self._cond = threading.Condition()
+        self.breaks = 0
+        """Times this process group was broken with operations still waiting in it."""
+        if lost is not None and poke is not None:
+            threading.Thread(target=self._watch, daemon=True, name="group-channel-watch").start()
 
     def run(self, op: Callable[[Any], Any], wait: datetime.timedelta) -> None:
-        """`op(pg)` posts one send or receive; wait for it."""
-        with self._lock:
+        """`op(pg)` posts one send or receive; wait for it (`Broken` once the group is over)."""
+        with self._cond:
+            if self._broken is None and self._lost is not None and (gone := self._lost()):
+                self._broken = Broken(*gone)
+            if self._broken is not None:
+                raise Broken(self._broken.rank, self._broken.why)
             if self._pg is None:
                 raise RuntimeError(f"{self._what} was closed (the group broke)")
             work = op(self._pg)  # (one that raises, naming no member, holds nothing)
             self._busy += 1
+            self._cond.notify_all()
         try:
             work.wait(wait)
+        except RuntimeError as exc:
+            if self._broken is not None:  # broken on purpose: say why, not gloo's words
+                raise Broken(self._broken.rank, self._broken.why) from exc
+            raise
         finally:
             del work
-            with self._lock:
+            with self._cond:
                 self._busy -= 1
                 pg = self._let_go()
             del pg  # (outside the lock: its end may take a moment)
 
     def release(self) -> None:
-        with self._lock:
+        """The group broke: what still waits in it ends now (at the peers too)."""
+        with self._cond:
             self._released = True
+            waiting = self._busy > 0
             pg = self._let_go()
+        del pg
+        if waiting:
+            self._break(Broken(-1, f"{self._what} was closed (the group broke)"))
+        self.finish()
+
+    def finish(self) -> None:
+        """No more watching (the group ended, broken or not)."""
+        with self._cond:
+            self._over = True
+            self._cond.notify_all()
+
+    def _watch(self) -> None:
+        while True:
+            with self._cond:
+                while not self._over and self._broken is None and not self._busy:
+                    self._cond.wait()
+                if self._over or self._broken is not None:
+                    return
+                self._cond.wait(self._poll_s)
+                gone = self._lost() if self._busy else None
+            if gone:
+                self._break(Broken(*gone))
+                return
+
+    def _break(self, why: Broken) -> None:
+        with self._cond:
+            if self._broken is None:
+                self._broken = why
+            self._released = True  # let go once the waits it ends are out
+            poke = bool(self._busy) and self._poke is not None and self._pg is not None
+            pg = self._pg if poke else self._let_go()
+            self.breaks += poke
+        if poke:
+            try:
+                self._poke(pg).wait(BREAK_WAIT)
+            except RuntimeError:
+                pass  # the timeout that closed the process group's connections
         del pg
 
     def _let_go(self) -> Any:
@@ -118,3 +203,61 @@ class Held:
             return None
         pg, self._pg = self._pg, None
         return pg
+
+
+FOREVER = datetime.timedelta(days=365)
+
+
+class Waiter:
+    """Waits for posted gloo operations (the world's control messages) on threads of its own, so
+    their caller can wait in slices and look at the watch between them. An operation whose peer
+    is known lost is left waiting (gloo cannot cancel it; its thread stays parked, counted in
+    `left`): a lost instance never sends again, so it matches nothing. Its thread waits with no
+    gloo timeout, because a gloo timeout closes every connection of the world at this instance
+    (and with them every later control message); the caller's own limit breaks the world only
+    where gloo's would have (a live peer silent for the whole limit)."""
+
+    def __init__(self) -> None:
+        self._idle: list[queue.SimpleQueue] = []
+        self._lock = threading.Lock()
+        self.threads = 0
+        self.left = 0
+        """Operations left waiting on a peer known lost."""
+
+    def wait(self, work: Any, lost: Callable[[], bool], limit_s: float, poll_s: float) -> str:
+        """"done" (raises what the wait raised), "lost" (the peer is known lost; the operation
+        stays posted) or "timeout" (`limit_s` passed; still posted)."""
+        box: list[BaseException] = []
+        done = threading.Event()
+        with self._lock:
+            jobs = self._idle.pop() if self._idle else None
+            if jobs is None:
+                self.threads += 1
+        if jobs is None:
+            jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(jobs,), daemon=True,
+                             name="data-plane-wait").start()
+        jobs.put((work, box, done))
+        until = time.monotonic() + limit_s
+        while not done.wait(poll_s):
+            if lost():
+                with self._lock:
+                    self.left += 1
+                return "lost"
+            if time.monotonic() >= until:
+                return "timeout"
+        if box:
+            raise box[0]
+        return "done"
+
+    def _serve(self, jobs: queue.SimpleQueue) -> None:
+        while True:
+            work, box, done = jobs.get()
+            try:
+                work.wait(FOREVER)
+            except BaseException as exc:  # noqa: BLE001 (raised by the waiting caller)
+                box.append(exc)
+            del work
+            done.set()
+            with self._lock:
+                self._idle.append(jobs)
