@@ -9,6 +9,13 @@ instance lost and treats it as a dead one (shunter/cluster/handles.py): streamed
 with an error naming the instance and that it went silent, unstreamed ones are dispatched
 again, its groups are handled as a lost head's or member's, and its process is killed where the
 front door can reach it (so an instance that comes back cannot serve twice).
+
+The other way (`Liveness.front_door_silent_after_s`, off by default): the pings carry that bound
+(`TimedPing`), and the instance counts its front door silent once nothing at all was heard from
+it for that long (`FrontDoorWatch`): its host cut off or down, or its process stopped. The
+instance then ends what it holds as when its link closes (shunter/cluster/instance.py): every request cancelled
+(its blocks freed), the process ended, so a group it leads or serves in loses it at once (the
+data plane's watch sees its connections close) and the others serve alone.
 """
 
 from __future__ import annotations
@@ -19,6 +26,15 @@ import anyio
 import attrs
 
 from engine.errors import ConfigError
+from shunter.cluster.wire import Ping
+
+
+@attrs.frozen(kw_only=True)
+class TimedPing(Ping):
+    """A `Ping` that carries `Liveness.front_door_silent_after_s` to the instance
+    (`FrontDoorWatch`): it counts its front door silent once nothing was heard for that long."""
+
+    silent_after_s: float | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -31,14 +47,22 @@ class Liveness:
     """Lost once nothing was heard for this long (`None`: never; only a closed link or a dead
     process is found). The default holds a wide margin over what a live instance under load
     was measured to take (README, "Cluster")."""
+    front_door_silent_after_s: float | None = None
+    """Each instance ends what it holds once nothing was heard from the front door for this long
+    (its pings carry it: `TimedPing`); None: never. Off by default: an instance cannot tell a
+    front door that is gone from one whose own loop is blocked (a test computing references
+    synchronously inside a running cluster blocks it for seconds), so the value must exceed the
+    longest such stall."""
 
     def __attrs_post_init__(self) -> None:
         if not self.interval_s > 0:
             raise ConfigError(f"Liveness.interval_s must be > 0, got {self.interval_s}")
-        if self.silent_after_s is not None and not self.silent_after_s > 2 * self.interval_s:
-            raise ConfigError(
-                f"Liveness.silent_after_s ({self.silent_after_s}) must be more than twice "
-                f"interval_s ({self.interval_s}), else one late answer would lose the instance")
+        for name in ("silent_after_s", "front_door_silent_after_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 2 * self.interval_s:
+                raise ConfigError(
+                    f"Liveness.{name} ({value}) must be more than twice interval_s "
+                    f"({self.interval_s}), else one late message would end a live peer")
 
 
 class Heartbeat:
@@ -102,6 +126,10 @@ class Heartbeat:
                         f"to pings every {live.interval_s} s; its host may be cut off or down)")
                     return
 
+    def ping_message(self, seq: int) -> TimedPing:
+        """The ping to send: it tells the instance this side's bound."""
+        return TimedPing(seq=seq, silent_after_s=self.liveness.front_door_silent_after_s)
+
     async def _send_ping(self) -> None:
         self._pinging = True
         self.pings += 1
@@ -113,3 +141,38 @@ class Heartbeat:
             await self._ping(self.pings)
         finally:
             self._pinging = False
+
+
+class FrontDoorWatch:
+    """The instance's watch on its front door: `heard` on every message from it. Armed by the
+    first `TimedPing` that carries a bound (a front door that sends none is never judged), it
+    calls `on_silent` once, with the reason, when nothing was heard for that bound. A second
+    look a moment later lets this instance's reader take what already arrived, so an instance
+    whose own loop was stalled does not blame its front door for messages it did not read."""
+
+    def __init__(self) -> None:
+        self.bound_s: float | None = None
+        self._heard: float | None = None
+
+    def heard(self, msg: object) -> None:
+        self._heard = anyio.current_time()
+        if isinstance(msg, TimedPing):
+            self.bound_s = msg.silent_after_s
+
+    def silent_s(self) -> float:
+        return 0.0 if self._heard is None else anyio.current_time() - self._heard
+
+    async def run(self, on_silent: Callable[[str], Awaitable[None]]) -> None:
+        while True:
+            bound = self.bound_s
+            await anyio.sleep(0.25 if bound is None else min(0.25, bound / 4))
+            if bound is None or self.silent_s() < bound:
+                continue
+            await anyio.sleep(0.05)
+            silent = self.silent_s()
+            if self.bound_s is not None and silent >= self.bound_s:
+                await on_silent(
+                    f"the front door went silent: nothing heard from it for {silent:.1f} s "
+                    f"(its pings stopped; the bound it sent is {self.bound_s} s); "
+                    f"its host may be cut off or down")
+                return

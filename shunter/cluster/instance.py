@@ -1,6 +1,9 @@
 """The instance side: one Engine in its own process, serving the front door over one control
-link (shunter/cluster/wire.py). The process ends when the link closes: an instance never
-outlives the cluster that started it."""
+link (shunter/cluster/wire.py). The process ends when the link closes, or when the front door
+went silent without closing it (no message for the bound its pings carry,
+shunter/cluster/heartbeat.py `FrontDoorWatch`): an instance never outlives the cluster that
+started it. Either way every request it holds is cancelled (its blocks freed) and the process
+ends, so a group it leads or serves in finds it gone at once (gpu/data_plane.py `Watch`)."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections.abc import Callable
 
 import anyio
 import attrs
+import structlog
 from anyio.abc import SocketAttribute
 
 from engine.config import EngineConfig
@@ -20,6 +24,7 @@ from engine.errors import EngineDeadError, PolicyError
 from engine.messages import AbortRequest, Submit
 from engine.outputs import Admitted, GenerationChunk, Rejected
 from shunter.cluster.group_wire import GroupCommand
+from shunter.cluster.heartbeat import FrontDoorWatch
 from shunter.cluster.instance_groups import InstanceGroups
 from shunter.cluster.wire import (
     AskSnapshot,
@@ -41,6 +46,8 @@ from shunter.cluster.wire import (
     summarize,
 )
 from shunter.engine import Engine
+
+log = structlog.get_logger(actor="instance")
 
 
 def instance_process(config: EngineConfig, host: str, conn, async_backend: str,
@@ -100,6 +107,9 @@ class InstanceServer:
         (KunServe; shunter/cluster/instance_groups.py), the event set once they have."""
         self._tg: anyio.abc.TaskGroup | None = None
         self.groups = InstanceGroups(engine, self)
+        self.front_door = FrontDoorWatch()
+        self.silent: str | None = None
+        """Why this instance stopped serving a front door that went silent."""
 
     async def send(self, msg) -> None:
         """To the front door. A link that has gone takes nothing: the reader sees it end and
@@ -145,12 +155,14 @@ class InstanceServer:
                                     policy_source=self._engine.policy.source))
         async with anyio.create_task_group() as tg:
             self._tg = tg
+            tg.start_soon(self.front_door.run, self._front_door_silent)
             while True:
                 try:
                     msg = await self._link.receive()
                 except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
                         anyio.ClosedResourceError, OSError):
                     break
+                self.front_door.heard(msg)
                 match msg:
                     case Ping(seq=seq):  # here, not on the device thread: a long step
                         await self.send(Pong(seq=seq))  # does not delay it
@@ -178,9 +190,18 @@ class InstanceServer:
             tg.cancel_scope.cancel()
         for request_id in self._ids.values():  # nobody hears them now: free their blocks at once
             self._engine._cancel_nowait(request_id)
+        if self.silent is not None:
+            log.warning("front door silent: this instance ends", reason=self.silent,
+                        cancelled=sorted(self._ids.values()))
         with contextlib.suppress(Exception):
             await self._link.aclose()
         return detached
+
+    async def _front_door_silent(self, reason: str) -> None:
+        """Stop serving as when the link closes (the reader sees it closed), and say why."""
+        self.silent = reason
+        with contextlib.suppress(Exception):
+            await self._link.aclose()
 
     async def _serve(self, msg: SubmitRequest) -> None:
         send, recv = anyio.create_memory_object_stream(math.inf)

@@ -1,6 +1,7 @@
-"""`--instances N [--pipeline-stages K] [--cluster local|ray] [--silent-after S]`: the commands that serve
-(generate, demo, serve) start one engine, a pipeline of K stage processes, or a cluster of N
-instances behind the coordinator, through `start_engine`."""
+"""`--instances N [--pipeline-stages K] [--cluster local|ray] [--silent-after S]
+[--front-door-silent-after S]`: the commands that serve (generate, demo, serve) start one
+engine, a pipeline of K stage processes, or a cluster of N instances behind the coordinator,
+through `start_engine`."""
 
 from __future__ import annotations
 
@@ -34,6 +35,11 @@ def add_cluster_options(p: argparse.ArgumentParser) -> None:
                    help="instance processes: one that answers no ping (every 0.25 s) for this "
                         "long is lost, as if it had died: its host cut off or its process "
                         "stopped (default 5; 0: never, only a closed link or a dead process)")
+    g.add_argument("--front-door-silent-after", type=silent_after, default=None,
+                   metavar="SECONDS",
+                   help="instance processes: each ends what it holds (its requests cancelled, "
+                        "its process ended) once it heard nothing from the front door for "
+                        "this long: the front door's host cut off or down (default 0: never)")
 
 
 def silent_after(text: str) -> float:
@@ -52,13 +58,16 @@ def silent_after(text: str) -> float:
 
 
 def liveness(args: argparse.Namespace | None) -> Any:
-    """The `Liveness` `--silent-after` asks for (None: the cluster's default)."""
+    """The `Liveness` `--silent-after` and `--front-door-silent-after` ask for (None: the
+    cluster's default)."""
     seconds = getattr(args, "silent_after", None)
-    if seconds is None:
+    front = getattr(args, "front_door_silent_after", None)
+    if seconds is None and front is None:
         return None
     from shunter.cluster.heartbeat import Liveness
 
-    return Liveness(silent_after_s=seconds or None)
+    kw = {} if seconds is None else {"silent_after_s": seconds or None}
+    return Liveness(**kw, front_door_silent_after_s=front or None)
 
 
 def cluster_fields(args: argparse.Namespace) -> dict[str, Any]:

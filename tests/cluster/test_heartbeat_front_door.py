@@ -1,0 +1,130 @@
+"""An instance whose front door goes silent (its host cut off or down, its process stopped: the
+link neither carries anything nor closes) ends what it holds: the front door's pings carry the
+bound (`TimedPing`, from `Liveness.front_door_silent_after_s`), and once nothing was heard for
+that long the instance cancels its requests, logs why, and its process ends
+(shunter/cluster/heartbeat.py `FrontDoorWatch`).
+
+A real instance process, and a stand-in front door over a real control link that pings, sends
+one long request, then stops pinging while it keeps the link open and reads. Pinged for three
+times the bound first, the instance serves on. Planted bug, run by hand (quoted in the s27 report):
+the instance not arming on the ping's bound (`heard` ignoring `TimedPing`) fails the bound:
+"the instance kept the link 31.5 s after the pings stopped"."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import attrs
+import pytest
+
+import shunter
+from engine.params import SchedulingParams
+from shunter.cluster.heartbeat import TimedPing
+from shunter.cluster.launch import LocalLauncher
+from shunter.cluster.wire import Hello, Link, Output, SubmitRequest
+
+BOUND_S = 1.5
+MARGIN_S = 30.0
+
+
+def _streamed(outputs) -> int:
+    return sum(len(getattr(o.output, "token_ids", ())) for o in outputs if isinstance(o, Output))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except OSError:
+        return False
+
+
+@pytest.mark.anyio
+async def test_an_instance_whose_front_door_goes_silent_cancels_and_ends(
+        anyio_backend, kunserve_config, capfd):
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance process is the expensive part")
+    config = attrs.evolve(kunserve_config, num_blocks=600, policy=None)  # a long request fits
+    launcher = LocalLauncher("asyncio")
+    up = await anyio.to_thread.run_sync(launcher.start_process, 0, config)
+    try:
+        link = Link(await anyio.connect_tcp(up.host, up.port))
+        assert isinstance(await link.receive(), Hello)
+        outputs: list = []
+        ended = anyio.Event()
+
+        async def read() -> None:
+            try:
+                while True:
+                    outputs.append(await link.receive())
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError,
+                    anyio.ClosedResourceError, OSError):
+                ended.set()
+
+        pinging = True
+
+        async def ping() -> None:
+            seq = 0
+            while pinging:
+                seq += 1
+                await link.send(TimedPing(seq=seq, silent_after_s=BOUND_S))
+                await anyio.sleep(0.1)
+
+        with anyio.fail_after(180):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(read)
+                tg.start_soon(ping)
+                began = anyio.current_time()
+                while anyio.current_time() - began < 3 * BOUND_S:  # pinged: it serves on
+                    await anyio.sleep(0.1)
+                assert not ended.is_set(), "the instance stopped while its front door pinged"
+                await link.send(SubmitRequest(
+                    key=1, prompt=None, prompt_ids=tuple(range(3, 11)),
+                    sampling=shunter.SamplingParams(max_tokens=1500, temperature=0),
+                    scheduling=SchedulingParams()))
+                while not _streamed(outputs):
+                    await anyio.sleep(0.005)
+                pinging = False  # silent from now on; the link stays open
+                silent_at = anyio.current_time()
+                with anyio.move_on_after(BOUND_S + MARGIN_S):
+                    await ended.wait()
+                took = anyio.current_time() - silent_at
+                tg.cancel_scope.cancel()
+        assert ended.is_set(), f"the instance kept the link {took:.1f} s after the pings stopped"
+        assert took < BOUND_S + MARGIN_S
+        deadline = time.monotonic() + 60
+        while _alive(up.pid) and time.monotonic() < deadline:
+            await anyio.sleep(0.1)
+        assert not _alive(up.pid), "the instance process did not end"
+        err = capfd.readouterr().err
+        assert "front door silent: this instance ends" in err and \
+            "the front door went silent: nothing heard from it for" in err, err[-2000:]
+        finished = [o.output for o in outputs if isinstance(o, Output)
+                    and getattr(o.output, "finish_reason", None) is not None]
+        # 1,500 tokens take longer than the bound here; a machine fast enough to finish them
+        # first has nothing to cancel (both are checked: the log lists what was cancelled)
+        assert ("cancelled=[]" in err) == bool(finished), (finished, err[-2000:])
+        print(f"\nstreamed {_streamed(outputs)} tokens ({'finished' if finished else 'cancelled'}"
+              f"); the instance closed the link {took:.2f} s after the last ping (bound "
+              f"{BOUND_S} s)")
+    finally:
+        if _alive(up.pid):
+            os.kill(up.pid, 9)
+        launcher.shutdown(timeout_s=5)
+
+
+def test_the_front_door_bound_is_off_by_default_and_checked():
+    from engine.errors import ConfigError
+    from shunter.cluster.heartbeat import Heartbeat, Liveness
+
+    def beat(liveness: Liveness) -> Heartbeat:
+        return Heartbeat(0, liveness, ping=None, on_silent=None)
+
+    assert beat(Liveness()).ping_message(4) == TimedPing(seq=4, silent_after_s=None)  # never
+    assert beat(Liveness(front_door_silent_after_s=12.0)).ping_message(5) == TimedPing(
+        seq=5, silent_after_s=12.0)
+    with pytest.raises(ConfigError, match=r"Liveness.front_door_silent_after_s \(0.4\) must be "
+                                          r"more than twice interval_s \(0.25\)"):
+        Liveness(front_door_silent_after_s=0.4)
