@@ -128,8 +128,6 @@ def plot(report: dict, path: Path) -> bool:
     ax[0].bar(xs, rates, width=1.0, align="edge", color="0.75", label="arrivals / s")
     ax[0].set_ylabel("arrivals / s")
     ax[0].set_ylim(bottom=0)
-    if xs:  # from just before the first arrival (a trace window may start quiet)
-        ax[0].set_xlim(max(0.0, min(a for a, _ in run["ttft_series"]) - 5), None)
     q = ax[0].twinx()
     q.plot(ts, [s["queued_tokens"] / 1e3 for s in samples], color="k", lw=0.8,
            label="queued tokens (k)")
@@ -177,6 +175,9 @@ def plot(report: dict, path: Path) -> bool:
             ax[3].scatter([a for a, _ in series], [t for _, t in series], s=3, color=color,
                           label=f"{label} (P99 {r['ttft_p99_s']:.2f} s)")
     ax[3].set_yscale("log")
+    # from just before the first arrival (a trace window may start quiet) to the last sample
+    first = min((a for a, _ in run.get("ttft_series") or []), default=ts[0])
+    ax[3].set_xlim(max(0.0, first - 5), max(ts[-1], xs[-1] + 1 if xs else ts[-1]) + 1)
     ax[3].set_ylabel("TTFT s (by arrival)")
     ax[3].legend(fontsize=7, loc="upper left")
     ax[3].set_xlabel("seconds from the window's start (grey: layers dropped; red: group "
