@@ -78,7 +78,8 @@ def test_a_report_without_a_kunserve_cluster_block_draws_nothing(tmp_path):
 
 
 def test_the_plot_is_drawn_where_matplotlib_is_installed(tmp_path):
-    pytest.importorskip("matplotlib", reason="the timeline needs matplotlib: pip install -e '.[plot]'")
+    pytest.importorskip("matplotlib",
+                        reason="the timeline needs matplotlib: pip install -e '.[plot]'")
     path = tmp_path / "t.png"
     assert kp.plot(_report(), path) is True
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
