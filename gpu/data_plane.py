@@ -45,7 +45,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from gpu.plane_links import BREAK_WAIT, Broken, Held, Waiter, Watch
+from gpu.plane_links import BREAK_WAIT, FOREVER, Broken, Held, Waiter, Watch
 from gpu.transfer import Sender, TransferQueue
 
 FAULT_ENV = "SHUNTER_TEST_FAULT"
@@ -347,30 +347,36 @@ def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                             dtype=torch.uint8)
     world = _live_world(dst, what)
-    _wait(world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag), dst, what)
-    _wait(world.send([data], dst, tag + 1), dst, what)
+    works = [world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag),
+             world.send([data], dst, tag + 1)]  # posted here, in order; waited on a thread
+    _wait(lambda: [w.wait(FOREVER) for w in works], dst, what)
 
 
 def recv_obj(src: int, tag: int, what: str) -> Any:
     size = torch.empty(1, dtype=torch.int64)
     world = _live_world(src, what)
-    _wait(world.recv([size], src, tag), src, what)
-    data = torch.empty(int(size), dtype=torch.uint8)
-    _wait(world.recv([data], src, tag + 1), src, what)
-    return pickle.loads(data.numpy().tobytes())
+    first = world.recv([size], src, tag)
+
+    def job() -> torch.Tensor:
+        first.wait(FOREVER)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        world.recv([data], src, tag + 1).wait(FOREVER)
+        return data
+
+    return pickle.loads(_wait(job, src, what).numpy().tobytes())
 
 
-def _wait(work: Any, peer: int, what: str) -> None:
-    """Wait for a control message's posted send or receive with `peer`, looking at the watch
-    every `WATCH_POLL_S`: a peer known lost (its process gone, or found silent by the front
-    door) ends the wait at once; the operation stays posted and matches nothing (`Waiter`).
-    After the plane's `timeout_s` with the peer not known lost, the world's connections at
-    this instance are closed, as gloo's own timeout does."""
+def _wait(job: Callable[[], Any], peer: int, what: str) -> Any:
+    """Run `job` (a control message's waits on its posted sends or receives with `peer`) on a
+    waiting thread while this one looks at the watch every `WATCH_POLL_S`: a peer known lost
+    (its process gone, or found silent by the front door) ends the wait at once; what the job
+    waits for stays posted and matches nothing (`Waiter`). After the plane's `timeout_s` with
+    the peer not known lost, the world's connections at this instance are closed, as gloo's
+    own timeout does. Returns what `job` returned."""
     plane = data_plane()
-    outcome = "done"
     try:
-        outcome = plane.waiter.wait(work, lambda: bool(plane.lost([peer])), plane.timeout_s,
-                                    WATCH_POLL_S)
+        outcome, got = plane.waiter.wait(job, lambda: bool(plane.lost([peer])), plane.timeout_s,
+                                         WATCH_POLL_S)
     except RuntimeError as exc:
         raise GroupMemberLost(peer, what, exc) from exc
     if outcome == "lost":
@@ -380,6 +386,7 @@ def _wait(work: Any, peer: int, what: str) -> None:
             plane.world.recv([torch.zeros(1)], peer, BREAK_TAG).wait(BREAK_WAIT)
         raise GroupMemberLost(peer, what, TimeoutError(
             f"no answer in {plane.timeout_s:.0f} s (the world's connections were closed)"))
+    return got
 
 
 def _live_world(peer: int, what: str) -> Any:

@@ -224,10 +224,12 @@ class Waiter:
         self.left = 0
         """Operations left waiting on a peer known lost."""
 
-    def wait(self, work: Any, lost: Callable[[], bool], limit_s: float, poll_s: float) -> str:
-        """"done" (raises what the wait raised), "lost" (the peer is known lost; the operation
-        stays posted) or "timeout" (`limit_s` passed; still posted)."""
-        box: list[BaseException] = []
+    def wait(self, job: Callable[[], Any], lost: Callable[[], bool], limit_s: float,
+             poll_s: float) -> tuple[str, Any]:
+        """Run `job` (it waits for posted operations, with `FOREVER`) on a waiting thread:
+        ("done", what it returned) (raises what it raised), ("lost", None) (the peer is known
+        lost; what it waits for stays posted) or ("timeout", None) (`limit_s` passed)."""
+        box: list = []
         done = threading.Event()
         with self._lock:
             jobs = self._idle.pop() if self._idle else None
@@ -237,27 +239,27 @@ class Waiter:
             jobs = queue.SimpleQueue()
             threading.Thread(target=self._serve, args=(jobs,), daemon=True,
                              name="data-plane-wait").start()
-        jobs.put((work, box, done))
+        jobs.put((job, box, done))
         until = time.monotonic() + limit_s
         while not done.wait(poll_s):
             if lost():
                 with self._lock:
                     self.left += 1
-                return "lost"
+                return "lost", None
             if time.monotonic() >= until:
-                return "timeout"
-        if box:
+                return "timeout", None
+        if isinstance(box[0], BaseException):
             raise box[0]
-        return "done"
+        return "done", box[0][0]
 
     def _serve(self, jobs: queue.SimpleQueue) -> None:
         while True:
-            work, box, done = jobs.get()
+            job, box, done = jobs.get()
             try:
-                work.wait(FOREVER)
+                box.append((job(),))
             except BaseException as exc:  # noqa: BLE001 (raised by the waiting caller)
                 box.append(exc)
-            del work
+            del job
             done.set()
             with self._lock:
                 self._idle.append(jobs)

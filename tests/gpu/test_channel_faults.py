@@ -130,8 +130,9 @@ def test_a_control_message_waiting_on_a_member_found_silent_ends_and_leaves_the_
     sends); the front door's `PeerLost` ends the wait at once, and the receive left posted never
     times out, so rank 0 still talks to rank 2 after the world's gloo timeout (4 s) has passed
     (a gloo timeout closes all of the world's connections at that instance). Planted bug, run by
-    hand: the left receive waited with gloo's own timeout (`work.wait()`) fails the last assert
-    (rank 2's answer lost: "Application timeout caused pair closure")."""
+    hand: the left receive waited with gloo's own timeout (`first.wait()` in `recv_obj`) fails
+    the last assert (rank 0's world closed, rank 2 ended: "instance 2 was lost while a message
+    to rank 2: RuntimeError: its process is gone")."""
     import json
     import os
     import subprocess
