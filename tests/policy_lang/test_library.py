@@ -324,16 +324,19 @@ def test_new_arrivals_get_a_priority_on_arrival():
 
 
 def test_bros_no_bicache_is_bros_without_the_bidirectional_cache():
-    """The ablation schedules as bros does, rule for rule: only the name and the memory setting
-    differ (so a change to bros's rules must be made to both)."""
+    """The ablation schedules as bros does, rule for rule: only the name, the memory setting
+    and the preemption's mode differ (bros swaps its victims into its table's copy space; the
+    ablation recomputes, as it was measured; so a change to bros's rules must be made to both)."""
     def body(name: str) -> str:
         text = policy_path(name).read_text()
         return text[text.index("policy "):].replace(name, "P", 1)
 
-    assert body("bros").replace("  memory { bidirectional on }\n", "") == body("bros_no_bicache")
+    assert body("bros").replace("  memory { bidirectional on }\n", "").replace(
+        "preempt swap displace", "preempt recompute displace") == body("bros_no_bicache")
     bros, ablation = load("bros").settings, load("bros_no_bicache").settings
     assert bros.memory.bidirectional and not ablation.memory.bidirectional
-    assert attrs.evolve(ablation, name="bros", memory=bros.memory) == bros
+    assert bros.preempt_mode == "swap" and ablation.preempt_mode == "recompute"
+    assert attrs.evolve(ablation, name="bros", memory=bros.memory, preempt_mode="swap") == bros
 
 
 def test_bros_counts_bringing_kv_back_from_the_host_in_the_iteration_time():

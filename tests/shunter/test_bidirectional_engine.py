@@ -259,7 +259,8 @@ def test_an_engine_that_cannot_honour_bidirectional_refuses_it_at_load():
                                                r"swap space: --cpu-swap-blocks is 0"):
         load_policy_file(path, capabilities=no_swap)
     swapping = EngineCapabilities(preempt_modes=frozenset({"recompute", "swap", "never"}),
-                                  swap_granularities=frozenset({"per-block"}))
+                                  swap_granularities=frozenset({"per-block"}),
+                                  swap_in_modes=frozenset({"sync"}))
     started_with_fcfs = swapping.running(load_policy_file(policy_path("fcfs")).settings)
     with pytest.raises(PolicyCheckError, match=r"it started without it; restart the engine"):
         load_policy_file(path, capabilities=started_with_fcfs)

@@ -117,3 +117,35 @@ async def test_leaving_one_slot_of_a_shared_block_out_corrupts_the_victim(tiny_l
             f"the lost slot of {run.labels[rid]} went unnoticed: {wrong}")
         return
     pytest.fail("in eight runs no victim read a lost slot of a shared block back")
+
+
+def test_an_engine_refuses_what_it_cannot_honour_with_file_line_col(tmp_path):
+    """Preempt swap with bidirectional on loads into an engine started with such a policy (it
+    set the copy space aside), not into one started with bidirectional on and preempt recompute;
+    swap_in other than sync is refused with it."""
+    from engine.errors import PolicyCheckError
+    from engine.policy import EngineCapabilities
+    from policies import policy_dir, policy_path
+    from policy_lang import compile_policy, load_policy_file
+
+    swap = policy_path("bros").parent.parent / "bench" / "bros_swap.policy"
+    swapping = EngineCapabilities(preempt_modes=frozenset({"recompute", "swap", "never"}),
+                                  swap_granularities=frozenset({"per-block"}),
+                                  swap_in_modes=frozenset({"sync", "adaptive"}))
+    started = swapping.running(load_policy_file(swap).settings)
+    assert started.bidirectional_swap
+    assert load_policy_file(swap, capabilities=started).settings.preempt_mode == "swap"
+    lines = swap.read_text().splitlines()
+    line = next(i for i, t in enumerate(lines, 1) if "bidirectional on" in t and "#" not in t)
+    recompute = compile_policy(POLICY, base_dir=policy_dir()).settings  # bidirectional on
+    with pytest.raises(PolicyCheckError, match=rf"bros_swap.policy:{line}:12: bidirectional on "
+                                               r"with preempt swap needs a host copy space"):
+        load_policy_file(swap, capabilities=swapping.running(recompute))
+    adaptive = tmp_path / "a.policy"
+    classes = policy_path("bros").parent / "rtbe_classes.policy"
+    adaptive.write_text(swap.read_text().replace("bidirectional on", "bidirectional on; "
+                                                 "swap_in adaptive").replace(
+        '"../policies/rtbe_classes.policy"', f'"{classes}"'))
+    with pytest.raises(PolicyCheckError, match=r"a.policy:\d+:\d+: swap_in adaptive is not "
+                                               r"supported with bidirectional on"):
+        load_policy_file(adaptive, capabilities=started)
