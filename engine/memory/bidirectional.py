@@ -289,7 +289,8 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
                 if host is not None:
                     into.append((host, target * bs + bs - 1 - i))
                     self._free_host.append(host)
-        return SlotCopies(move=tuple(move), into=tuple(into))
+        # by destination: the slots come back in runs (one copy each), not one by one
+        return SlotCopies(move=tuple(move), into=tuple(sorted(into, key=lambda p: p[1])))
 
     # ------------------------------------------------------------------------ swap, free
 
