@@ -25,6 +25,7 @@ from engine.messages import ExecuteStep, SampledToken, SeqWork
 from engine.params import SamplingParams
 from gpu.block_map import BlockMap
 from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
+from gpu.group_gens import hand_generators
 from gpu.kv_exchange import (
     ExchangeStats,
     KvReceiver,
@@ -100,9 +101,8 @@ class GroupStart:
     `seqs` member k holds now (empty for a member joining); () when a group forms: the head
     holds all of its requests' layers."""
     gain_from: int = -1
-    """A group that grows: the member (a new one: it holds every layer) that sends each old
-    member the layers it gains, over the channel before it drops its own (`send_gained`); -1:
-    each gains them from its host copy."""
+    """A growth: the new member (it holds every layer) that sends each old member the layers
+    it gains before it drops its own (`send_gained`); -1: each from its host copy."""
     epoch: int = 0
     """The exchange's tag epoch (gpu/kv_exchange.py): 0 forming, 1 restoring, 2+ growing."""
     channel: str = ""
@@ -153,8 +153,7 @@ class GroupGo:
     would have queued its exchange with the head, which the head then never takes)."""
 
     generator_states: Mapping[int, bytes] | None = None
-    """A group that grows (gpu/group_grow.py): the seeded generators of the member that
-    sampled until now, for the new last stage."""
+    """A growth (gpu/group_grow.py): the last stage's seeded generators, for the new one."""
 
 
 @attrs.frozen(kw_only=True)
@@ -235,6 +234,11 @@ class GroupStage:
             return arena.kv[idx][:, t.layers.start:t.layers.stop].to("cpu")
 
         plane.queue.fifo = start.kv_exchange == "fifo"
+        self._owned_gens = {a.request_id: owned[a.old_request_id].generator
+                            for a in start.adopted if a.owner == me}
+        """Its adopted requests' generators, or their owners' (gpu/group_gens.py) if last."""
+        self._owned_gens.update(hand_generators(plane, start, me, self._owned_gens,
+                                                arena.device))
         self.weights_sent = send_gained(plane, model, start) if me == start.gain_from else 0
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                        gather, self.stats)
@@ -247,9 +251,6 @@ class GroupStage:
                 blocks = -(-a.kv_tokens // self.block_size)
                 self.map.reserve(a.request_id, [view.local_of_old(b)
                                                 for b in old[a.request_id][:blocks]])
-        self._owned_gens = {a.request_id: owned[a.old_request_id].generator
-                            for a in start.adopted if a.owner == me}
-        """Generators of the adopted requests this member owned (used if it samples)."""
         for s in start.seqs:
             gen = generators.get(s.request_id) if me == 0 else restored_generator(
                 s.sampling, s.request_id, arena.device, s.generator_state)
