@@ -128,3 +128,101 @@ def test_the_front_door_bound_is_off_by_default_and_checked():
     with pytest.raises(ConfigError, match=r"Liveness.front_door_silent_after_s \(0.4\) must be "
                                           r"more than twice interval_s \(0.25\)"):
         Liveness(front_door_silent_after_s=0.4)
+
+
+@pytest.mark.anyio
+@pytest.mark.skipif(os.environ.get("SHUNTER_SLOW") != "1", reason="SHUNTER_SLOW=1: a group's "
+                    "head (about 30 s; CI runs the lone instance's case above)")
+async def test_a_head_cut_off_from_its_front_door_ends_and_its_member_serves_alone(
+        anyio_backend, kunserve_config, kunserve_model, capfd, monkeypatch):
+    """A KunServe group's head stops hearing its front door (everything the front door sends it
+    is dropped, as on a one-way cut; its own messages still arrive): it ends what it holds and
+    its process ends, the member finds the head gone (its watch connection closed) and leaves
+    the group, and every request ends: served by the member, equal to transformers', or, having
+    streamed from the head, with the front door's error for an instance that went away."""
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    import random
+
+    from shunter.cluster.cluster import Cluster
+    from shunter.cluster.handles import RemoteInstance
+    from shunter.cluster.heartbeat import Liveness
+    from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _prompt
+    from tests.reference import assert_matches, greedy_reference
+
+    async def timed_ping(self, seq: int) -> None:  # what handles.py is asked to send
+        await self._link.send(self.heartbeat.ping_message(seq))
+
+    monkeypatch.setattr(RemoteInstance, "_ping", timed_ping)
+    rng = random.Random(0)
+    longs = [_prompt(rng, 8) for _ in range(2)]
+    burst = [_prompt(rng, 16) for _ in range(12)]
+    jobs = [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
+            *((f"B{i}", p, 8) for i, p in enumerate(burst))]
+    out: dict = {}
+    # references first: computed inside the running cluster they would block the front door's
+    # loop for seconds, and the member, hearing nothing for the bound, would end as well
+    refs = {name: greedy_reference(kunserve_model, p, n) for name, p, n in jobs}
+    launcher = LocalLauncher("asyncio")
+    started = [await anyio.to_thread.run_sync(launcher.start_process, i, kunserve_config)
+               for i in range(2)]
+    try:
+        async with Cluster.start(kunserve_config, attach=started, monitor_interval_s=0.02,
+                                 liveness=Liveness(front_door_silent_after_s=3.0)) as cluster:
+
+            async def one(name: str, prompt, n: int, first=None) -> None:
+                tokens: list[int] = []
+                async with cluster.generate(prompt, shunter.SamplingParams(
+                        max_tokens=n, temperature=0)) as stream:
+                    async for chunk in stream:
+                        tokens += chunk.token_ids
+                        if first is not None and len(tokens) >= 2:
+                            first.set()
+                        if chunk.finish_reason is not None:
+                            out[name] = (tokens, chunk.finish_reason, chunk.error)
+
+            with anyio.move_on_after(240) as waited:
+                async with anyio.create_task_group() as tg:
+                    firsts = [anyio.Event() for _ in longs]
+                    for i, p in enumerate(longs):
+                        tg.start_soon(one, f"L{i}", p, LONG_TOKENS, firsts[i])
+                    for ev in firsts:
+                        await ev.wait()
+                    for i, p in enumerate(burst):
+                        tg.start_soon(one, f"B{i}", p, 8)
+                    while not cluster.groups.groups:
+                        await anyio.sleep(0.005)
+                    (head, group), = cluster.groups.groups.items()
+
+                    async def dropped(msg) -> None:
+                        pass
+
+                    cluster.instances[head]._link.send = dropped  # the cut, one way
+                    cut_at = anyio.current_time()
+                    while cluster.instances[head].alive:  # its link closes: it ended
+                        await anyio.sleep(0.01)
+                    took = anyio.current_time() - cut_at
+            assert not waited.cancelled_caught, (
+                f"head alive: {cluster.instances[head].alive}; {len(out)} of {len(jobs)} "
+                f"requests ended")
+            assert len(out) == len(jobs)
+            assert took < 3.0 + MARGIN_S, f"the head ended only {took:.1f} s after the cut"
+            for name, prompt, n in jobs:
+                tokens, reason, error = out[name]
+                if reason == "error":
+                    assert f"instance {head}" in error, (name, error)
+                    continue
+                assert_matches(tokens, refs[name], name)
+            again = await cluster.complete(burst[0], shunter.SamplingParams(
+                max_tokens=8, temperature=0))  # at the member, alone again
+            assert_matches(list(again.token_ids), refs["B0"], "after")
+        err = capfd.readouterr().err
+        assert "front door silent: this instance ends" in err, err[-3000:]
+        print(f"\ngroup {group.members} head {head}; the head's link closed {took:.2f} s after "
+              f"the cut; {sum(1 for r in out.values() if r[1] == 'error')} requests with an "
+              f"error")
+    finally:
+        for up in started:
+            if _alive(up.pid):
+                os.kill(up.pid, 9)
+        launcher.shutdown(timeout_s=5)
