@@ -289,8 +289,7 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
                 if host is not None:
                     into.append((host, target * bs + bs - 1 - i))
                     self._free_host.append(host)
-        # by destination: the slots come back in runs (one copy each), not one by one
-        return SlotCopies(move=tuple(move), into=tuple(sorted(into, key=lambda p: p[1])))
+        return SlotCopies(move=tuple(move), into=tuple(into))
 
     # ------------------------------------------------------------------------ swap, free
 

@@ -187,12 +187,10 @@ class SlotSwaps:
                     into += [(h * bs + o, b * bs + o) for o in range(bs)]
                     continue
                 into += sorted((h * bs + o, b * bs + o) for o in self._live_offsets(s, j))
-        back = []
         for pos in sorted(s.host):  # checkpoints (all of it without a copy space)
             host = s.host.pop(pos)
-            back.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))
+            into.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))
             self._free_host.append(host)
-        into += sorted(back, key=lambda p: p[1])  # in runs; after the blocks, not their slots
         if s.copy:
             assert self._copy_space is not None
             self._copy_space.give(s.copy)
