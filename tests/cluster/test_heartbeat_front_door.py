@@ -25,7 +25,8 @@ from shunter.cluster.heartbeat import TimedPing
 from shunter.cluster.launch import LocalLauncher
 from shunter.cluster.wire import Hello, Link, Output, SubmitRequest
 
-BOUND_S = 1.5
+BOUND_S = 3.0
+"""Under load 8-10 on 2 cores an instance's own loop was seen to stall over a second."""
 MARGIN_S = 30.0
 
 
