@@ -13,6 +13,7 @@ removed at the end, also when the test fails).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import shutil
 import subprocess
@@ -66,12 +67,17 @@ def _free_subnet(first: int) -> int:
     raise RuntimeError("no free 10.231.K.0/24 subnet for network-namespace hosts")
 
 
+_calls = itertools.count()
+
+
 @contextlib.contextmanager
 def make_hosts(n: int) -> Iterator[Hosts]:
     """`n` hosts on one bridge, 10.231.K.2 .. 10.231.K.(n+1) (K the first subnet from this
     process id on that no route of this machine uses yet, so two test runs side by side do not
     share one); removed on exit."""
-    tag = f"{os.getpid() % 100000}"
+    # a letter per call: a namespace whose process still runs (a cut host's instance not yet
+    # reaped) outlives `netns del` with its veth pair, and the next call must not meet it
+    tag = f"{os.getpid() % 100000}{chr(97 + next(_calls) % 26)}"
     k = _free_subnet(os.getpid() % 250)
     bridge = f"shbr{tag}"
     names = tuple(f"shunter-{tag}-{i}" for i in range(n))
@@ -88,6 +94,7 @@ def make_hosts(n: int) -> Iterator[Hosts]:
             made.append(name)
             outer, inner = f"shv{tag}h{i}", f"shv{tag}n{i}"
             _ip("link", "add", outer, "type", "veth", "peer", "name", inner, "netns", name)
+            made.append(outer)  # deleted itself: a namespace kept alive keeps its pair
             _ip("link", "set", outer, "master", bridge, "up")
             _ip("-n", name, "link", "set", "lo", "up")
             _ip("-n", name, "addr", "add", f"{addr}/24", "dev", inner)
@@ -96,7 +103,7 @@ def make_hosts(n: int) -> Iterator[Hosts]:
         yield Hosts(names=names, addresses=addresses, gateway=gateway,
                     links=tuple(f"shv{tag}h{i}" for i in range(n)))
     finally:
-        for thing in reversed(made):  # a namespace takes its veth pair with it
+        for thing in reversed(made):
             with contextlib.suppress(RuntimeError):
                 _ip("netns", "del", thing) if thing in names else _ip("link", "del", thing)
 
