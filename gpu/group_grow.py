@@ -66,6 +66,7 @@ from gpu.group_stage import (
     start_transfers,
 )
 from gpu.kv_exchange import send_transfers
+from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.stage_view import group_pool_blocks, redrop_layers  # noqa: F401 (tests import it here)
 
 GROW_EPOCH = 2
@@ -322,6 +323,7 @@ def grow_group(group, plan, adopted: Sequence[Adopted], *, fits, live=None,
     group.exchange = new.stats
     group._expect, group._ready = {}, []
     transfers = start_transfers(start, new.block_size)
+    count_moved(group.solo, transfer_bytes(transfers, stage.model, new.block_size))
     for t in transfers:
         group._expect.setdefault(t.request_id, set()).add(t.dst)
     group._ready = [a.request_id for a in adopted if a.request_id not in group._expect]

@@ -145,6 +145,7 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
         stats = stage.stats
         return {"sent_bytes": stats.sent_bytes, "received_bytes": stats.received_bytes,
                 "chunks_sent": stats.chunks_sent, "chunks_received": stats.chunks_received,
+                "sent_before_bytes": getattr(stage, "sent_before", 0),
                 "copied_blocks": stage.map.copied_blocks,
                 "weights_sent": getattr(stage, "weights_sent", 0),
                 "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None,

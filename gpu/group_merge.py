@@ -90,6 +90,8 @@ class MergeStage(GroupStage):
         self.block_size = model.arena.block_size
         self.keep, was = start.layers[me], old.keep
         self.stats, self.merged = ExchangeStats(), MergeStats()
+        self.sent_before = old.stats.sent_bytes + getattr(old, "sent_before", 0)
+        """KV bytes it sent in the joining group (and in groups that merged before)."""
         handed = {a.request_id: a for a in start.adopted
                   if a.parts and a.old_request_id in old.seqs and a.kv_tokens}
         transfers = start_transfers(start, self.block_size)

@@ -3,19 +3,18 @@
 
 `GroupRunner` wraps the head's own `TorchRunner` (its model, arena, device thread and
 sequences). `open()` tells every member to join (`GroupStart` over the data plane, then
-`GroupGo` once every member got its start), drops the head's own other layers and starts the
-KV exchange; each `execute(step)` sends the step to every
-member, runs the head's layers (the first stage) and collects the members' answers, the last
-one's sampled tokens included; `restore(tables)` brings every member's dropped layers back
-(from the members keeping them, or from each one's host copy), moves the KV of the head's
-requests for the layers it had dropped back to the head, and leaves everyone serving alone.
-A member serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until the head
-restores or goes away.
+`GroupGo` once every member got its start), drops the head's own other layers and starts the KV
+exchange; each `execute(step)` sends the step to every member, runs the head's layers (the first
+stage) and collects the members' answers, the last one's sampled tokens included;
+`restore(tables)` brings every member's dropped layers back (from the members keeping them, or
+from each one's host copy), moves the KV of the head's requests for the layers it had dropped
+back to the head, and leaves everyone serving alone (the KV moved: gpu/kv_moved.py). A member
+serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until the head restores.
 
 Faults: any send or receive with a lost member raises `GroupMemberLost` naming it; the head then
-`recover_from_host()`s: its dropped layers come back from its host copy, and every request
-loses the KV of the lost member's layers, so the engine recomputes them (their tables are
-empty on the runner).
+`recover_from_host()`s: its dropped layers come back from its host copy, and every request loses
+the KV of the lost member's layers, so the engine recomputes them (their tables are empty on the
+runner).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ from gpu.group_stage import (
     start_transfers,
 )
 from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost, lost_error
+from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
 from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
 
@@ -79,8 +79,7 @@ class GroupRunner:
         self.totals = PipelineTotals()
         """The steps' GPipe schedule replayed with each stage's measured microbatch times
         (engine/cluster/plan.py `pipeline_timing`; activations' transfer not counted)."""
-        self.cpu_clock = False
-        """The stages' times are their threads' CPU times (gpu/group_stage.py `cpu_s`)."""
+        self.cpu_clock = False  # the stages' times: their threads' CPU times (group_stage `cpu_s`)
         self.last_cut: tuple = ()
         """The last step's microbatches (engine/cluster/stage_fits.py `Cut`)."""
         self.last_stage_s: list = []
@@ -136,9 +135,10 @@ class GroupRunner:
             raise
         self.exchange = self.stage.stats  # (bytes, chunks, per-request arrival times)
         self.solo._seqs.clear()
-        for t in start_transfers(start, self.stage.block_size):
+        for t in (transfers := start_transfers(start, self.stage.block_size)):
             self._expect.setdefault(t.request_id, set()).add(t.dst)
         self._ready = [a.request_id for a in self.adopted if a.request_id not in self._expect]
+        count_moved(self.solo, transfer_bytes(transfers, self.stage.model, self.stage.block_size))
         self._note_arrived(0, self.stage.receiver.take_arrived())
         return self.pool
 
@@ -286,8 +286,9 @@ class GroupRunner:
                 seq = self.solo._seqs.get(rid)
                 if seq is not None:  # the last member sampled: its generator goes on here
                     seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
+        count_moved(self.solo, kv := stage.stats.received_bytes - received)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
-                              "kv_bytes": float(stage.stats.received_bytes - received)}
+                              "kv_bytes": float(kv)}
         stage.end_exchange()
         self.stage = None
 

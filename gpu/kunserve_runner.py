@@ -44,6 +44,9 @@ class KunServeTorchRunner(TorchRunner):
         self.chunk_blocks = chunk_blocks
         self.group: GroupRunner | None = None
         self._adopted: tuple[Adopted, ...] = ()
+        self.kv_moved_bytes = 0
+        """KV bytes moved between the members of the groups this instance led, every member's
+        (gpu/kv_moved.py); never reset."""
         self.last_group: GroupRunner | None = None
         """The group runner of the last group led (its counters outlive it)."""
         self.lost: str | None = None

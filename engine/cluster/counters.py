@@ -27,9 +27,23 @@ class ClusterCounters:
     refused_drops: int = 0
     """Drops planned while a fault's reload was under way and an instance of the plan was
     still reloading its layers (not carried out; the monitor plans again)."""
+    kv_moved_from: dict[int, int] = attrs.field(factory=dict)
+    kv_moved_seen: dict[int, int] = attrs.field(factory=dict)
+    """Torch instances: each one's count of the KV bytes moved between the members of the
+    groups it led (gpu/kv_moved.py: every member's transfers, each byte once), when first
+    seen (it joined, or this front door attached) and last seen (read after each group it leads
+    forms, grows or restores); `kv_exchanged_bytes` sums the differences (`note_kv_moved`). An
+    instance gone keeps what was last seen."""
     timeline: list[dict] = attrs.field(factory=list)
     """Per monitor round: time, each instance's used blocks and pool, its group."""
     events: list[dict] = attrs.field(factory=list)
+
+    def note_kv_moved(self, instance: int, moved: int) -> None:
+        """Instance `instance`'s running count of KV moved in the groups it led is `moved`."""
+        self.kv_moved_from.setdefault(instance, moved)  # the first look: what it moved before
+        self.kv_moved_seen[instance] = moved
+        self.kv_exchanged_bytes = sum(n - self.kv_moved_from[i]
+                                      for i, n in self.kv_moved_seen.items())
 
     def block(self, t0: float) -> dict[str, Any]:
         """The counts and the events (times from `t0`) of the `cluster` block; each manager

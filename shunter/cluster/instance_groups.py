@@ -133,21 +133,27 @@ class InstanceGroups:
         self.runner.holding = True  # the exported requests' sequences stay for the group
         reqs = await _ask(eng._scheduler_send, lambda r: Regroup(export=True, reply=r))
         out = await self._hand_over(reqs)
+        self.serve_member(tg, self.runner.serve_group, msg.head, "group")
+        return out
+
+    def serve_member(self, tg, serve, head: int, what: str) -> None:
+        """Serve instance `head`'s group as a member (`serve(head)`, the runner's loop, on its
+        device thread) until it returns this member's counters (`member_stats`: None until
+        then). `what`: the group, in the log."""
+        self.member_stats = None
         done = self.member_task = anyio.Event()
 
-        async def serve() -> None:
+        async def run() -> None:
             try:
-                self.member_stats = await self.runner._thread.run(
-                    self.runner.serve_group, msg.head)
-                log.info("group left", stats=self.member_stats)
+                self.member_stats = await self.runner._thread.run(serve, head)
+                log.info(f"{what} left", stats=self.member_stats)
             except Exception:  # its layers are gone: the instance ends (the head sees it lost)
-                log.exception("serving the group failed", head=msg.head)
+                log.exception(f"serving the {what} failed", head=head)
                 raise
             finally:
                 done.set()
 
-        tg.start_soon(serve)
-        return out
+        tg.start_soon(run)
 
     async def _hand_over(self, reqs) -> tuple[Moved, ...]:
         """The client streams of `reqs` (exported by the scheduler) leave the frontend; each
@@ -338,7 +344,8 @@ class InstanceGroups:
                     "leading": runner.group is not None, "pipeline": g.pipeline_report(),
                     "kv_exchange": g.kv_exchange}
         return {"head": head, "member": self.member_stats, "lost": getattr(runner, "lost", None),
-                "can_lead": hasattr(runner, "form")}
+                "can_lead": hasattr(runner, "form"),
+                "kv_moved_bytes": getattr(runner, "kv_moved_bytes", None)}
 
 
 class GroupNotFormed(RuntimeError):

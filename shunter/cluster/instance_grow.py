@@ -137,19 +137,7 @@ async def hand_over_here(ig, msg: HandOverGroup, tg) -> tuple:
     reqs = await _ask(eng._scheduler_send, lambda r: Regroup(
         export=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
     out = await ig._hand_over(reqs)
-    done = ig.member_task = anyio.Event()
-
-    async def serve() -> None:
-        try:
-            ig.member_stats = await runner._thread.run(runner.hand_over, msg.head)
-            log.info("merged group left", stats=ig.member_stats)
-        except Exception:  # its layers are gone: the instance ends (the head sees it lost)
-            log.exception("serving the merged group failed", head=msg.head)
-            raise
-        finally:
-            done.set()
-
-    tg.start_soon(serve)
+    ig.serve_member(tg, runner.hand_over, msg.head, "merged group")
     return out
 
 

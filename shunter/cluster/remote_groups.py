@@ -21,6 +21,8 @@ instances serving alone grows it, one that merges two running groups merges them
 
 from __future__ import annotations
 
+import contextlib
+
 import anyio
 import structlog
 
@@ -66,7 +68,7 @@ class RemoteGroups:
         self.counters = ClusterCounters()
         self.pipelines: list[dict] = []
         """Each restored group's pipeline report (gpu/group_runner.py `pipeline_report`), as
-        its head gave it when the restore was asked."""
+        its head gave it once restored."""
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
         self.leads: list[bool] | None = None
@@ -110,7 +112,12 @@ class RemoteGroups:
         return answer.value
 
     async def stats(self, index: int) -> dict:
-        return await self._command(index, lambda k: AskGroupStats(key=k))
+        """The instance's group counters; its count of KV moved in the groups it led is noted
+        (`kv_exchanged_bytes`)."""
+        value = await self._command(index, lambda k: AskGroupStats(key=k))
+        if isinstance(value, dict) and value.get("kv_moved_bytes") is not None:
+            self.counters.note_kv_moved(index, value["kv_moved_bytes"])
+        return value
 
     async def instance_down(self, index: int) -> None:
         """Instance `index` went away (before its requests are ended or dispatched again). A
@@ -239,6 +246,12 @@ class RemoteGroups:
         c.events.append({"t": anyio.current_time(), "event": "group",
                          "members": list(g.members), **counts})
         log.info("group formed", members=g.members, **counts)
+        await self.note_kv(g.head)
+
+    async def note_kv(self, head: int) -> None:
+        """Reads the head's count of KV moved (`stats` notes it); one gone keeps its last."""
+        with contextlib.suppress(GroupCommandError, EngineDeadError):
+            await self.stats(head)
 
     async def _export(self, head: int, m: int) -> tuple:
         """Member `m` hands its requests over to `head`; their outputs come from the head's
@@ -325,13 +338,15 @@ class RemoteGroups:
         self.counters.events.append({"t": anyio.current_time(), "event": "restore",
                                      "members": list(g.members), **value})
         log.info("group restored", members=g.members)
-        try:
-            head_stats = (await self.stats(head))["head"]
+        try:  # its next step restores (the KV it receives then is counted: stats notes it)
+            with anyio.move_on_after(30):
+                while (head_stats := (await self.stats(head))["head"])["leading"]:
+                    await anyio.sleep(0.005)
         except (GroupCommandError, EngineDeadError) as exc:
             log.warning("no group stats", head=head, error=str(exc))
-        else:  # what the head sent and received: all of a two-member group's KV traffic
-            self.counters.kv_exchanged_bytes += (head_stats["sent_bytes"]
-                                                 + head_stats["received_bytes"])
+        else:
+            if head_stats["leading"]:
+                log.warning("not restored yet; its KV is counted later", head=head)
             self.pipelines.append(dict(head_stats["pipeline"], stages=len(g.members)))
         return True
 

@@ -208,6 +208,7 @@ async def _grown(groups, old: GroupPlan, plan: GroupPlan, make, adopted: int) ->
     c.events.append({"t": anyio.current_time(), "event": "grow", "from": list(old.members),
                      "members": list(plan.members), **counts})
     log.info("group grew", members=plan.members, **counts)
+    await groups.note_kv(head)  # (every member's KV moved in the growth, counted at the head)
     return plan
 
 

@@ -140,15 +140,18 @@ async def _merge_while_streaming(config, instances, model, *, direct: bool, seed
                 await run.past(marks, past)
                 run.cancel()
             if not direct:  # the joining group's restore: its members' KV back to its head
-                out["joining_restore"] = (await groups.stats(2))["head"]["restore"]
+                out["joining_head"] = (await groups.stats(2))["head"]
+                out["joining_restore"] = out["joining_head"]["restore"]
             await cluster.wait_idle()
             assert await groups.restore(0)
             out["snap"] = await cluster.wait_idle()
             out["members"] = {}
-            for m in (2, 3) if direct else ():  # their counters, once their loops returned
-                while not ((st := (await groups.stats(m))["member"]) or {}).get("merged"):
-                    await anyio.sleep(0.01)  # (a stale one, of the other test's group: none)
+            for m in (1, 2, 3):  # their counters, once their loops returned
+                while not (st := (await groups.stats(m))["member"]):  # (None while serving)
+                    await anyio.sleep(0.01)
                 out["members"][m] = st
+            out["head_sent"] = (await groups.stats(0))["head"]["sent_bytes"]
+            out["kv_exchanged"] = groups.report(0.0)["kv_exchanged_bytes"]
             out["after"] = await cluster.complete(prompts[0], shunter.SamplingParams(
                 max_tokens=8, temperature=0))
             out["seeded_alone"] = (await cluster.complete(prompts[SEEDED], attrs.evolve(
@@ -179,6 +182,20 @@ def _check_outputs(out: dict, model) -> None:
                    "after")
 
 
+def _check_kv_exchanged(out: dict, before: int) -> None:
+    """The cluster's `kv_exchanged_bytes` (each head's count of every member's transfers
+    and of what it received restoring: gpu/kv_moved.py) equals what every instance sent by its
+    own counters: instance 0's as the head (forming, growing), 1's, 2's and 3's as members of
+    the merged group (restoring too), 2's and 3's in group (2, 3) before a direct merge
+    (`sent_before_bytes`), and `before` (in group (2, 3) before it restored). Member-to-member
+    sends are among them (2 to 1, 3 to 2 as the groups merge)."""
+    members = out["members"]
+    sent = out["head_sent"] + before + sum(members[m]["sent_bytes"]
+                                           + members[m]["sent_before_bytes"] for m in (1, 2, 3))
+    assert out["kv_exchanged"] == sent > 0, (out["kv_exchanged"], out["head_sent"], before,
+                                             members)
+
+
 @pytest.mark.anyio
 async def test_two_running_groups_merge_after_the_joining_one_restores(
         anyio_backend, merge_config, merge_instances, merge_model):
@@ -199,6 +216,8 @@ async def test_two_running_groups_merge_after_the_joining_one_restores(
     restored = out["joining_restore"]["kv_bytes"]
     assert restored > 0 and g["kv_adopted_bytes"] > 0, (out["joining_restore"], g)
     MOVED["restore_then_grow"] = (restored + g["kv_adopted_bytes"]) / g["kv_adopted_held_bytes"]
+    b = out["joining_head"]  # group (2, 3): 2 sent as its head, received all 3 sent in it
+    _check_kv_exchanged(out, b["sent_bytes"] + b["received_bytes"])
 
 
 @pytest.mark.anyio
@@ -226,6 +245,7 @@ async def test_two_running_groups_merge_directly(anyio_backend, merge_config, me
     assert merged[2]["kv_sent"] + merged[3]["kv_sent"] == moved, (merged, g)
     assert merged[2]["kv_sent"] == 2 * merged[3]["kv_sent"], merged  # 4 layers to 2
     assert all(out["members"][m]["copied_blocks"] == 0 for m in (2, 3)), out["members"]
+    _check_kv_exchanged(out, 0)
     MOVED["direct"] = moved / held
     if "restore_then_grow" in MOVED:  # both ran in this session
         ratio = MOVED["direct"] / MOVED["restore_then_grow"]
@@ -284,6 +304,9 @@ async def test_a_merge_restores_the_joining_group_before_its_instances_join(monk
         async def _export(self, head, m):
             self.calls.append(("export", m, bool(self.leading)))
             return ()
+
+        async def note_kv(self, head):
+            pass
 
     g = Groups()
     assert (await rg.merge(g, stays, joins, plan, direct=False)).members == (0, 1, 2, 3)
@@ -350,6 +373,9 @@ async def test_a_direct_merge_hands_the_joining_group_over():
         async def restore(self, head):
             self.calls.append(("restore", head))
             return False
+
+        async def note_kv(self, head):
+            pass
 
     g = Groups()
     assert (await rg.merge(g, stays, joins, plan)).members == (0, 1, 2, 3)
