@@ -29,6 +29,7 @@ checkpoint space), which the caller must run in the order given and before the s
 
 from __future__ import annotations
 
+from engine.memory.host_slots import HostSlots
 from engine.memory.preemption_order import preemption_order
 from engine.memory.slot_owners import Block as _Block
 from engine.memory.slot_owners import BidirectionalError
@@ -53,7 +54,7 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
         self._be_only: set[int] = set()  # blocks with a BE owner and no RT one
         self._holed: set[int] = set()  # blocks whose `lost` may be non-empty (a superset)
         self._displaced: set[int] = set()  # the blocks of displaced BE requests (kept, not rebuilt)
-        self._free_host = list(reversed(range(host_slots)))
+        self._free_host = HostSlots(host_slots)  # a block's checkpoints consecutive (host_slots.py)
         self._copy_space = HostBlocks(copy_blocks) if copy_blocks is not None else None
         """Host blocks for whole requests swapped out (engine/memory/slot_swap.py), after the
         checkpoint slots in the host space; None: they go out slot by slot to those slots."""
@@ -224,8 +225,9 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
             self._displaced.update(map((-1).__sub__, be.table))
         for offset in offsets:
             if offset >= bs - x.be_fill and offset not in x.lost:
-                host = self._free_host.pop()
-                be.host[index * bs + bs - 1 - offset] = host
+                pos = index * bs + bs - 1 - offset  # the slot before it is pos + 1's
+                host = self._free_host.take(be.host.get(pos + 1) if offset else None, bs - offset)
+                be.host[pos] = host
                 x.lost.add(offset)
                 self._holed.add(block)
                 out.append((block * bs + offset, host))
@@ -284,11 +286,11 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
             else:
                 x.lost.clear()
                 self._holed.discard(old)
-            for i in range(bs):
+            for i in reversed(range(bs)):  # by offset: a block's checkpoints are one run
                 host = s.host.pop(j * bs + i, None)
                 if host is not None:
                     into.append((host, target * bs + bs - 1 - i))
-                    self._free_host.append(host)
+                    self._free_host.give((host,))
         return SlotCopies(move=tuple(move), into=tuple(into))
 
     # ------------------------------------------------------------------------ swap, free
@@ -299,7 +301,7 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
         self._be.pop(rid, None)
         self._undisplace(s)
         self._release_all(s)
-        self._free_host.extend(s.host.values())
+        self._free_host.give(s.host.values())
         if s.copy and self._copy_space is not None:
             self._copy_space.give(s.copy)
 

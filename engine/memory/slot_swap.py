@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine.memory.block_groups import FreeRuns
+from engine.memory.host_slots import HostSlots
 from engine.memory.slot_owners import BidirectionalError, Block, Seq
 from engine.memory.slot_runs import SlotCopies, decode, encode, physical_slot
 
@@ -83,7 +84,7 @@ class SlotSwaps:
     _seqs: dict[int, Seq]
     _blocks: dict[int, Block]
     _free: list[int]
-    _free_host: list[int]
+    _free_host: HostSlots
     _copy_space: HostBlocks | None
     _undisplace: Callable[[Seq], None]
     _release_all: Callable[[Seq], None]
@@ -119,10 +120,10 @@ class SlotSwaps:
         return SlotCopies(out=tuple(out))
 
     def _slots_out(self, s: Seq) -> list[tuple[int, int]]:
-        out = []
+        out, host = [], None
         for pos in range(s.tokens):
             if pos not in s.host:
-                host = self._free_host.pop()
+                host = self._free_host.take(host, s.tokens - pos)
                 s.host[pos] = host
                 out.append((physical_slot(s.table[pos // self.block_size], pos % self.block_size,
                                           self.block_size), host))
@@ -187,10 +188,11 @@ class SlotSwaps:
                     into += [(h * bs + o, b * bs + o) for o in range(bs)]
                     continue
                 into += sorted((h * bs + o, b * bs + o) for o in self._live_offsets(s, j))
-        for pos in sorted(s.host):  # checkpoints (all of it without a copy space)
-            host = s.host.pop(pos)
-            into.append((host, physical_slot(s.table[pos // bs], pos % bs, bs)))
-            self._free_host.append(host)
+        # checkpoints (all of it without a copy space), by destination: a block's are one run
+        into += sorted(((h, physical_slot(s.table[pos // bs], pos % bs, bs))
+                        for pos, h in s.host.items()), key=lambda p: p[1])
+        self._free_host.give(s.host.values())
+        s.host.clear()
         if s.copy:
             assert self._copy_space is not None
             self._copy_space.give(s.copy)

@@ -61,6 +61,8 @@ class SlotModel:
                                  t.tokens(rid) - sum(1 for _ in t.live_slots(rid)))
             # fit (engine/bidirectional_step.py) counts a request's blocks from this
             assert len(t.table(rid)) == (0 if t.swapped(rid) else -(-t.tokens(rid) // t.block_size))
+        held = [h for rid in t.requests() for h in t.host_slots(rid).values()]
+        assert len(held) == len(set(held)), "a host slot with two owners"
         # a checkpoint covers exactly the overwritten slots of each block
         for b in range(t.num_total):
             _, _, be, _, lost = t.block(b)
