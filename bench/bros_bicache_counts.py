@@ -36,6 +36,7 @@ import json
 import logging
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -316,6 +317,22 @@ def report(paths: list[Path]) -> str:
     return "\n".join(out) + "\n"
 
 
+def args_or_report(ap: argparse.ArgumentParser,
+                   report: Callable[[list[Path]], str]) -> argparse.Namespace | None:
+    """The arguments, with `--json OUT` and `--report JSON...` added. With `--report`: print
+    `report`'s table of those files and return None; else quiet the engine's logs below warnings
+    for the runs (bench/bros_swap_round9.py uses it too)."""
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--report", type=Path, nargs="+", default=None,
+                    help="print one markdown table of these --json files instead of running")
+    args = ap.parse_args()
+    if args.report:
+        print(report(args.report), end="")
+        return None
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    return args
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -333,14 +350,8 @@ def main() -> int:
     ap.add_argument("--policies", default="bros_no_bicache,bros")
     ap.add_argument("--ablations", action="store_true",
                     help="also bench/bros_no_bicache_no_displace.policy (RT waits for memory)")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--report", type=Path, nargs="+", default=None,
-                    help="print one markdown table of these --json files instead of running")
-    args = ap.parse_args()
-    if args.report:
-        print(report(args.report), end="")
+    if (args := args_or_report(ap, report)) is None:
         return 0
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     install()
     config = EngineConfig(backend="sim", profile=args.profile, num_blocks=args.num_blocks,
                           block_size=args.block_size, max_batched_tokens=args.max_batched_tokens,

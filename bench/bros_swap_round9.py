@@ -5,7 +5,8 @@ the same `rtbe` arrivals; the simulator, scheduler time not charged (virtual tim
 
 Per run, beside the bench metrics: whole-request preemptions ended by swap or by recompute
 (with the computed tokens they held), the bidirectional table's own extreme-case swap-outs,
-copy calls and bytes, completed and failed requests, and the table once the run is over.
+copy calls and bytes, the table's copies by kind (`KINDS`: calls and slots), completed and failed
+requests, and the table once the run is over.
 
     python bench/bros_swap_round9.py --points 1500:10,1750:12,3500:13 --seeds 9,1,2,3 \\
         --policies bros,bench/bros_swap.policy --json OUT
@@ -16,18 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import structlog
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bros_bicache_counts import args_or_report
 from engine import bidirectional_step
+from engine.memory.bidirectional import BidirectionalBlocks, SlotCopies
+from engine.memory.slot_runs import slot_runs
 from engine.request import Request
 from shunter import EngineConfig
 from shunter.benchmark.policies import parse_policy
@@ -58,8 +60,31 @@ def install() -> None:
         swapped(self, blocks)
 
     bidirectional_step.BidirectionalMemory.__init__ = made  # type: ignore[method-assign]
+    count_copies()
     Request.recompute = recomputed  # type: ignore[method-assign]
     Request.swapped_out = swapped_out  # type: ignore[method-assign]
+
+
+KINDS = {"_write": "checkpoint", "restore": "restore", "swap_out": "swap_out",
+         "swap_in": "swap_in"}
+"""The table's methods whose copies are counted by kind: calls as the simulator charges them
+(`slot_runs` over what each returned) and slots (`_write` returns only checkpoints, and BE
+blocks moved off an RT owner, counted as `move`)."""
+
+
+def count_copies() -> None:
+    def counted(kind: str, method: Any) -> Any:
+        def wrapper(self: BidirectionalBlocks, *args: Any, **kwargs: Any) -> SlotCopies:
+            copies = method(self, *args, **kwargs)
+            for part, pairs in (("", copies.out + copies.into), ("move", copies.move)):
+                name = part or kind
+                COUNTS[f"{name}_calls"] += len(slot_runs(pairs, self.block_size))
+                COUNTS[f"{name}_slots"] += len(pairs)
+            return copies
+        return wrapper
+
+    for method, kind in KINDS.items():
+        setattr(BidirectionalBlocks, method, counted(kind, getattr(BidirectionalBlocks, method)))
 
 
 def run(policy: str, spec: str, config: EngineConfig) -> dict[str, Any]:
@@ -135,13 +160,8 @@ def main() -> int:
     ap.add_argument("--policies", default="bros,bench/bros_swap.policy")
     ap.add_argument("--cpu-swap-blocks", type=int, default=None,
                     help="host blocks (default: as many as the device has)")
-    ap.add_argument("--json", type=Path, default=None)
-    ap.add_argument("--report", type=Path, nargs="+", default=None)
-    args = ap.parse_args()
-    if args.report:
-        print(report(args.report), end="")
+    if (args := args_or_report(ap, report)) is None:
         return 0
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     install()
     out: list[dict[str, Any]] = []
     for point in args.points.split(","):
