@@ -123,8 +123,8 @@ def report(paths: list[Path]) -> str:
     rows: dict[tuple[int, float, str], list[dict[str, Any]]] = {}
     for path in paths:
         for r in json.loads(path.read_text()):
-            if r.get("rerun_of_round8"):  # a check that round 8's row repeats, not a new row
-                continue
+            if r.get("rerun_of_round8") or r.get("superseded") or r.get("count_check"):
+                continue  # a re-run of round 8's row, code since changed, or a counting run
             rows.setdefault((r["num_blocks"], r["rate"], r["policy"]), []).append(r)
     out = ["| blocks | RT/s | policy | seeds | RT TTFT ok | RT TPOT ok per request / per token "
            "| RT norm. latency ms | BE req/s | preemptions | by swap (tokens) | by recompute "
