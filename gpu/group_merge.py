@@ -31,6 +31,7 @@ from gpu.data_plane import (
     recv_obj,
     send_obj,
 )
+from gpu.group_gens import hand_generators
 from gpu.group_grow import await_abandon, take_generators
 from gpu.group_stage import (
     GroupAbandon,
@@ -104,6 +105,8 @@ class MergeStage(GroupStage):
             return read[rid][:, layers.start - was.start:layers.stop - was.start]
 
         plane.queue.fifo = start.kv_exchange == "fifo"
+        gens = hand_generators(plane, start, me, {}, model.arena.device)  # (the last stage:
+        # those of the requests instances alone handed over, as the merged group grew by them)
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                        lambda t: held(t.request_id, t.blocks, t.layers), self.stats)
         self.merged.kv_sent, self.merged.requests = self.stats.sent_bytes, len(handed)
@@ -123,7 +126,7 @@ class MergeStage(GroupStage):
             for i, g in enumerate(s.table):
                 self.map.assign(s.request_id, i, g)
         self._owned_gens = {rid: old.seqs[a.old_request_id].generator
-                            for rid, a in handed.items()}
+                            for rid, a in handed.items()} | gens
         self.receiver = self._kv_receiver(transfers)
         self._hidden = model.config.hidden_size
 

@@ -254,7 +254,17 @@ class InstanceGroups:
     async def _take_over(self, moved) -> list[tuple[int, object]]:
         """The moved requests' client streams made again here and relayed under their cluster
         keys; each request gets its id here (returned with its old one); its setup here will
-        carry its whole context (engine/step_plan.py)."""
+        carry its whole context (engine/step_plan.py). Requests of different instances may
+        share an old id: taken over in runs whose old ids differ."""
+        out, run = [], []
+        for mv in moved:
+            if any(m.request.id == mv.request.id for m in run):
+                out += await self._take_over_run(run)
+                run = []
+            run.append(mv)
+        return out + (await self._take_over_run(run) if run else [])
+
+    async def _take_over_run(self, moved) -> list[tuple[int, object]]:
         eng = self.engine
         streams, recvs = {}, {}
         for mv in moved:

@@ -88,9 +88,8 @@ async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan, *,
     `Postponed` (nothing moved), or `GroupCommandError`."""
     from shunter.cluster.remote_groups import GroupCommandError
 
-    if (direct if direct is not None else DIRECT) and len(g.members) == stays.size + joins.size:
-        return await _merge_direct(groups, stays, joins, g)  # (instances alone in the plan
-    # too: they join after the restore, with the joining group's instances)
+    if direct if direct is not None else DIRECT:
+        return await _merge_direct(groups, stays, joins, g)
     await _check(groups, stays.head, grown_plan(stays, g, groups.num_layers))
     if not await groups.restore(joins.head):
         raise Postponed(f"group {joins.members} does not fit its head's own pool yet")
@@ -109,21 +108,29 @@ async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan, *,
 
 
 async def _merge_direct(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan) -> GroupPlan:
-    """The joining head hands its requests over (`HandOverGroup`; a group whose last exchange
-    has not settled refuses: `Postponed`, nothing moved), then the staying head grows the group
-    with the joining instances as new members, the KV of those requests from where it lies
+    """Instances of `g` serving alone hand their requests over to the staying head first, as in
+    a growth; then the joining head hands its requests over (`HandOverGroup`; a group whose
+    last exchange has not settled refuses: `Postponed`, the requests of those alone are
+    recomputed at the staying head) and the staying head grows the group with the instances
+    alone, then the joining ones (its last stage stays the last: the seeded generators of its
+    requests stay there), the KV of the joining group's requests from where it lies
     (`MergeGroup.parts`)."""
     from shunter.cluster.instance_grow import HandOverGroup, MergeGroup
     from shunter.cluster.remote_groups import GroupCommandError
 
-    members = stays.members + joins.members  # the joining group's order: its head first
+    alone = tuple(sorted(set(g.members) - set(stays.members) - set(joins.members)))
+    members = stays.members + alone + joins.members  # the joining group's order: its head first
     plan = GroupPlan(group_id=g.group_id, members=members,
                      layers=stage_layers(groups.num_layers, len(members)))
     await _check(groups, stays.head, plan)
+    adopted = await _export_alone(groups, stays.head, plan, alone, stays.size)
     try:
         moved = await groups._command(joins.head, lambda key: HandOverGroup(key=key,
                                                                             head=stays.head))
-    except GroupCommandError as exc:  # refused before anything moved
+    except GroupCommandError as exc:  # refused before anything of the group moved
+        if alone:
+            await groups._give_up(plan, adopted, alone, f"group {joins.members} did not hand "
+                                  f"over ({exc})")
         raise Postponed(str(exc)) from exc
     src, to = groups.instances[joins.head], groups.instances[stays.head]
     for mv in moved:  # their outputs (and cancels) now go through the staying head
@@ -138,9 +145,10 @@ async def _merge_direct(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan
     k = plan.members.index(joins.head)
     parts = tuple((plan.members.index(m), r) for m, r in zip(joins.members, joins.layers,
                                                              strict=True))
+    adopted += [(k, mv) for mv in moved]
     try:
         grown = await _grown(groups, stays, plan, lambda key: MergeGroup(
-            key=key, plan=plan, adopted=tuple((k, mv) for mv in moved), parts=parts), len(moved))
+            key=key, plan=plan, adopted=tuple(adopted), parts=parts), len(adopted))
     except Exception:
         await groups.coordinator.send(GroupsChanged(restored=joins.head))
         raise
@@ -148,6 +156,24 @@ async def _merge_direct(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan
                                    "from": [list(stays.members), list(joins.members)],
                                    "members": list(grown.members)})
     return grown
+
+
+async def _export_alone(groups, head: int, plan: GroupPlan, alone, first: int) -> list:
+    """Each of `alone` (members `first`... of `plan`) hands its requests over to `head`; one
+    that cannot after others did: the head recomputes theirs (`_give_up`), and it is raised."""
+    from shunter.cluster.remote_groups import GroupCommandError
+
+    adopted, exported = [], []
+    for k, m in enumerate(alone, start=first):
+        try:
+            adopted += [(k, mv) for mv in await groups._export(head, m)]
+        except (GroupCommandError, EngineDeadError) as exc:
+            if exported:
+                await groups._give_up(plan, adopted, exported,
+                                      f"instance {m} could not join ({exc})")
+            raise
+        exported.append(m)
+    return adopted
 
 
 async def _check(groups, head: int, plan: GroupPlan) -> None:
@@ -164,22 +190,11 @@ async def grow(groups, old: GroupPlan, g: GroupPlan, *, checked: bool = False) -
     """`groups`: the cluster's `RemoteGroups`. Returns the grown plan; raises
     `GroupCommandError` (naming the instance) when the group did not grow. `checked`: the head
     was asked already whether the split grows its pool."""
-    from shunter.cluster.remote_groups import GroupCommandError
-
     plan = grown_plan(old, g, groups.num_layers)
     head, n_old = old.head, len(old.members)
     if not checked:
         await _check(groups, head, plan)
-    adopted, exported = [], []
-    for k, m in enumerate(plan.members[n_old:], start=n_old):
-        try:
-            adopted += [(k, mv) for mv in await groups._export(head, m)]
-        except (GroupCommandError, EngineDeadError) as exc:
-            if exported:
-                await groups._give_up(plan, adopted, exported,
-                                      f"instance {m} could not join ({exc})")
-            raise
-        exported.append(m)
+    adopted = await _export_alone(groups, head, plan, plan.members[n_old:], n_old)
     return await _grown(groups, old, plan, lambda key: GrowGroup(
         key=key, plan=plan, adopted=tuple(adopted)), len(adopted))
 

@@ -1,23 +1,25 @@
 """Two running KunServe groups of torch instance processes merge (shunter/cluster/remote_grow.py
-`merge`): four instances of a tiny 8-layer Llama (shared by both tests), two requests streaming
-on each; instances 0 and 1 form a group (0-3 | 4-7), instances 2 and 3 another; then the plan
-merges them into (0, 1, 2, 3) (0-1 | 2-3 | 4-5 | 6-7), two ways:
+`merge`), with an instance serving alone: five instances of a tiny 8-layer Llama (shared by
+both tests), two requests streaming on each; instances 0 and 1 form a group (0-3 | 4-7),
+instances 2 and 3 another; instance 4 serves alone; then the plan merges them all, two ways:
 
-- directly (gpu/group_merge.py): instance 2 hands its four requests over to instance 0 and tells
-  instance 3 its new head; instance 2 sends their layers 0-1 and 2-3 to instances 0 and 1,
-  instance 3 sends 4-5 to instance 2 and keeps 6-7: each byte of that KV moves once at most
-  (6 of its 8 layers here, counted by the head and by the members);
-- restore then grow (`direct=False`): group (2, 3) restores (instance 2 takes its layers and
-  its four requests' KV back), then joins as instances serving alone do (instance 2 hands its
-  requests over with their KV, instance 3 joins empty): that KV moves twice. The direct test
-  compares the two (bytes moved over the joining group's KV) when both ran in one session.
+- directly (gpu/group_merge.py) into (0, 1, 4, 2, 3) (0-1 | 2-3 | 4-5 | 6 | 7): instance 4
+  hands its requests over as in a growth, instance 2 hands its four over to instance 0 and
+  tells instance 3 its new head; instance 2 sends their layers 0-1 and 2-3 to instances 0 and
+  1, instance 3 sends 4-5 to instance 4 and 6 to instance 2 and keeps 7: each byte of that KV
+  moves once at most (7 of its 8 layers here, counted by the head and by the members);
+- restore then grow (`direct=False`) into (0, 1, 2, 3, 4): group (2, 3) restores (instance 2
+  takes its layers and its four requests' KV back), then its instances join as instance 4
+  does (instance 2 hands its requests over with their KV, instance 3 joins empty): that KV
+  moves twice. The direct test compares the two (bytes moved over the joining group's KV)
+  when both ran in one session.
 
 Every request goes on streaming across the changes and its tokens equal transformers' greedy
 ones; once idle the merged group restores and every instance serves alone with its own pool.
 Groups are formed and merged by hand (the monitor's rules cannot fire), as in
 test_kunserve_torch_grow.py; requests are cancelled once each went 3 tokens past the merge.
-The restore path's order (restore, then the joining instances hand over only once its head's
-runner is alone) is checked with a stand-in front door (plant: no wait for the restore fails it).
+The order of the commands on both paths is checked with a stand-in front door
+(test_kunserve_torch_merge_standins.py).
 """
 
 from __future__ import annotations
@@ -66,18 +68,20 @@ def merge_config(merge_model, tmp_path_factory):
                         block_size=4, cpu_swap_blocks=0, max_num_seqs=32, policy=policy)
 
 
-SEEDED = 3
-"""This request samples with a seed (it starts on instance 3, the joining group's last stage,
-which samples in both groups); after the final restore the same request alone on an instance
-must draw the same tokens. Restoring first, the joining head owns it as it joins and is not
-the last stage: its generator's state goes there (gpu/group_gens.py; before, it restarted)."""
+SEEDED = (3, 4)
+"""These requests sample with a seed; after the final restore each alone on an instance must
+draw the same tokens. Request 3 starts on instance 3, the joining group's last stage, which
+samples in both groups and, merged directly, in the merged one; restoring first, the joining
+head owns it as it joins and is not the last stage (instance 4 is): its generator's state goes
+there (gpu/group_gens.py; before, it restarted). Request 4 starts on instance 4 alone: merged
+directly, its state goes to instance 3 (a `MergeStage`: gpu/group_merge.py)."""
 SEEDED_PARAMS = shunter.SamplingParams(max_tokens=RUN_TOKENS, temperature=1.0, seed=4321,
                                        ignore_eos=True)
 
 
 class SeededStreams(Streams):
     async def _one(self, i: int, started: anyio.Event) -> None:
-        if i != SEEDED:
+        if i not in SEEDED:
             return await super()._one(i, started)
         with anyio.CancelScope() as self.scopes[i]:
             async with self.cluster.generate(self.prompts[i], SEEDED_PARAMS) as stream:
@@ -90,11 +94,11 @@ class SeededStreams(Streams):
 
 @pytest.fixture(scope="module")
 def merge_instances(merge_config):
-    """Four instance processes, shared by both merges (each test attaches its own cluster)."""
+    """Five instance processes, shared by both merges (each test attaches its own cluster)."""
     from shunter.cluster.launch import LocalLauncher
 
     launcher = LocalLauncher("asyncio")
-    yield [launcher.start_process(i, merge_config) for i in range(4)]
+    yield [launcher.start_process(i, merge_config) for i in range(5)]
     launcher.shutdown(timeout_s=0)
 
 
@@ -110,12 +114,12 @@ merge): the direct test compares them when both ran in one session."""
 async def _merge_while_streaming(config, instances, model, *, direct: bool, seed: int,
                                  past: int = 3) -> dict:
     """Groups (0, 1) and (2, 3) form with two requests streaming on each instance, then merge
-    (`direct` or restore-then-grow); every request goes 3 tokens past the merge and is
+    with instance 4 (`direct` or restore-then-grow); every request goes `past` the merge and is
     cancelled; the merged group restores; a new request is served. Returns what happened."""
     from shunter.cluster.remote_grow import merge
 
     rng = random.Random(seed)
-    prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(8)]
+    prompts = [[rng.randrange(2, 320) for _ in range(6)] for _ in range(10)]
     halves = stage_layers(LAYERS, 2)
     a = GroupPlan(group_id=1, members=(0, 1), layers=halves)
     b = GroupPlan(group_id=2, members=(2, 3), layers=halves)
@@ -125,17 +129,17 @@ async def _merge_while_streaming(config, instances, model, *, direct: bool, seed
         with anyio.fail_after(240):
             async with anyio.create_task_group() as tg:
                 await run.start(tg)
-                assert [len(i._live) for i in cluster.instances] == [2] * 4
+                assert [len(i._live) for i in cluster.instances] == [2] * 5
                 await groups.form(a)
                 await groups.form(b)
                 await run.past(run.marks())
-                assert [len(i._live) for i in cluster.instances] == [4, 0, 4, 0]
+                assert [len(i._live) for i in cluster.instances] == [4, 0, 4, 0, 2]
                 out["joining_restore"] = None
                 merged = await merge(groups, a, b, GroupPlan(
-                    group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4)),
+                    group_id=3, members=(0, 1, 2, 3, 4), layers=stage_layers(LAYERS, 5)),
                     direct=direct)
                 live = [len(i._live) for i in cluster.instances]
-                assert live == [8, 0, 0, 0], (live, run.marks(), groups.counters.events)
+                assert live == [10, 0, 0, 0, 0], (live, run.marks(), groups.counters.events)
                 marks = run.marks()
                 await run.past(marks, past)
                 run.cancel()
@@ -146,7 +150,7 @@ async def _merge_while_streaming(config, instances, model, *, direct: bool, seed
             assert await groups.restore(0)
             out["snap"] = await cluster.wait_idle()
             out["members"] = {}
-            for m in (1, 2, 3):  # their counters, once their loops returned
+            for m in (1, 2, 3, 4):  # their counters, once their loops returned
                 while not (st := (await groups.stats(m))["member"]):  # (None while serving)
                     await anyio.sleep(0.01)
                 out["members"][m] = st
@@ -154,24 +158,28 @@ async def _merge_while_streaming(config, instances, model, *, direct: bool, seed
             out["kv_exchanged"] = groups.report(0.0)["kv_exchanged_bytes"]
             out["after"] = await cluster.complete(prompts[0], shunter.SamplingParams(
                 max_tokens=8, temperature=0))
-            out["seeded_alone"] = (await cluster.complete(prompts[SEEDED], attrs.evolve(
-                SEEDED_PARAMS, max_tokens=len(run.got[SEEDED])))).token_ids
+            out["seeded_alone"] = {i: (await cluster.complete(prompts[i], attrs.evolve(
+                SEEDED_PARAMS, max_tokens=len(run.got[i])))).token_ids for i in SEEDED}
     out.update(merged=merged, marks=marks, got=run.got, events=groups.counters.events, past=past)
     return out
 
 
-def _check_outputs(out: dict, model) -> None:
+def _check_outputs(out: dict, model, members: tuple[int, ...]) -> None:
     merged, events, snap = out["merged"], out["events"], out["snap"]
-    assert merged.members == (0, 1, 2, 3) and merged.layers == stage_layers(LAYERS, 4)
+    assert merged.members == members and merged.layers == stage_layers(LAYERS, 5)
     g = next(e for e in events if e["event"] == "grow")
-    assert g["adopted"] == 4 and g["adopted_with_kv"] == 4, g  # instance 2's, with their KV
+    assert g["adopted"] == 6 and g["adopted_with_kv"] == 6, g  # instance 2's and 4's, with KV
     formed = next(e for e in events if e["event"] == "group")
     assert g["pool_blocks"] > formed["pool_blocks"], (g, formed)
-    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
-    assert [s.scheduler.free_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 4
+    assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 5
+    assert [s.scheduler.free_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 5
+    for i in SEEDED:
+        got = out["got"][i]
+        assert got == list(out["seeded_alone"][i]), (i, out["marks"][i], got,
+                                                     out["seeded_alone"][i])
     refs = _references(model, out["prompts"], max(len(g) for g in out["got"].values()))
-    for i in range(8):
-        if i == SEEDED:
+    for i in range(10):
+        if i in SEEDED:
             continue
         assert len(out["got"][i]) >= out["marks"][i] + out["past"], (i, out["marks"][i],
                                                                      out["got"][i])
@@ -185,13 +193,13 @@ def _check_outputs(out: dict, model) -> None:
 def _check_kv_exchanged(out: dict, before: int) -> None:
     """The cluster's `kv_exchanged_bytes` (each head's count of every member's transfers
     and of what it received restoring: gpu/kv_moved.py) equals what every instance sent by its
-    own counters: instance 0's as the head (forming, growing), 1's, 2's and 3's as members of
-    the merged group (restoring too), 2's and 3's in group (2, 3) before a direct merge
+    own counters: instance 0's as the head (forming, growing), 1's to 4's as members of the
+    merged group (restoring too), 2's and 3's in group (2, 3) before a direct merge
     (`sent_before_bytes`), and `before` (in group (2, 3) before it restored). Member-to-member
     sends are among them (2 to 1, 3 to 2 as the groups merge)."""
     members = out["members"]
     sent = out["head_sent"] + before + sum(members[m]["sent_bytes"]
-                                           + members[m]["sent_before_bytes"] for m in (1, 2, 3))
+                                           + members[m]["sent_before_bytes"] for m in (1, 2, 3, 4))
     assert out["kv_exchanged"] == sent > 0, (out["kv_exchanged"], out["head_sent"], before,
                                              members)
 
@@ -200,7 +208,7 @@ def _check_kv_exchanged(out: dict, before: int) -> None:
 async def test_two_running_groups_merge_after_the_joining_one_restores(
         anyio_backend, merge_config, merge_instances, merge_model):
     """Restore-then-grow (`direct=False`): instance 2 takes its group's layers and KV back,
-    then joins with its four requests as an instance serving alone does."""
+    then joins with its four requests as instance 4 (serving alone) does."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     out = await _merge_while_streaming(merge_config, merge_instances, merge_model,
@@ -209,13 +217,14 @@ async def test_two_running_groups_merge_after_the_joining_one_restores(
     print(f"\nmerge (restore first): {[e for e in events if e['event'] in ('restore', 'grow')]}")
     kinds = [e["event"] for e in events]
     assert kinds == ["group", "group", "restore", "grow", "merge", "restore"], kinds
-    _check_outputs(out, merge_model)
+    _check_outputs(out, merge_model, (0, 1, 2, 3, 4))
     g = next(e for e in events if e["event"] == "grow")
-    got = out["got"][SEEDED]  # the joining head owns it as it joins, instance 3 samples it
-    assert got == list(out["seeded_alone"]), (out["marks"][SEEDED], got, out["seeded_alone"])
     restored = out["joining_restore"]["kv_bytes"]
-    assert restored > 0 and g["kv_adopted_bytes"] > 0, (out["joining_restore"], g)
-    MOVED["restore_then_grow"] = (restored + g["kv_adopted_bytes"]) / g["kv_adopted_held_bytes"]
+    moved = out["members"][2]["sent_bytes"]  # group (2, 3)'s KV from instance 2 (keeps 4-5)
+    alone = out["members"][4]["sent_bytes"]  # instance 4's (it keeps 7)
+    assert restored > 0 and moved > 0 and g["kv_adopted_bytes"] == moved + alone, (restored, g)
+    assert g["kv_adopted_held_bytes"] * 42 == moved * 56 + alone * 48, g  # 6/8 and 7/8 moved
+    MOVED["restore_then_grow"] = (restored + moved) * 6 / (moved * LAYERS)
     b = out["joining_head"]  # group (2, 3): 2 sent as its head, received all 3 sent in it
     _check_kv_exchanged(out, b["sent_bytes"] + b["received_bytes"])
 
@@ -224,8 +233,9 @@ async def test_two_running_groups_merge_after_the_joining_one_restores(
 async def test_two_running_groups_merge_directly(anyio_backend, merge_config, merge_instances,
                                                  merge_model):
     """Direct (gpu/group_merge.py): the joining group's members send the layers of its requests'
-    KV that others keep now (0-1 and 2-3 from instance 2, 4-5 from instance 3; instance 3 keeps
-    6-7): each byte moves once at most, 6 of 8 layers here."""
+    KV that others keep now (0-1 and 2-3 from instance 2, 4-5 and 6 from instance 3; instance 3
+    keeps 7): each byte moves once at most, 7 of 8 layers here. Instance 4 (alone) joins as in
+    a growth, before the joining instances."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     out = await _merge_while_streaming(merge_config, merge_instances, merge_model,
@@ -235,15 +245,15 @@ async def test_two_running_groups_merge_directly(anyio_backend, merge_config, me
     print(f"\nmerge (direct): {g}; members {out['members']}")
     kinds = [e["event"] for e in events]
     assert kinds == ["group", "group", "grow", "merge", "restore"], kinds
-    _check_outputs(out, merge_model)
-    got = out["got"][SEEDED]  # instance 3's: its generator crossed both groups and the merge
-    assert got == list(out["seeded_alone"]), (out["marks"][SEEDED], got, out["seeded_alone"])
-    moved, held = g["kv_adopted_bytes"], g["kv_adopted_held_bytes"]
-    assert moved * LAYERS == held * 6, g  # layers 0-5 moved, 6-7 stayed on instance 3
+    _check_outputs(out, merge_model, (0, 1, 4, 2, 3))
     merged = {m: out["members"][m]["merged"] for m in (2, 3)}
-    assert merged[2]["kv_kept"] == 0 and merged[3]["kv_kept"] * LAYERS == held * 2, merged
-    assert merged[2]["kv_sent"] + merged[3]["kv_sent"] == moved, (merged, g)
-    assert merged[2]["kv_sent"] == 2 * merged[3]["kv_sent"], merged  # 4 layers to 2
+    moved = merged[2]["kv_sent"] + merged[3]["kv_sent"]  # group (2, 3)'s KV that moved
+    held = merged[3]["kv_kept"] * LAYERS  # instance 3 kept its layer 7
+    assert merged[2]["kv_kept"] == 0 and moved * LAYERS == held * 7 > 0, merged
+    assert 3 * merged[2]["kv_sent"] == 4 * merged[3]["kv_sent"], merged  # 4 layers to 3
+    alone = out["members"][4]["sent_bytes"]  # instance 4's requests: it keeps 4-5
+    assert g["kv_adopted_bytes"] == moved + alone, (merged, alone, g)
+    assert (g["kv_adopted_held_bytes"] - held) * 6 == alone * LAYERS, (held, alone, g)
     assert all(out["members"][m]["copied_blocks"] == 0 for m in (2, 3)), out["members"]
     _check_kv_exchanged(out, 0)
     MOVED["direct"] = moved / held
@@ -252,147 +262,3 @@ async def test_two_running_groups_merge_directly(anyio_backend, merge_config, me
         print(f"moved per byte of the joining group's KV: direct {MOVED['direct']:.3f}, "
               f"restore then grow {MOVED['restore_then_grow']:.3f} (ratio {ratio:.3f})")
         assert MOVED["direct"] <= 1.0 < MOVED["restore_then_grow"], MOVED
-
-
-@pytest.mark.anyio
-async def test_a_merge_restores_the_joining_group_before_its_instances_join(monkeypatch):
-    """`merge` (stand-in front door): the head's check first, then the joining group restores,
-    and its instances are asked to hand their requests over only once its head's runner is
-    alone (its next step restores: `leading` goes False); a restore that does not fit yet
-    postpones the merge with nothing moved; a head that never restores fails it by name."""
-    import types
-
-    import shunter.cluster.remote_grow as rg
-    from engine.cluster.counters import ClusterCounters
-    from shunter.cluster.group_wire import GrowGroup
-    from shunter.cluster.remote_groups import GroupCommandError
-
-    stays = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
-    joins = GroupPlan(group_id=2, members=(2, 3), layers=stage_layers(LAYERS, 2))
-    plan = GroupPlan(group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
-
-    class Groups:
-        num_layers = LAYERS
-
-        def __init__(self, fits=True, steps_to_restore=3):
-            self.calls, self.fits, self.leading = [], fits, None
-            self.steps = steps_to_restore
-            self.groups, self.counters = {0: stays, 2: joins}, ClusterCounters()
-            self.coordinator = types.SimpleNamespace(send=self._sent)
-            self.instances = [types.SimpleNamespace(alive=True, failure=None)] * 4
-
-        async def _sent(self, msg):
-            pass
-
-        async def _command(self, head, make):
-            msg = make(0)
-            self.calls.append(("check" if isinstance(msg, GrowGroup) and msg.check
-                               else type(msg).__name__, head))
-            return {"pool_blocks": 9}
-
-        async def restore(self, head):
-            self.calls.append(("restore", head))
-            if self.fits:
-                self.leading = self.steps
-            return self.fits
-
-        async def stats(self, head):
-            if self.leading:  # each look: one more step ran; the restore comes with one
-                self.leading -= 1
-            return {"head": {"leading": bool(self.leading)}}
-
-        async def _export(self, head, m):
-            self.calls.append(("export", m, bool(self.leading)))
-            return ()
-
-        async def note_kv(self, head):
-            pass
-
-    g = Groups()
-    assert (await rg.merge(g, stays, joins, plan, direct=False)).members == (0, 1, 2, 3)
-    assert g.calls[:2] == [("check", 0), ("restore", 2)], g.calls
-    exports = [c for c in g.calls if c[0] == "export"]
-    assert exports == [("export", 2, False), ("export", 3, False)], g.calls
-    assert g.counters.events[-1]["event"] == "merge", g.counters.events
-    g = Groups(fits=False)
-    with pytest.raises(rg.Postponed, match=r"group \(2, 3\) does not fit"):
-        await rg.merge(g, stays, joins, plan, direct=False)
-    assert g.calls == [("check", 0), ("restore", 2)], g.calls
-    monkeypatch.setattr(rg, "RESTORED_S", 0.05)
-    g = Groups(steps_to_restore=10**9)
-    with pytest.raises(GroupCommandError, match=r"instance 2: its group \(2, 3\) had not restored"):
-        await rg.merge(g, stays, joins, plan, direct=False)
-    assert not [c for c in g.calls if c[0] == "export"], g.calls
-
-
-@pytest.mark.anyio
-async def test_a_direct_merge_hands_the_joining_group_over():
-    """`merge` directly (stand-in front door): the head's check, then the joining head's
-    `HandOverGroup`, then the staying head's `MergeGroup` naming where each layer of the
-    handed-over requests lies; their streams follow them. A joining head that refuses
-    (its last exchange still running) postpones the merge with nothing else asked; a plan
-    that also adds an instance serving alone takes the restore path."""
-    import types
-
-    import shunter.cluster.remote_grow as rg
-    from engine.cluster.counters import ClusterCounters
-    from shunter.cluster.group_wire import GrowGroup
-    from shunter.cluster.instance_grow import HandOverGroup, MergeGroup
-    from shunter.cluster.remote_groups import GroupCommandError
-
-    stays = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
-    joins = GroupPlan(group_id=2, members=(2, 3), layers=stage_layers(LAYERS, 2))
-    plan = GroupPlan(group_id=3, members=(0, 1, 2, 3), layers=stage_layers(LAYERS, 4))
-    moved = tuple(types.SimpleNamespace(cluster_key=k) for k in (11, 12))
-
-    class Groups:
-        num_layers = LAYERS
-
-        def __init__(self, refuse=False):
-            self.calls, self.refuse, self.sent = [], refuse, []
-            self.groups, self.counters = {0: stays, 2: joins}, ClusterCounters()
-            self.coordinator = types.SimpleNamespace(send=self._sent)
-            self.instances = [types.SimpleNamespace(alive=True, failure=None, _live={},
-                                                    moved_to={}) for _ in range(5)]
-            self.instances[2]._live = {11: "a", 12: "b"}
-
-        async def _sent(self, msg):
-            self.sent.append(msg)
-
-        async def _command(self, head, make):
-            msg = make(0)
-            self.calls.append((type(msg).__name__, head))
-            if isinstance(msg, HandOverGroup):
-                if self.refuse:
-                    raise GroupCommandError(f"instance {head}: not settled")
-                return moved
-            if isinstance(msg, MergeGroup):
-                self.merge_msg = msg
-            return {"pool_blocks": 9} if isinstance(msg, GrowGroup) else None
-
-        async def restore(self, head):
-            self.calls.append(("restore", head))
-            return False
-
-        async def note_kv(self, head):
-            pass
-
-    g = Groups()
-    assert (await rg.merge(g, stays, joins, plan)).members == (0, 1, 2, 3)
-    assert g.calls == [("GrowGroup", 0), ("HandOverGroup", 2), ("MergeGroup", 0)], g.calls
-    m = g.merge_msg
-    assert m.parts == ((2, range(0, 4)), (3, range(4, 8))), m.parts  # member 2 and 3's layers
-    assert [k for k, _ in m.adopted] == [2, 2] and m.plan.layers == stage_layers(LAYERS, 4)
-    assert g.instances[0]._live == {11: "a", 12: "b"} and not g.instances[2]._live
-    assert g.groups == {0: m.plan}, g.groups
-    assert g.counters.events[-1]["event"] == "merge" and g.counters.events[-1]["direct"]
-    g = Groups(refuse=True)
-    with pytest.raises(rg.Postponed, match="not settled"):
-        await rg.merge(g, stays, joins, plan)
-    assert g.calls == [("GrowGroup", 0), ("HandOverGroup", 2)], g.calls
-    assert g.groups == {0: stays, 2: joins} and g.instances[2]._live, g.groups
-    g = Groups()
-    with pytest.raises(rg.Postponed):  # (the stand-in's restore does not fit)
-        await rg.merge(g, stays, joins, GroupPlan(group_id=3, members=(0, 1, 2, 3, 4),
-                                                  layers=stage_layers(LAYERS, 5)))
-    assert ("restore", 2) in g.calls and ("HandOverGroup", 2) not in g.calls, g.calls
