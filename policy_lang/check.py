@@ -366,33 +366,34 @@ class Checker:
     def check_bidirectional(self) -> None:
         """BROS's bidirectional table places KV slot by slot, one block per table entry, and
         copies slots (a shared block holds two requests' KV, one from each end): block groups
-        would have no effect there, so asking for both is refused rather than ignored."""
+        would have no effect there, a shared block is no one prefix's, and kv_reuse would have
+        nothing to keep (its host space holds checkpoints and swapped requests): all refused."""
         values = {m.name.name: m for m in self.rules.all("memory")}
-        bidi, granularity = values.get("bidirectional"), values.get("swap_granularity")
-        if bidi is not None and bidi.value.name == "on" and granularity is not None and (
-                granularity.value.name == "groups"):
-            self.error(granularity.value, "swap_granularity groups needs bidirectional off: "
-                       "bidirectional blocks are placed and copied slot by slot, one block per "
-                       "table entry, so block groups would have no effect")
+        if (bidi := values.get("bidirectional")) is None or bidi.value.name != "on":
+            return
+        for name, on, why in (
+                ("swap_granularity", "groups", "bidirectional blocks are placed and copied slot "
+                 "by slot, one block per table entry, so block groups would have no effect"),
+                ("prefix_cache", "on", "a bidirectional block holds two requests' KV, one from "
+                 "each end, so it is no one prefix's block to share"),
+                ("kv_reuse", "on", "the bidirectional table's host space holds checkpoints and "
+                 "swapped requests only, so no KV copy would be kept across turns")):
+            if (m := values.get(name)) is not None and m.value.name == on:
+                self.error(m.value, f"{name} {on} needs bidirectional off: {why}")
 
     def check_prefix_cache(self) -> None:
         """Prefix caching shares a full block between requests and keeps it after they end;
         block groups (FastSwitch §3.1) give each request contiguous runs it owns alone, so a
-        swap is one copy per run. A cached block inside a run would stay behind when the run is
-        freed or swapped, cutting free runs into single-block holes and groups into pieces,
-        which is what groups exist to avoid; the two are not combined."""
+        swap is one copy per run. A cached block in a run would stay behind when the run is
+        freed or swapped, cutting free runs into holes and groups into pieces: not combined."""
         values = {m.name.name: m.value.name for m in self.rules.all("memory")}
-        cache = next((m for m in self.rules.all("memory") if m.name.name == "prefix_cache"), None)
-        if cache is None or cache.value.name != "on":
+        if values.get("prefix_cache") != "on":
             return
+        cache = next(m for m in self.rules.all("memory") if m.name.name == "prefix_cache")
         if values.get("swap_granularity") == "groups":
             self.error(cache.value, "prefix_cache on needs swap_granularity per-block: block "
                                     "groups give each request contiguous runs of its own, and "
                                     "shared cached blocks would break them up")
-        if values.get("bidirectional") == "on":
-            self.error(cache.value, "prefix_cache on needs bidirectional off: a bidirectional "
-                                    "block holds two requests' KV, one from each end, so it is "
-                                    "no one prefix's block to share")
 
 
 def check(rules: RuleSet) -> list[Diagnostic]:
