@@ -11,15 +11,17 @@ them go (`HeadGroup.not_formed`); the group goes on as it was.
 
 Two running groups merge (Algorithm 6 merges the smallest groups, which may be groups already):
 the group whose head leads the plan (else the larger) stays. Directly (`DIRECT`, the default):
-the other's head hands its requests over (`HandOverGroup`; refused, nothing moved, while its
-last exchange runs: postponed) and the staying head grows the group with the joining instances
-as new members, in their order, each request's KV sent from the members holding it to those
-keeping those layers now (`MergeGroup.parts`, gpu/group_merge.py): it moves once. A plan that
-also adds instances serving alone, or `direct=False`: the other restores first (§4.4: its head
-takes every layer and its requests' KV back, its members serve alone), then its instances join
-as instances serving alone do (its KV moves twice: back to its head, then out again); a merge
-whose joining group's requests do not fit its head's own pool yet is postponed (asked again
-next round), as a restore is.
+instances of the plan serving alone hand their requests over first, as in a growth; the
+other's head hands its requests over (`HandOverGroup`; refused while its last exchange runs:
+postponed, the alone instances' requests recomputed at the staying head) and the staying head
+grows the group with the alone instances, then the joining ones in their order (the joining
+group's last stage stays the last), each of the joining group's requests' KV sent from the
+members holding it to those keeping those layers now (`MergeGroup.parts`,
+gpu/group_merge.py): it moves once. With `direct=False`: the other restores first (§4.4: its
+head takes every layer and its requests' KV back, its members serve alone), then its instances
+join as instances serving alone do (its KV moves twice: back to its head, then out again); a
+merge whose joining group's requests do not fit its head's own pool yet is postponed (asked
+again next round), as a restore is.
 """
 
 from __future__ import annotations
@@ -83,9 +85,10 @@ it restores first, then its instances join as instances serving alone do."""
 async def merge(groups, stays: GroupPlan, joins: GroupPlan, g: GroupPlan, *,
                 direct: bool | None = None) -> GroupPlan:
     """Group `joins` merges into `stays`: directly (`direct`, default `DIRECT`: its head hands
-    its requests over, its members send the KV of the layers others keep now: gpu/group_merge.py)
-    or by restoring first and growing. Returns the grown plan; raises `CannotGrow` or
-    `Postponed` (nothing moved), or `GroupCommandError`."""
+    its requests over, its members send the KV of the layers others keep now: gpu/group_merge.py;
+    instances alone in `g` join as in a growth) or by restoring first and growing. Returns the
+    grown plan; raises `CannotGrow` or `Postponed` (nothing of the groups moved), or
+    `GroupCommandError`."""
     from shunter.cluster.remote_groups import GroupCommandError
 
     if direct if direct is not None else DIRECT:
