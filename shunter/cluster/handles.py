@@ -40,7 +40,6 @@ from shunter.cluster.wire import (
     Link,
     Output,
     PeerLost,
-    Ping,
     PolicyReplaced,
     Pong,
     ReplacePolicyText,
@@ -288,7 +287,7 @@ class RemoteInstance(_Relay):
 
     async def _ping(self, seq: int) -> None:
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-            await self._link.send(Ping(seq=seq))
+            await self._link.send(self.heartbeat.ping_message(seq))
 
     async def _send_cancels(self) -> None:
         async for key in self._cancels:
