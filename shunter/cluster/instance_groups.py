@@ -145,8 +145,10 @@ class InstanceGroups:
 
         async def run() -> None:
             try:
-                self.member_stats = await self.runner._thread.run(serve, head)
-                log.info(f"{what} left", stats=self.member_stats)
+                stats = await self.runner._thread.run(serve, head)
+                log.info(f"{what} left", stats=stats)
+                if self.member_task is done:  # (not once it serves another group)
+                    self.member_stats = stats
             except Exception:  # its layers are gone: the instance ends (the head sees it lost)
                 log.exception(f"serving the {what} failed", head=head)
                 raise
