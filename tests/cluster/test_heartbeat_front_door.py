@@ -143,18 +143,12 @@ async def test_a_head_cut_off_from_its_front_door_ends_and_its_member_serves_alo
     streamed from the head, with the front door's error for an instance that went away."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    import random
-
     from shunter.cluster.cluster import Cluster
     from shunter.cluster.heartbeat import Liveness
-    from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _prompt
+    from tests.cluster.burst_streams import BurstStreams, burst_jobs
     from tests.reference import assert_matches, greedy_reference
 
-    rng = random.Random(0)
-    longs = [_prompt(rng, 8) for _ in range(2)]
-    burst = [_prompt(rng, 16) for _ in range(12)]
-    jobs = [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-            *((f"B{i}", p, 8) for i, p in enumerate(burst))]
+    longs, burst, jobs = burst_jobs()
     out: dict = {}
     # references first: computed inside the running cluster they would block the front door's
     # loop for seconds, and the member, hearing nothing for the bound, would end as well
@@ -169,30 +163,9 @@ async def test_a_head_cut_off_from_its_front_door_ends_and_its_member_serves_alo
                                  # once found the head silent (and killed it) first
                                  liveness=Liveness(silent_after_s=30.0,
                                                    front_door_silent_after_s=3.0)) as cluster:
-
-            async def one(name: str, prompt, n: int, first=None) -> None:
-                tokens: list[int] = []
-                async with cluster.generate(prompt, shunter.SamplingParams(
-                        max_tokens=n, temperature=0)) as stream:
-                    async for chunk in stream:
-                        tokens += chunk.token_ids
-                        if first is not None and len(tokens) >= 2:
-                            first.set()
-                        if chunk.finish_reason is not None:
-                            out[name] = (tokens, chunk.finish_reason, chunk.error)
-
             with anyio.move_on_after(240) as waited:
                 async with anyio.create_task_group() as tg:
-                    firsts = [anyio.Event() for _ in longs]
-                    for i, p in enumerate(longs):
-                        tg.start_soon(one, f"L{i}", p, LONG_TOKENS, firsts[i])
-                    for ev in firsts:
-                        await ev.wait()
-                    for i, p in enumerate(burst):
-                        tg.start_soon(one, f"B{i}", p, 8)
-                    while not cluster.groups.groups:
-                        await anyio.sleep(0.005)
-                    (head, group), = cluster.groups.groups.items()
+                    head, group = await BurstStreams(cluster, out).until_grouped(tg, longs, burst)
 
                     async def dropped(msg) -> None:
                         pass

@@ -10,15 +10,13 @@ Root and iproute2 only, with SHUNTER_NETNS=1:
 
 from __future__ import annotations
 
-import random
-
 import anyio
 import pytest
 
 import shunter
 from shunter.cluster.cluster import Cluster
 from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _prompt
+from tests.cluster.burst_streams import BurstStreams, burst_jobs
 from tests.reference import assert_matches, greedy_reference
 
 
@@ -30,11 +28,7 @@ async def test_a_host_cut_off_while_grouped_ends_every_request(
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from shunter.cluster.launch import LocalLauncher
 
-    rng = random.Random(0)
-    longs = [_prompt(rng, 8) for _ in range(2)]
-    burst = [_prompt(rng, 16) for _ in range(12)]
-    jobs = [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-            *((f"B{i}", p, 8) for i, p in enumerate(burst))]
+    longs, burst, jobs = burst_jobs()
     out: dict[str, tuple[list[int], str | None, str | None]] = {}
     with netns_hosts(2) as hosts:
         launcher = LocalLauncher("asyncio", hosts=list(zip(hosts.names, hosts.addresses)))
@@ -42,31 +36,11 @@ async def test_a_host_cut_off_while_grouped_ends_every_request(
             instances = [launcher.start_process(i, kunserve_config) for i in range(2)]
             async with Cluster.start(kunserve_config, attach=instances,
                                      monitor_interval_s=0.02) as cluster:
-
-                async def one(name: str, prompt, n: int, started=None) -> None:
-                    tokens: list[int] = []
-                    async with cluster.generate(prompt, shunter.SamplingParams(
-                            max_tokens=n, temperature=0)) as stream:
-                        async for chunk in stream:
-                            tokens += chunk.token_ids
-                            if started is not None and len(tokens) >= 2:
-                                started.set()
-                            if chunk.finish_reason is not None:
-                                out[name] = (tokens, chunk.finish_reason, chunk.error)
-
                 cut = None
                 with anyio.move_on_after(200) as waited:
                     async with anyio.create_task_group() as tg:
-                        started = [anyio.Event() for _ in longs]
-                        for i, p in enumerate(longs):
-                            tg.start_soon(one, f"L{i}", p, LONG_TOKENS, started[i])
-                        for ev in started:
-                            await ev.wait()
-                        for i, p in enumerate(burst):
-                            tg.start_soon(one, f"B{i}", p, 8)
-                        while not cluster.groups.groups:
-                            await anyio.sleep(0.005)
-                        (head, group), = cluster.groups.groups.items()
+                        head, group = await BurstStreams(cluster, out).until_grouped(
+                            tg, longs, burst)
                         cut = head if role == "head" else 1 - head  # instance i is on host i
                         hosts.cut(cut)
                         cut_at = anyio.current_time()

@@ -12,17 +12,15 @@ waits gloo's 60 s). (Across network-namespace hosts: test_heartbeat_group_netns.
 from __future__ import annotations
 
 import os
-import random
 import signal
 
 import anyio
 import attrs
 import pytest
 
-import shunter
 from shunter.cluster.cluster import Cluster
 from shunter.cluster.heartbeat import Liveness
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _prompt
+from tests.cluster.burst_streams import BurstStreams, burst_jobs
 from tests.reference import assert_matches, greedy_reference
 
 LIVENESS = Liveness()
@@ -39,11 +37,7 @@ async def test_a_member_stopped_while_grouped_ends_every_request_within_the_sile
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from shunter.cluster.launch import LocalLauncher
 
-    rng = random.Random(0)
-    longs = [_prompt(rng, 8) for _ in range(2)]
-    burst = [_prompt(rng, 16) for _ in range(12)]
-    jobs = [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-            *((f"B{i}", p, 8) for i, p in enumerate(burst))]
+    longs, burst, jobs = burst_jobs()
     out: dict[str, tuple[list[int], str | None, str | None]] = {}
     launcher = LocalLauncher("asyncio")
     started = [await anyio.to_thread.run_sync(launcher.start_process, i, kunserve_config)
@@ -53,30 +47,9 @@ async def test_a_member_stopped_while_grouped_ends_every_request_within_the_sile
     try:
         async with Cluster.start(kunserve_config, attach=unreachable, monitor_interval_s=0.02,
                                  liveness=LIVENESS) as cluster:
-
-            async def one(name: str, prompt, n: int, first=None) -> None:
-                tokens: list[int] = []
-                async with cluster.generate(prompt, shunter.SamplingParams(
-                        max_tokens=n, temperature=0)) as stream:
-                    async for chunk in stream:
-                        tokens += chunk.token_ids
-                        if first is not None and len(tokens) >= 2:
-                            first.set()
-                        if chunk.finish_reason is not None:
-                            out[name] = (tokens, chunk.finish_reason, chunk.error)
-
             with anyio.move_on_after(240) as waited:
                 async with anyio.create_task_group() as tg:
-                    firsts = [anyio.Event() for _ in longs]
-                    for i, p in enumerate(longs):
-                        tg.start_soon(one, f"L{i}", p, LONG_TOKENS, firsts[i])
-                    for ev in firsts:
-                        await ev.wait()
-                    for i, p in enumerate(burst):
-                        tg.start_soon(one, f"B{i}", p, 8)
-                    while not cluster.groups.groups:
-                        await anyio.sleep(0.005)
-                    (head, group), = cluster.groups.groups.items()
+                    head, group = await BurstStreams(cluster, out).until_grouped(tg, longs, burst)
                     stopped = 1 - head
                     os.kill(started[stopped].pid, signal.SIGSTOP)
                     stopped_at = anyio.current_time()
