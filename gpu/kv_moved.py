@@ -24,6 +24,6 @@ def transfer_bytes(transfers: Sequence[KvTransfer], model, block_size: int) -> i
 
 
 def count_moved(runner, n: int) -> None:
-    """Add `n` bytes to the instance's running count (`kv_moved_bytes`, never reset: the front
-    door reads it as it goes, from when it joined)."""
-    runner.kv_moved_bytes = getattr(runner, "kv_moved_bytes", 0) + n
+    """Add `n` bytes to the head runner's running count (`KunServeRunner.kv_moved_bytes`, never
+    reset: the front door reads it as it goes, from when it joined)."""
+    runner.kv_moved_bytes += n
