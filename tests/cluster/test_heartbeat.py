@@ -114,9 +114,7 @@ async def test_an_instance_that_stops_answering_is_lost_after_the_silence():
         await anyio.sleep(0.3)
         peer.answering, since = False, anyio.current_time()
         with anyio.fail_after(5):
-            while handle.alive:
-                await anyio.sleep(0.01)
-        lost_after.append(anyio.current_time() - since)
+            lost_after.append(await until_gone(handle) - since)
 
     handle, downs = await _watch(peer, Liveness(interval_s=0.05, silent_after_s=0.4), go_silent)
     assert 0.4 <= lost_after[0] < 1.5, lost_after
@@ -170,6 +168,13 @@ async def _serve(cluster: Cluster, prompts, results: dict, on_chunk=lambda key, 
             tg.start_soon(one, i)
 
 
+async def until_gone(handle) -> float:
+    """Wait until the front door counts instance `handle` gone; return when it did."""
+    while handle.alive:
+        await anyio.sleep(0.01)
+    return anyio.current_time()
+
+
 def _check_equal(results: dict, prompts, model_dir, what: str) -> None:
     for i, (tokens, reason, error) in results.items():
         assert reason != "error", (what, i, error)
@@ -219,9 +224,7 @@ async def test_a_stopped_instance_is_lost_after_the_silence_and_a_paused_one_is_
 
         async def watch_down() -> None:
             nonlocal lost_at
-            while handle.alive:
-                await anyio.sleep(0.01)
-            lost_at = anyio.current_time()
+            lost_at = await until_gone(handle)
 
         late: dict = {}  # dispatched while the front door still thinks it alive
         # (without the heartbeat, the requests on the stopped instance wait for ever)

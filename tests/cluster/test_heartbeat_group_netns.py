@@ -17,6 +17,7 @@ import shunter
 from shunter.cluster.cluster import Cluster
 from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
 from tests.cluster.burst_streams import BurstStreams, burst_jobs
+from tests.cluster.test_heartbeat import until_gone
 from tests.reference import assert_matches, greedy_reference
 
 
@@ -44,9 +45,7 @@ async def test_a_host_cut_off_while_grouped_ends_every_request(
                         cut = head if role == "head" else 1 - head  # instance i is on host i
                         hosts.cut(cut)
                         cut_at = anyio.current_time()
-                        while cluster.instances[cut].alive:
-                            await anyio.sleep(0.01)
-                        lost_at = anyio.current_time()
+                        lost_at = await until_gone(cluster.instances[cut])
                     ended_at = anyio.current_time()
                 assert not waited.cancelled_caught, (
                     f"not done in 200 s: instance {cut} declared lost: "

@@ -21,6 +21,7 @@ import pytest
 from shunter.cluster.cluster import Cluster
 from shunter.cluster.heartbeat import Liveness
 from tests.cluster.burst_streams import BurstStreams, burst_jobs
+from tests.cluster.test_heartbeat import until_gone
 from tests.reference import assert_matches, greedy_reference
 
 LIVENESS = Liveness()
@@ -53,9 +54,7 @@ async def test_a_member_stopped_while_grouped_ends_every_request_within_the_sile
                     stopped = 1 - head
                     os.kill(started[stopped].pid, signal.SIGSTOP)
                     stopped_at = anyio.current_time()
-                    while cluster.instances[stopped].alive:
-                        await anyio.sleep(0.01)
-                    lost_at = anyio.current_time()
+                    lost_at = await until_gone(cluster.instances[stopped])
                 ended_at = anyio.current_time()
             assert not waited.cancelled_caught, (
                 f"not done in 240 s: {len(out)} of {len(jobs)} requests ended")

@@ -21,7 +21,7 @@ from shunter.cluster.cluster import Cluster
 from shunter.cluster.heartbeat import Liveness
 from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
 from tests.cluster.prompts import PROMPTS
-from tests.cluster.test_heartbeat import _check_equal, _serve
+from tests.cluster.test_heartbeat import _check_equal, _serve, until_gone
 
 
 @pytest.mark.anyio
@@ -51,9 +51,7 @@ async def test_a_host_cut_off_is_lost_within_the_silence_and_the_other_serves_on
 
                 async def watch_down() -> None:
                     nonlocal lost_at
-                    while handle.alive:
-                        await anyio.sleep(0.01)
-                    lost_at = anyio.current_time()
+                    lost_at = await until_gone(handle)
 
                 dispatched_before = cluster.table.dispatches
                 with anyio.move_on_after(120) as waited:
