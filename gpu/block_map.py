@@ -41,14 +41,27 @@ class BlockMap:
         self._local[group_id] = local
         self._taken[local] = True
 
-    def reserve(self, request_id: int, locals_: Iterable[int]) -> None:
-        """Stage blocks holding `request_id`'s KV, in table order, for when its table comes."""
+    def reserve(self, request_id: int, locals_: Iterable[int | None]) -> None:
+        """Stage blocks holding `request_id`'s KV, in table order, for when its table comes.
+        None: no block holds that entry's KV in place (`fresh` gives it one to copy it into)."""
         held = list(locals_)
         for b in held:
-            if self._taken[b]:
+            if b is not None and self._taken[b]:
                 raise ValueError(f"stage block {b} is mapped already")
-            self._taken[b] = True
+            if b is not None:
+                self._taken[b] = True
         self._reserved[request_id] = held
+
+    def fresh(self, request_id: int) -> list[tuple[int, int]]:
+        """(entry, stage block): a free block reserved now for each entry of `request_id`'s
+        reservation that had none, for its KV to be copied into. Call it once every block
+        holding KV in place is reserved or pinned (none is then taken from under them)."""
+        held, out = self._reserved.get(request_id, []), []
+        for i, b in enumerate(held):
+            if b is None:
+                held[i] = self._pop()
+                out.append((i, held[i]))
+        return out
 
     def assign(self, request_id: int, index: int, group_id: int,
                in_use: Callable[[int], bool] = lambda _: True) -> tuple[int, int] | None:
@@ -58,6 +71,8 @@ class BlockMap:
         self._check(group_id)
         held = self._reserved.get(request_id)
         want = held[index] if held is not None and index < len(held) else None
+        if want is not None and want < 0:  # (used already)
+            want = None
         mapped = int(self._local[group_id])
         if want is None:
             if mapped < 0:
@@ -76,7 +91,7 @@ class BlockMap:
     def done_reserving(self, request_id: int) -> None:
         """The request's table is placed: blocks of its reservation left unused are free."""
         for b in self._reserved.pop(request_id, ()):
-            if b >= 0:
+            if b is not None and b >= 0:
                 self._taken[b] = False
                 self._free.append(b)
 

@@ -5,20 +5,21 @@ alone). The group (head A, members B, ...) takes instance C: the plan's layer sp
 stays the head, the new members come last).
 
 Every old member re-splits: it reads the KV it holds of every live request (its old layers)
-to the host, sends the layers another member keeps now over the data plane (the exchange of
+to the host and sends the layers another member keeps now over the data plane (the exchange of
 group formation, activations first, on the grown group's own channel), changes the layers it
 keeps (`redrop_layers`: only the layers it gains come in, from the first new member over the
 channel (it holds every layer until it joins: `GroupStart.gain_from`; `PEER_GAINS` False: from
 its host copy), and only those it drops now go to the host; its host copy of the others stays as
-it is), views its arena again for
-its new range (new stage view and block map) and writes the KV of the layers it keeps back into
-its new blocks. The new member C joins as a member joins a forming group
+it is), views its arena again for its new range (new stage view and block map) and leaves the
+KV of the layers it keeps where it lies: each group block id is pinned to the new view's block
+over it (gpu/kept_kv.py; one the layout gives no such block is copied on the device into a
+fresh one). The new member C joins as a member joins a forming group
 (gpu/group_member.py), receiving its layers of every request from those that held them, and
 sends its own requests' KV as formation does. Requests stay alive: their tables (the group's
 block ids) do not change, the pool only grows, and a request waits only for its own chunks.
-Costs (counted in `GrowStats`): the weights a member gains or drops, and a host round trip of
-every kept layer's KV (the new view's stride differs, so kept KV moves; on a GPU a device copy
-would do).
+Costs (counted in `GrowStats`): the weights a member gains or drops, and a device copy of the
+kept KV of each block that cannot stay in place (`kv_local_copied`; none when the new stride
+divides the old one and no gained weights lie over it).
 
 The protocol: the head sends every member (old and new) the new `GroupStart` (with `held`: the
 layers each member holds now); each old member answers with the seeded generators it sampled
@@ -61,11 +62,11 @@ from gpu.group_stage import (
     SeqState,
     _Seq,
     generator_state,
-    overlap,
     restored_generator,
     start_transfers,
 )
 from gpu.kv_exchange import send_transfers
+from gpu.kept_kv import KeptKV
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.stage_view import group_pool_blocks, redrop_layers  # noqa: F401 (tests import it here)
 
@@ -91,7 +92,9 @@ class GrowStats:
     weights_saved: int = 0
     """Newly dropped weights copied to the host (the next restore's copy)."""
     kv_local: int = 0
-    """KV of the layers this member keeps, read to the host and written back."""
+    """KV of the layers this member keeps of those it held (gpu/kept_kv.py)."""
+    kv_local_copied: int = 0
+    """Of it, what was copied into other blocks (the rest stayed where it lay: no copy)."""
     kv_sent: int = 0
     kv_received: int = 0
     """KV over the data plane (received: counted by the receiver as chunks come in; this is
@@ -133,9 +136,8 @@ class ResplitStage(GroupStage):
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                        lambda t: held(tables[t.request_id][:t.blocks], t.layers), self.stats)
         self.grown.kv_sent = self.stats.sent_bytes - sent
-        stay = overlap(was, self.keep)
-        local = {s.request_id: held(s.table, stay) for s in start.seqs if s.table and len(stay)}
-        self.grown.kv_local = sum(x.numel() * x.element_size() for x in local.values())
+        ids = list(dict.fromkeys(g for s in start.seqs for g in s.table))
+        kept = KeptKV(model, self.keep, [old.map.local(g) for g in ids])  # (before the re-split)
         fill = None
         if start.gain_from >= 0:  # the layers gained, from the new member holding every one
             src = start.ranks[start.gain_from]
@@ -147,6 +149,12 @@ class ResplitStage(GroupStage):
         self.drop, self.grown.weights_restored, self.grown.weights_saved = redrop_layers(
             model, self.keep, fill)
         self.map = BlockMap(self.drop.view, start.group)
+        copies = []  # the kept KV stays where it lies, its group ids pinned there, or is copied
+        for g in ids:
+            if (j := kept.place(old.map.local(g))) is not None:
+                self.map.pin(g, j)
+            elif len(kept.stay):
+                copies.append(g)
         self.seqs = {}
         for s in start.seqs:
             prev = old.seqs.get(s.request_id)
@@ -155,9 +163,11 @@ class ResplitStage(GroupStage):
             self.seqs[s.request_id] = seq
             for i, g in enumerate(s.table):
                 self.map.assign(s.request_id, i, g)
-            if s.request_id in local:
-                self.write_layers(torch.tensor(self.map.locals(s.table)), stay,
-                                  local[s.request_id])
+        for g in copies:
+            kept.write_copy(model, old.map.local(g), self.map.local(g))
+        kept.done()
+        self.grown.kv_local = kept.in_place_bytes + kept.copied_bytes
+        self.grown.kv_local_copied = kept.copied_bytes
         self._owned_gens = {}
         mine = [t for t in transfers if t.dst == me]
         self.grown.kv_received = sum(

@@ -7,10 +7,13 @@ included, joins A's growth as a new member (gpu/group_grow.py: the layers split 
 members, then B's, in order). H adopts B's requests with `Adopted.parts`: which member of the
 merged group holds which layers of them. At `GroupGo` each member of B sends the layers of B's
 requests it holds to the members that keep them now (the coordinated exchange: chunks,
-activations first), reads the layers it keeps to the host (its view's stride changes), changes
-its layers (`redrop_layers`, the ones it gains from its host copy) and writes the kept ones into
-each request's blocks at its first step here. Each byte of B's KV thus moves at most once; the
-restore-then-grow path moved B's members' layers to J, then out again.
+activations first), changes its layers (`redrop_layers`, the ones it gains from its host copy)
+and leaves the KV of the layers it keeps where it lies: each such block is reserved in its new
+stage view for the request, whose table (the merged head's block ids) comes with its first
+step (gpu/kept_kv.py; a block the layout gives no place in the new view is copied on the
+device into a fresh one, reserved alike). Each byte of B's KV thus moves at most once, and
+the kept bytes not at all where the layout allows; the restore-then-grow path moved B's
+members' layers to J, then out again.
 
 A member lost meanwhile: H recovers as in any growth (every request recomputed at H), every
 survivor restores its dropped layers from its host copy and serves alone.
@@ -39,9 +42,9 @@ from gpu.group_stage import (
     GroupStage,
     GroupStart,
     _Seq,
-    overlap,
     start_transfers,
 )
+from gpu.kept_kv import KeptKV
 from gpu.kv_exchange import ExchangeStats, send_transfers
 from gpu.stage_view import redrop_layers, restore_layers
 
@@ -63,7 +66,9 @@ class MergeStats:
     kv_sent: int = 0
     """Their KV sent to the members keeping those layers now."""
     kv_kept: int = 0
-    """Their KV of the layers it keeps: read to the host and written back (new stride)."""
+    """Their KV of the layers it keeps (gpu/kept_kv.py)."""
+    kv_kept_copied: int = 0
+    """Of it, what was copied into other blocks (the rest stayed where it lay: no copy)."""
     weights_restored: int = 0
     weights_saved: int = 0
 
@@ -110,35 +115,32 @@ class MergeStage(GroupStage):
         send_transfers(plane, start.ranks, me, transfers, start.chunk_blocks, start.epoch,
                        lambda t: held(t.request_id, t.blocks, t.layers), self.stats)
         self.merged.kv_sent, self.merged.requests = self.stats.sent_bytes, len(handed)
-        stay = overlap(was, self.keep)
-        self._kept = {rid: (stay, held(rid, -(-a.kv_tokens // self.block_size), stay))
-                      for rid, a in handed.items() if len(stay)}
-        """Each adopted request's KV of the layers this member keeps, until its first step."""
-        self.merged.kv_kept = sum(x.numel() * x.element_size() for _, x in self._kept.values())
         read.clear()
+        olds = {rid: old.map.locals(old.seqs[a.old_request_id].table[
+            :-(-a.kv_tokens // self.block_size)]) for rid, a in handed.items()}
+        kept = KeptKV(model, self.keep, [b for blocks in olds.values() for b in blocks])
         self.drop, self.merged.weights_restored, self.merged.weights_saved = redrop_layers(
             model, self.keep)
         self.map = BlockMap(self.drop.view, start.group)
+        if len(kept.stay):  # their kept layers: reserved where they lie, for when tables come
+            for rid, blocks in olds.items():
+                self.map.reserve(rid, [kept.place(b) for b in blocks])
         self.seqs = {}
         for s in start.seqs:  # the staying group's requests: all of their KV comes here
             self.seqs[s.request_id] = _Seq(tokens=list(s.tokens), table=list(s.table),
                                            sampling=s.sampling, generator=None)
             for i, g in enumerate(s.table):
                 self.map.assign(s.request_id, i, g)
+        for rid, blocks in olds.items():  # where the layout allowed no block in place: copied
+            for i, j in self.map.fresh(rid):
+                kept.write_copy(model, blocks[i], j)
+        kept.done()
+        self.merged.kv_kept = kept.in_place_bytes + kept.copied_bytes
+        self.merged.kv_kept_copied = kept.copied_bytes
         self._owned_gens = {rid: old.seqs[a.old_request_id].generator
                             for rid, a in handed.items()} | gens
         self.receiver = self._kv_receiver(transfers)
         self._hidden = model.config.hidden_size
-
-    def _place(self, request_id: int) -> None:
-        """An adopted request's kept layers into its blocks (its table came with this step),
-        then its chunks from the other members."""
-        kept = self._kept.pop(request_id, None)
-        if kept is not None:
-            layers, data = kept
-            table = self.seqs[request_id].table[:len(data)]
-            self.write_layers(torch.tensor(self.map.locals(table)), layers, data)
-        super()._place(request_id)
 
 
 def join_merged(stage: GroupStage, head_rank: int) -> tuple[MergeStage, GroupStart] | None:

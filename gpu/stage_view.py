@@ -10,6 +10,9 @@ b*L/k' + a//k', so the KV already there for those layers stays where it is and i
 the new view (no copy). Every other stage block that does not overlap the weights still kept
 (global tensors and the kept layers) is free for KV: the dropped layers' weights, the other
 layers' KV of the old blocks, and the old blocks themselves, L/k' stage blocks to each.
+The same holds between two stage views (a member re-split as its group grows or merges): a
+block's layers lie at `base + l` in every view (`StageView.base`), and the new view serves the
+KV there in place when it has a usable block at that base (`local_at`; gpu/kept_kv.py).
 
 Dropping copies the dropped weights to host first (the copy restore and fault recovery use) and
 zeroes the freed bytes; restoring writes weights back into their slots (from that host copy or
@@ -60,6 +63,7 @@ class StageView:
             usable &= ~((starts < hi) & (starts + span > lo))
         self.usable = np.flatnonzero(usable)
         """Stage block ids free for KV (ascending)."""
+        self._usable = usable
 
     @property
     def capacity(self) -> int:
@@ -68,6 +72,21 @@ class StageView:
     def local_of_old(self, old_block: int) -> int:
         """The stage block holding old block `old_block`'s kept layers."""
         return old_block * self.per_old + self.keep.start // self.stride
+
+    def base(self, local: int) -> int:
+        """Where layer 0 of stage block `local` would lie, in units of one layer's K and V of a
+        block (U): its kept layer l lies at `base + l` (the full view's old block b: b*L)."""
+        return (local - self.keep.start // self.stride) * self.stride
+
+    def local_at(self, base: int) -> int | None:
+        """The usable stage block whose layers lie at `base + l` (l in `keep`), or None: none
+        starts there (`base` is no multiple of the stride), or it overlaps kept weights or runs
+        past the buffer. Another view's block of that base holds the same memory for the
+        layers both keep: its KV is read here in place."""
+        if base % self.stride:
+            return None
+        local = base // self.stride + self.keep.start // self.stride
+        return local if 0 <= local < self.num_blocks and self._usable[local] else None
 
     def layer_kv(self, buffer: torch.Tensor, i: int, block_size: int, heads: int,
                  head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +97,13 @@ class StageView:
         k_at = self.first + i * self.unit
         return (buffer.as_strided(size, stride, k_at),
                 buffer.as_strided(size, stride, k_at + self.unit // 2))
+
+
+def view_for(model, keep: range) -> StageView:
+    """The stage view of `model`'s arena for a member keeping `keep` (geometry only)."""
+    arena = model.arena
+    return StageView(model.config, arena.block_size, arena.total_blocks,
+                     kept_weight_ranges(arena.layout, keep), keep)
 
 
 def group_pool_blocks(config: ModelConfig, block_size: int, dtype: torch.dtype,
@@ -260,8 +286,7 @@ def redrop_layers(model, keep: range, fill=None) -> tuple[DropState, int, int]:
                 saved_bytes += part.numel() * part.element_size()
             else:
                 host[(b.start, b.stop)] = held(b)
-    view = StageView(model.config, arena.block_size, arena.total_blocks,
-                     kept_weight_ranges(layout, keep), keep)
+    view = view_for(model, keep)
     new = DropState(keep=keep, view=view, all_layers=state.all_layers, host_copy=host,
                     freed_bytes=freed)
     serve_stage(model, new)

@@ -107,7 +107,8 @@ async def grow_here(ig, msg, tg) -> dict:
     return {"pool_blocks": len(pool), "adopted": len(reqs), "adopted_with_kv": len(adopted),
             "exchanging": len(waiting), "settle_tries": tries,
             "weights_copied_bytes": grown.weights_restored + grown.weights_saved,
-            "kv_local_bytes": grown.kv_local, "kv_sent_bytes": grown.kv_sent,
+            "kv_local_bytes": grown.kv_local, "kv_local_copied_bytes": grown.kv_local_copied,
+            "kv_sent_bytes": grown.kv_sent,
             "kv_adopted_bytes": grown.kv_adopted, "kv_adopted_held_bytes": grown.kv_adopted_held}
 
 

@@ -136,6 +136,12 @@ async def test_a_running_group_grows_while_requests_stream(
     gained = members[0]["grown"]
     assert gained["weights_from_peer"] > 0 and gained["weights_restored"] == 0, gained
     assert members[1]["weights_sent"] == gained["weights_from_peer"], members
+    # the kept KV (head: layers 0-1 of 0-2; member 1: layer 3 of 3-5) stays where it lies
+    # where the new stride (2) divides the old block's place (stride 3), else it is copied
+    # (gpu/kept_kv.py): which blocks are which depends on the ids handed out
+    assert g["kv_local_bytes"] > 0 and gained["kv_local"] > 0, (g, gained)
+    assert g["kv_local_copied_bytes"] < g["kv_local_bytes"], g  # its own solo blocks: in place
+    assert gained["kv_local_copied"] <= gained["kv_local"], gained
     for i, p in enumerate(prompts):
         assert len(got[i]) >= marks[i] + 3, (i, marks[i], got[i])
         assert_matches(got[i], greedy_reference(grow_model, p, len(got[i])), f"request {i}")

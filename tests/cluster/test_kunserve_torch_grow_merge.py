@@ -171,6 +171,8 @@ def _check_outputs(out: dict, model, members: tuple[int, ...]) -> None:
     assert g["adopted"] == 6 and g["adopted_with_kv"] == 6, g  # instance 2's and 4's, with KV
     formed = next(e for e in events if e["event"] == "group")
     assert g["pool_blocks"] > formed["pool_blocks"], (g, formed)
+    # the head keeps layers 0-1 of the 0-3 it held: their KV stays where it lies (strides 4 -> 2)
+    assert g["kv_local_bytes"] > 0 and g["kv_local_copied_bytes"] == 0, g
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 5
     assert [s.scheduler.free_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 5
     for i in SEEDED:
@@ -255,6 +257,12 @@ async def test_two_running_groups_merge_directly(anyio_backend, merge_config, me
     assert g["kv_adopted_bytes"] == moved + alone, (merged, alone, g)
     assert (g["kv_adopted_held_bytes"] - held) * 6 == alone * LAYERS, (held, alone, g)
     assert all(out["members"][m]["copied_blocks"] == 0 for m in (2, 3)), out["members"]
+    # instance 3's layer 7 of them stays where it lay (strides 4 -> 1): no copy (before
+    # gpu/kept_kv.py all of `kv_kept` went to the host and back)
+    assert merged[3]["kv_kept_copied"] == 0, merged
+    print(f"kept KV not moved: instance 3 {merged[3]['kv_kept']} B of the joining requests, "
+          f"the head {g['kv_local_bytes']} B of its own; copied {merged[3]['kv_kept_copied']} "
+          f"and {g['kv_local_copied_bytes']} B; kv_exchanged_bytes {out['kv_exchanged']}")
     _check_kv_exchanged(out, 0)
     MOVED["direct"] = moved / held
     if "restore_then_grow" in MOVED:  # both ran in this session

@@ -58,3 +58,19 @@ def test_the_pool_cannot_outgrow_the_member():
     view = SimpleNamespace(capacity=2, num_blocks=2, usable=np.arange(2))
     with pytest.raises(ValueError, match="cannot hold a group pool of 3"):
         BlockMap(view, range(3))
+
+
+def test_an_entry_with_no_block_in_place_gets_a_fresh_one_after_every_reservation():
+    """A merged member's kept KV (gpu/kept_kv.py): entries whose KV could not stay in place
+    (None) get free blocks once every in-place block is reserved, never one of those."""
+    m = _map()
+    m.reserve(7, [None, 1, None])
+    m.reserve(8, [0])  # reserved after 7's: `fresh` must not have handed block 0 out before
+    got = m.fresh(7)
+    assert [i for i, _ in got] == [0, 2] and {b for _, b in got}.isdisjoint({0, 1}), got
+    assert m.fresh(8) == []
+    for i, g in enumerate((4, 5, 6)):
+        assert m.assign(7, i, g) is None
+    m.done_reserving(7)
+    assert m.locals([4, 5, 6]) == [got[0][1], 1, got[1][1]] and m.copied_blocks == 0
+    assert m.assign(8, 0, 3) is None and m.local(3) == 0
