@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from engine.memory.bidirectional import BidirectionalBlocks, SlotCopies
+from engine.memory.slot_batches import StepCopies
 from engine.memory.slot_runs import NO_COPIES
 from engine.messages import BidirectionalOrders, BlockUpdate, SwapTransfer
 from engine.planner import IterationPlan
@@ -39,12 +40,16 @@ def best_effort(r: Request) -> bool:
 
 class BidirectionalMemory:
     def __init__(self, block_ids: range, block_size: int, host_slots: int,
-                 copy_blocks: range | None = None) -> None:
+                 copy_blocks: range | None = None, *, gather: bool = True) -> None:
         self.table = BidirectionalBlocks(block_ids, block_size, host_slots,
                                          copy_blocks=copy_blocks)
+        self.gather = gather
+        """Batch each step's slot copies by direction where their order allows
+        (engine/memory/slot_batches.py), so that the copier gathers a step's checkpoints in one
+        call (gpu/slot_copy.py); False: one transfer per change and direction."""
         self._sent: dict[int, list[int]] = {}
         """The block table the executor holds for each request."""
-        self._pending: list[SwapTransfer] = []
+        self._pending: list[tuple[int, SlotCopies]] = []
         """Copies of the scheduler's victims swapped out since the last fit (its step's first)."""
         self.swapped_out = 0
         """Requests swapped out whole by the extreme case since the start."""
@@ -64,7 +69,7 @@ class BidirectionalMemory:
         if not t.swapped(rid):  # else `_make_room` swapped it out already
             if not t.can_swap_out(rid):
                 return False
-            _add(self._pending, rid, t.swap_out(rid))
+            self._pending.append((rid, t.swap_out(rid)))
             self.swapped_out += 1
             self.victims_swapped += 1
         self._sent.pop(rid, None)
@@ -87,7 +92,10 @@ class BidirectionalMemory:
             release: Sequence[int]) -> BidirectionalOrders:
         """Fit `plan` (changed in place: requests that cannot be placed leave it) and return
         the step's table changes and slot copies."""
-        t, transfers, self._pending = self.table, self._pending, []
+        t, transfers = self.table, StepCopies(merge=self.gather)
+        for rid, copies in self._pending:
+            transfers.add(rid, copies)
+        self._pending = []
         for rid in [*release, *(v.id for v in plan.preempted
                                 if (r := requests.get(v.id)) is None or r.state != "swapped")]:
             if rid in self._sent or rid in t:
@@ -130,7 +138,9 @@ class BidirectionalMemory:
                 r.checkpointed_slots = slots
                 r.checkpointed_blocks = t.checkpointed_blocks(rid) if slots else 0
                 r.changed()
-        return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(transfers))
+        return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(
+            SwapTransfer(request_id=rid, direction=direction, pairs=pairs, sync=True)
+            for rid, direction, pairs in transfers))
 
     def _forget(self, rid: int) -> None:
         self._sent.pop(rid, None)
@@ -138,7 +148,7 @@ class BidirectionalMemory:
             self.table.free(rid)
 
     def _place(self, rid: int, tokens: int, plan: IterationPlan, requests: Mapping[int, Request],
-               transfers: list[SwapTransfer]) -> bool:
+               transfers: StepCopies) -> bool:
         t = self.table
         copies = t.grow(rid, tokens)  # most requests of a step: it fits as it is
         if copies is not None:
@@ -162,7 +172,7 @@ class BidirectionalMemory:
         return True
 
     def _make_room(self, rid: int, tokens: int, plan: IterationPlan,
-                   requests: Mapping[int, Request], transfers: list[SwapTransfer], *,
+                   requests: Mapping[int, Request], transfers: StepCopies, *,
                    force: bool = False) -> None:
         """§5.2's extreme case: swap out requests outside the step, BE first, then RT with the
         most time to their next deadline first, until request `rid` fits (`force`: also when it
@@ -192,14 +202,10 @@ class BidirectionalMemory:
                 return
 
 
-def _add(transfers: list[SwapTransfer], rid: int, copies: SlotCopies) -> None:
-    """The copies as swap transfers, in the order they must run, each waited for by the step."""
-    if copies is NO_COPIES:
-        return
-    for direction, pairs in (("out", copies.out), ("move", copies.move), ("in", copies.into)):
-        if pairs:
-            transfers.append(SwapTransfer(request_id=rid, direction=direction, pairs=pairs,
-                                          sync=True))
+def _add(transfers: StepCopies, rid: int, copies: SlotCopies) -> None:
+    """The copies, after those added before; each batch is a swap transfer the step waits for."""
+    if copies is not NO_COPIES:
+        transfers.add(rid, copies)
 
 
 def _leave(plan: IterationPlan, rid: int) -> None:

@@ -28,6 +28,18 @@ PCIE4_X16_GB_S = 32.0
 """FastSwitch §4: PCIe 4.0 x16, 32 GB/s per direction in theory."""
 PCIE5_X16_GB_S = 64.0
 """PCIe 5.0 x16 (H100 PCIe hosts), twice PCIe 4.0 per the PCI-SIG specification."""
+GATHER_CALLS = 3.0
+"""What one gather of BROS's slot copies (gpu/slot_copy.py: a step's checkpoints across blocks in
+one indexed copy) costs beside its bytes, in copy calls: on CUDA it is three dispatched
+operations, the index upload (a small host -> device copy), the gather kernel and the one
+device -> host copy of the gathered slots (or, for a swap-in, the upload, the copy and the
+scatter kernel), each charged as one FastSwitch copy call (§2.2; 129.2 us with its latency).
+Our assumption, not a measurement (no GPU was lent to this work): a kernel launch costs less
+than a copy call, and the host side's own gather or scatter, CPU memcpy of the same bytes, is
+left out; so the benchmarks report the headline at half and twice it
+(bench/results/bros_gather_round10.md). It errs against the gather where it replaces two runs
+(3 calls for 2): a strided run is charged one call, though torch copies a strided slice between
+devices through a contiguous temporary, a kernel and a copy as well."""
 
 
 def paper_link(bandwidth_gb_per_s: float, name: str) -> CopyLink:

@@ -57,14 +57,19 @@ class CopyEngine:
     def busy_until(self, direction: Direction) -> float:
         return self._free_at[direction]
 
-    def submit(self, now: float, direction: Direction, calls: int, nbytes: int) -> Transfer:
-        """Queue a transfer of `nbytes` in `calls` copy calls; returns when it runs."""
+    def submit(self, now: float, direction: Direction, calls: int, nbytes: int, *,
+               extra_s: float = 0.0) -> Transfer:
+        """Queue a transfer of `nbytes` in `calls` copy calls, plus `extra_s` of fixed cost (a
+        gather's dispatches beyond its one call: sim/swap.py); returns when it runs."""
         if calls < 0 or nbytes < 0:
             raise ValueError(f"a transfer needs calls >= 0 and nbytes >= 0, got {calls}, {nbytes}")
+        if extra_s < 0:
+            raise ValueError(f"a transfer needs extra_s >= 0, got {extra_s}")
         start = max(now, self._free_at[direction])
         end = start + self.link.copy_s(calls, nbytes)
         if (self.yield_every is not None or self.yield_bytes is not None) and calls:
             end = self._bounded(direction, start, calls, nbytes)
+        end += extra_s
         self._free_at[direction] = end
         if self._spans is not None and end > start:
             self._spans.append((start, end))

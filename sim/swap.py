@@ -16,6 +16,7 @@ import attrs
 from engine.iteration_log import SwapCounters
 from engine.memory.block_groups import coalesce
 from engine.memory.slot_runs import slot_blocks, slot_runs
+from sim.copy_costs import GATHER_CALLS
 from sim.copy_engine import CopyEngine
 from sim.profile import CopyLink
 
@@ -33,7 +34,8 @@ class SimSwapper:
     def __init__(self, link: CopyLink, *, block_nbytes: int, num_layers: int,
                  yield_every: int | None = YIELD_EVERY, block_size: int = 16,
                  yield_ms: float | None = YIELD_MS, track_busy: bool = False,
-                 start_lag_s: float = 0.0, pickup_s: float = 0.0) -> None:
+                 start_lag_s: float = 0.0, pickup_s: float = 0.0,
+                 slot_gather_calls: float | None = GATHER_CALLS) -> None:
         yield_bytes = None if yield_ms is None else int(
             link.bandwidth_gb_per_s * 1e9 * yield_ms / 1000.0)
         self.engine = CopyEngine(link, yield_every=yield_every, yield_bytes=yield_bytes,
@@ -60,6 +62,11 @@ class SimSwapper:
         self._overlapped: set[int] = set()
         self._slot_busy: dict[int, float] = {}
         """Device blocks in slot copies, which overlap the step instead of preceding it."""
+        self.slot_gather_calls = slot_gather_calls
+        """What one gather of slot copies costs beside its bytes, in copy calls
+        (sim/copy_costs.py `GATHER_CALLS`); None: the copier copies run by run, no gather."""
+        self.gathers = 0
+        """Gathers charged so far (each one call of `copy_ops`)."""
 
     def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
                granularity: str) -> None:
@@ -88,7 +95,8 @@ class SimSwapper:
 
     def _submit_slots(self, ticket_id: int, direction: str,
                       pairs: Sequence[tuple[int, int]]) -> None:
-        """BROS's slot copies (gpu/slot_copy.py): one strided call per run of consecutive slots,
+        """BROS's slot copies (gpu/slot_copy.py): one call per block group and one gather for
+        the other runs (or one strided call per run: `slot_gather_calls` None),
         `slots * block_nbytes / block_size` bytes. A device -> device move is charged on the
         swap-in engine at the host link's cost (an over-estimate: it never leaves the GPU)."""
         bs = self.block_size
@@ -97,10 +105,12 @@ class SimSwapper:
                     + [self._slot_busy.get(g, 0.0) for g in devices]
                     + [self._host_busy.get(h, 0.0) for h in hosts]
                     + [self._earliest()])
-        calls = len(slot_runs(pairs, bs))
+        runs = slot_runs(pairs, bs)
+        calls, extra_s = self._slot_calls(direction, pairs, runs)
         engine = "out" if direction == "out" else "in"
-        t = self.engine.submit(after, engine, calls, len(pairs) * self.block_nbytes // bs)
-        self.engine.counters.runs += calls
+        t = self.engine.submit(after, engine, calls, len(pairs) * self.block_nbytes // bs,
+                               extra_s=extra_s)
+        self.engine.counters.runs += len(runs)
         self.slots[direction] = self.slots.get(direction, 0) + len(pairs)
         self._end[ticket_id] = t.end
         self._quiet_at = max(self._quiet_at, t.end)
@@ -109,6 +119,23 @@ class SimSwapper:
             self._slot_busy[g] = max(self._slot_busy.get(g, 0.0), t.end)
         for h in hosts:
             self._host_busy[h] = max(self._host_busy.get(h, 0.0), t.end)
+
+    def _slot_calls(self, direction: str, pairs: Sequence[tuple[int, int]],
+                    runs: list[tuple[int, int, int]]) -> tuple[int, float]:
+        """(calls, extra seconds) of slot copies as gpu/slot_copy.py makes them: a block group
+        (a run longer than a block) is one call; the other runs one call each, or with a gather
+        one call together, which costs `slot_gather_calls` calls' dispatch (its bytes are
+        charged like any other)."""
+        if self.slot_gather_calls is None or (direction == "move" and not {
+                s for s, _ in pairs}.isdisjoint(d for _, d in pairs)):
+            return len(runs), 0.0
+        groups = sum(1 for _, _, n in runs if n > self.block_size)
+        scattered = len(runs) - groups
+        if scattered < 2:
+            return len(runs), 0.0
+        self.gathers += 1
+        dispatch_s = self.engine.link.dispatch_us * 1e-6
+        return groups + 1, (self.slot_gather_calls - 1.0) * dispatch_s
 
     def _earliest(self) -> float:
         """When a transfer submitted now may start copying: after the engine's hop to the

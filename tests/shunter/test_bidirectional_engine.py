@@ -4,7 +4,8 @@ RT and BE requests share KV blocks from opposite ends in a pool small enough tha
 slots in most iterations: BE requests are lazily checkpointed slot by slot and swapped back. Greedy
 outputs must equal transformers' token for token (up to near-ties), under asyncio and trio, with
 copies slowed so that a step that did not wait for them would read them half done and the host
-space poisoned; with one checkpoint copy skipped (a planted bug) the outputs must go wrong.
+space poisoned; with one checkpoint copy skipped (a planted bug) the outputs must go wrong. A
+step's copies go as gathers across blocks (gpu/slot_copy.py), which the greedy test requires.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from actors.swap_pool import SwapPool
 from engine.bidirectional_step import BidirectionalMemory
 from engine.memory.bidirectional import BidirectionalBlocks
 from engine.request import Request
+from gpu import slot_copy
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
@@ -149,6 +151,23 @@ def lost_checkpoint_reader(events: list[tuple[str, int, tuple]],
     return None
 
 
+@contextlib.contextmanager
+def gathers() -> Iterator[list[int]]:
+    """The slot copies the copier gathered (gpu/slot_copy.py): for each gather, how many
+    source blocks it read (a step's checkpoints across blocks in one call: 2 or more)."""
+    seen, inner = [], slot_copy.gather_slots
+
+    def counted(src_kv, dst_kv, runs) -> None:
+        seen.append(len({s // src_kv.shape[3] for s, _, _ in runs}))
+        inner(src_kv, dst_kv, runs)
+
+    slot_copy.gather_slots = counted
+    try:
+        yield seen
+    finally:
+        slot_copy.gather_slots = inner
+
+
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])
 async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llama_dir):
     # BE requests become guests in RT blocks when timing leaves an RT block with room and no
@@ -162,11 +181,13 @@ async def test_outputs_match_transformers_with_rt_overwriting_be_slots(tiny_llam
 
 async def _check_outputs_and_pool(tiny_llama_dir, seed: int) -> int:
     """One run's outputs, copies and pool checked; the number of BE guest placements."""
-    with made_tables() as tables:
+    with made_tables() as tables, gathers() as gathered:
         run = await serve(tiny_llama_dir, seed=seed)
     served, log, snap, swapper = run.outputs, run.log, run.snap, run.swapper
     assert len(served) == 4 * BE
     assert mismatches(tiny_llama_dir, served) == []
+    # the step's slot copies went as gathers, some across blocks (the outputs above with them)
+    assert gathered and max(gathered) >= 2, gathered
     slots = swapper.slot_counts()
     # real slot copies: checkpoints out, exactly those back in (plus any extreme-case swaps)
     assert slots["out"] >= BE and slots["in"] >= BE, slots

@@ -21,7 +21,7 @@ import pytest
 from engine.memory.bidirectional import BidirectionalBlocks
 from engine.memory.slot_runs import slot_runs
 from tests.shunter.test_bidirectional_engine import (
-    BE, POLICY, copy_history, made_tables, mismatches, serve,
+    BE, POLICY, copy_history, gathers, made_tables, mismatches, serve,
 )
 
 pytestmark = pytest.mark.anyio
@@ -72,10 +72,11 @@ def swap_outs(skip_one_masked_slot: bool = False) -> Iterator[tuple[SwapOuts, li
 
 
 async def _checked_run(model_dir, seed: int) -> SwapOuts:
-    with made_tables() as tables, swap_outs() as (seen, _):
+    with made_tables() as tables, swap_outs() as (seen, _), gathers() as gathered:
         run = await serve(model_dir, seed=seed, policy_text=SWAP_POLICY)
     assert len(run.outputs) == 4 * BE
     assert mismatches(model_dir, run.outputs) == []
+    assert gathered and max(gathered) >= 2, gathered  # the copies went as gathers
     assert run.snap.scheduler.live_requests == ()
     mem = tables[0]
     t = mem.table

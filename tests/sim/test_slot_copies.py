@@ -1,6 +1,7 @@
 """BROS's slot copies (lazy checkpoints, swap-backs, merges): what they cost in the simulator
-(calls x dispatch + bytes / bandwidth, one call per run of consecutive slots) and that the torch
-copier moves exactly those slots, every layer's K and V, in as many calls."""
+(calls x dispatch + bytes / bandwidth, one call per run of consecutive slots, or one gather of
+them at its own cost) and that the torch copier moves exactly those slots, every layer's K and
+V, in as many calls (the gather itself: tests/gpu/test_slot_copy.py)."""
 
 from __future__ import annotations
 
@@ -28,13 +29,18 @@ def test_runs_merge_consecutive_slots_of_one_block_only():
 
 
 @pytest.mark.trio
-async def test_sim_charges_calls_times_dispatch_plus_bytes_over_bandwidth(autojump_clock):
+@pytest.mark.parametrize(("gather_calls", "calls"), [(None, 2), (3.0, 3), (6.0, 6)])
+async def test_sim_charges_calls_times_dispatch_plus_bytes_over_bandwidth(autojump_clock,
+                                                                           gather_calls, calls):
+    """Two runs: two calls copied run by run, one gather charged `gather_calls` calls."""
     link = CopyLink(bandwidth_gb_per_s=1.0, dispatch_us=100.0)
     sw = SimSwapper(link, block_nbytes=4 * 10**6, num_layers=2, block_size=BS, yield_every=None,
-                    yield_ms=None)  # no bounded dispatch: the bare cost
+                    yield_ms=None, slot_gather_calls=gather_calls)  # no bounded dispatch
     now = trio.current_time()
     sw.submit(1, "out", [(4, 0), (5, 1), (9, 7)], "slots")  # two runs, three slots of 1 MB
-    end = now + 2 * 100e-6 + 3e6 / 1e9
+    end = now + calls * 100e-6 + 3e6 / 1e9
+    assert sw.counters().copy_ops == (2 if gather_calls is None else 1)
+    assert sw.gathers == (0 if gather_calls is None else 1)
     assert sw.overlapped_until([1], []) == pytest.approx(end)
     assert sw.overlapped_until([], [2]) == pytest.approx(end), "block 2 is busy"
     assert sw.ready_at([1], [2]) == 0.0, "slot copies overlap the step (BROS §4.1), never lead it"
@@ -71,12 +77,26 @@ async def test_a_step_overlapping_slot_copies_lasts_max_of_model_and_copies(auto
     assert done.compute_s + done.stall_s == pytest.approx(trio.current_time() - began)
 
 
+@pytest.mark.trio
+async def test_a_block_group_is_its_own_call_beside_the_gather(autojump_clock):
+    """A whole-block run (a block group) stays one contiguous copy; the partial runs beside it
+    are one gather; a move onto its own sources is copied run by run."""
+    link = CopyLink(bandwidth_gb_per_s=1000.0, dispatch_us=100.0)
+    sw = SimSwapper(link, block_nbytes=4 * 10**6, num_layers=2, block_size=BS, yield_every=None,
+                    yield_ms=None, slot_gather_calls=3.0)
+    group = [(8 + i, 16 + i) for i in range(2 * BS)]  # blocks 2-3 -> host blocks 4-5
+    sw.submit(1, "out", [(1, 0), *group, (5, 2)], "slots")
+    assert (sw.counters().copy_ops, sw.gathers) == (2, 1)
+    sw.submit(2, "move", [(0, 4), (4, 9)], "slots")  # 4 is read and written: no gather
+    assert (sw.counters().copy_ops, sw.gathers) == (4, 1)
+
+
 def test_torch_copier_moves_exactly_the_slots():
     gen = torch.Generator().manual_seed(0)
     device = torch.randn(3, 2, 2, BS, 2, 8, generator=gen)  # [blocks, L, k/v, slot, H, D]
     host = torch.full((2, 2, 2, BS, 2, 8), float("nan"))
     before = device.clone()
-    calls, nbytes = copy_slots("out", [(5, 2), (6, 3), (11, 4)], device, host)
+    calls, nbytes = copy_slots("out", [(5, 2), (6, 3), (11, 4)], device, host, gather=False)
     assert calls == 2 and nbytes == 3 * 2 * 2 * 2 * 8 * 4
     for dev_slot, host_slot in [(5, 2), (6, 3), (11, 4)]:
         torch.testing.assert_close(host[host_slot // BS, :, :, host_slot % BS],
