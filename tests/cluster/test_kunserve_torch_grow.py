@@ -142,6 +142,8 @@ async def test_a_running_group_grows_while_requests_stream(
     assert g["kv_local_bytes"] > 0 and gained["kv_local"] > 0, (g, gained)
     assert g["kv_local_copied_bytes"] < g["kv_local_bytes"], g  # its own solo blocks: in place
     assert gained["kv_local_copied"] <= gained["kv_local"], gained
+    print(f"kept KV: head {g['kv_local_bytes']} B, {g['kv_local_copied_bytes']} B of it copied; "
+          f"member 1 {gained['kv_local']} B, {gained['kv_local_copied']} B copied")
     for i, p in enumerate(prompts):
         assert len(got[i]) >= marks[i] + 3, (i, marks[i], got[i])
         assert_matches(got[i], greedy_reference(grow_model, p, len(got[i])), f"request {i}")

@@ -56,6 +56,7 @@ def _resplit(model, keep: range, entries: list[int], rid: int = 1
 ])
 def test_kept_kv_stays_where_it_lies_where_the_layout_allows(model_dirs, layers, was, keep,
                                                              copies, monkeypatch):
+    copied = {}
     for in_place in (True, False):  # the same requests, with and without the in-place path
         monkeypatch.setattr(kept_kv, "IN_PLACE", in_place)
         model = CausalLM.from_pretrained(model_dirs[layers], num_kv_blocks=12, block_size=4)
@@ -81,6 +82,7 @@ def test_kept_kv_stays_where_it_lies_where_the_layout_allows(model_dirs, layers,
             if stay and b in kept.in_place and i < 14:  # the same memory: not copied
                 assert model._kv[stay[0] - keep.start][0][j].data_ptr() == where[b], (i, b, j)
         assert kept.in_place_bytes + kept.copied_bytes == len(entries) * kept.block_bytes
+        copied[in_place] = kept.copied_bytes
         if not in_place or copies == "none kept":
             assert kept.in_place_bytes == 0
             assert kept.copied_bytes == (len(entries) * kept.block_bytes if stay else 0)
@@ -89,6 +91,8 @@ def test_kept_kv_stays_where_it_lies_where_the_layout_allows(model_dirs, layers,
                                                                kept.block_bytes)
         else:
             assert 0 < kept.copied_bytes < kept.in_place_bytes + kept.copied_bytes
+    print(f"\nkept KV, {layers} layers {was.start}-{was.stop - 1} -> {keep.start}-{keep.stop - 1}"
+          f", {len(entries)} blocks: copied {copied[False]} B before, {copied[True]} B now")
 
 
 def _decode_logits(stages, tables, token: int, pos: int) -> torch.Tensor:
