@@ -245,9 +245,10 @@ def redrop_layers(model, keep: range, fill=None) -> tuple[DropState, int, int]:
     """A dropped model keeps `keep` instead of the range it keeps now, copying only what
     changes: the layers it gains come back from its host copy (or `fill(blocks, dst)`: a peer's
     copy received into place, each contiguous run of them at once), the layers it drops now go
-    to the host; the host copy of a layer dropped before and after stays as it is (a slice of it, not a
-    copy: the host copy is then in pieces). Returns the new state, the bytes written back and
-    the bytes saved to the host. The KV in the old view is overwritten (read it first)."""
+    to the host; the host copy of a layer dropped before and after stays as it is (a slice of
+    it, not a copy: the host copy is then in pieces). Returns the new state, the bytes written
+    back and the bytes saved to the host. KV of the old view where the gained weights go is
+    overwritten (gpu/kept_kv.py takes what cannot stay in place first)."""
     state: DropState = model.drop_state
     arena, L = model.arena, model.config.num_layers
     layout, per = arena.layout, arena.layout.block_elems

@@ -34,3 +34,21 @@ def test_the_staying_groups_requests_and_requests_of_one_owner_are_unchanged():
     got = {(t.src, t.dst, t.layers.start, t.layers.stop)
            for t in start_transfers(_start((), (seq,), held), block_size=4)}
     assert got == {(0, 1, 2, 4), (1, 2, 4, 6), (1, 3, 6, 8)}, got
+
+
+def test_a_handed_over_request_released_before_its_first_step_frees_its_kept_blocks():
+    """A merged member reserved the blocks holding a handed-over request's kept KV (in place,
+    gpu/kept_kv.py); the request ends before its table came: the blocks are free again."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from gpu.block_map import BlockMap
+    from gpu.group_merge import MergeStage
+
+    view = SimpleNamespace(capacity=4, num_blocks=4, usable=np.arange(4, dtype=np.int64))
+    stage = object.__new__(MergeStage)  # only what booking a step reads
+    stage.map, stage.seqs, stage._owned_gens = BlockMap(view, range(4)), {}, {}
+    stage.map.reserve(7, [1, 2])
+    stage._book(SimpleNamespace(release=(7,), setups=(), blocks=()))
+    assert sorted(stage.map.assign(9, i, i) or stage.map.local(i) for i in range(4)) == [0, 1, 2, 3]
