@@ -119,6 +119,10 @@ class RequestMetrics:
     tpot_tokens_met: int = 0
     """Of those, tokens delivered by their own deadline, the k-th at first + k * TPOT (BROS's
     fine-grained SLO: attainment counted per token, not per request)."""
+    tpot_gaps_met: int = 0
+    """Of `tpot_tokens`, tokens delivered within TPOT of the token before (BROS §4.1's
+    constraint times each token from the last one returned). A stall after tokens that came
+    early misses here, where the cumulative count above can absorb it."""
 
     @property
     def good(self) -> bool:
@@ -134,12 +138,13 @@ def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetr
     tpot = None if t.tpot_s is None else t.tpot_s * 1000.0
     e2e = t.e2e_s * 1000.0
     met_ttft = met_tpot = None
-    per_token = per_token_met = 0
+    per_token = per_token_met = gaps_met = 0
     if goal.tpot_ms is not None and len(t.token_times) > 1:
         first, step = t.token_times[0], goal.tpot_ms / 1000.0
         per_token = len(t.token_times) - 1
         per_token_met = sum(at <= first + k * step + 1e-9
                             for k, at in enumerate(t.token_times[1:], start=1))
+        gaps_met = sum(b - a <= step + 1e-9 for a, b in zip(t.token_times, t.token_times[1:]))
     if goal.ttft_ms is not None:
         met_ttft = completed and ttft is not None and ttft <= goal.ttft_ms
     if goal.tpot_ms is not None:
@@ -153,7 +158,7 @@ def request_metrics(t: RequestTimeline, goal: Goal | None = None) -> RequestMetr
         queue_ms=None if t.queue_s is None else t.queue_s * 1000.0,
         preemptions=t.preemptions, swap_stall_ms=t.swap_stall_s * 1000.0,
         met_ttft=met_ttft, met_tpot=met_tpot, tpot_tokens=per_token,
-        tpot_tokens_met=per_token_met)
+        tpot_tokens_met=per_token_met, tpot_gaps_met=gaps_met)
 
 
 def _failed(goal: Goal) -> RequestMetrics:
@@ -179,6 +184,8 @@ class Attainment:
     """Met every SLO it has (a failed request meets none)."""
     tpot_per_token: float | None = None
     """Share of output tokens (after each request's first) delivered by their deadline."""
+    tpot_per_gap: float | None = None
+    """Share of those tokens delivered within TPOT of the token before."""
 
 
 @attrs.frozen(kw_only=True)
@@ -266,7 +273,8 @@ def attainment(per_request: Sequence[RequestMetrics]) -> dict[str, Attainment]:
             tpot=share([m.met_tpot for m in ms if m.met_tpot is not None]),
             all=share([m.good for m in with_slo]),
             tpot_per_token=(sum(m.tpot_tokens_met for m in ms) / tokens
-                            if (tokens := sum(m.tpot_tokens for m in ms)) else None))
+                            if (tokens := sum(m.tpot_tokens for m in ms)) else None),
+            tpot_per_gap=(sum(m.tpot_gaps_met for m in ms) / tokens if tokens else None))
     return out
 
 

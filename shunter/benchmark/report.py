@@ -63,7 +63,7 @@ def prefix_cache_lines(outcomes: Sequence[RunOutcome]) -> list[str]:
 
 
 CLASS_COLUMNS = ("policy", "class", "done", "TTFT p50", "TTFT p99", "TPOT p50", "norm lat",
-                 "TTFT ok", "TPOT ok", "TPOT ok/token", "out tok/s", "req/s")
+                 "TTFT ok", "TPOT ok", "TPOT ok/token", "TPOT ok/gap", "out tok/s", "req/s")
 
 
 def _pct(v: float | None) -> str:
@@ -73,7 +73,8 @@ def _pct(v: float | None) -> str:
 def class_table(outcomes: Sequence[RunOutcome]) -> str | None:
     """Each request class apart (BROS: RT latency and SLOs, BE throughput): latencies in ms,
     `norm lat` the mean end-to-end latency per output token, `TPOT ok/token` the share of
-    tokens on time. None when every run has a single class."""
+    tokens on time (the k-th by first + k x TPOT), `TPOT ok/gap` the share within TPOT of the
+    token before. None when every run has a single class."""
     runs = [o for o in outcomes if o.metrics is not None]
     if not any(len(o.metrics.by_class) > 1 for o in runs):
         return None
@@ -85,5 +86,6 @@ def class_table(outcomes: Sequence[RunOutcome]) -> str | None:
                          _num(b["ttft_ms"]["p99"]), _num(b["tpot_ms"]["p50"]),
                          _num(b["normalized_latency_ms"]["mean"]), _pct(a["ttft"]),
                          _pct(a["tpot"]), _pct(a["tpot_per_token"]),
+                         _pct(a.get("tpot_per_gap")),
                          _num(b["output_tokens_per_s"]), _num(b["requests_per_s"], 2))
     return plain_text(grid)

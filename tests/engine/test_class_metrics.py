@@ -22,6 +22,19 @@ def test_tpot_attainment_counts_each_token_against_its_own_deadline():
     m = request_metrics(t, Goal(request_class="rt", tpot_ms=100.0))
     assert (m.tpot_tokens, m.tpot_tokens_met) == (4, 2)  # 1.1 and 1.29 on time
     assert m.met_tpot is False  # (1.5 - 1.0) / 4 = 125 ms mean > 100 ms
+    assert m.tpot_gaps_met == 2  # gaps 100, 150, 40, 210 ms
+
+
+def test_a_stall_after_early_tokens_misses_per_gap_but_not_per_token():
+    # tokens every 30 ms bank 0.7 s against the cumulative deadlines; a 0.5 s stall then misses
+    # only its own gap: BROS times each token from the last one returned
+    times = (1.0, 1.03, 1.06, 1.09, 1.12, 1.15, 1.18, 1.21, 1.24, 1.27, 1.30, 1.80, 1.83)
+    m = request_metrics(timeline(1, "rt", times), Goal(request_class="rt", tpot_ms=100.0))
+    assert m.tpot_tokens == 12
+    assert m.tpot_tokens_met == 12
+    assert m.tpot_gaps_met == 11
+    got = run_metrics([timeline(1, "rt", times, tpot_slo_ms=100.0)], duration_s=2.0)
+    assert got.by_class["rt"]["slo_attainment"]["tpot_per_gap"] == pytest.approx(11 / 12)
 
 
 def test_by_class_keeps_rt_and_be_apart():
@@ -36,6 +49,8 @@ def test_by_class_keeps_rt_and_be_apart():
     assert rt_block["slo_attainment"]["ttft"] == 0.5               # 200 ms yes, 900 ms no
     # per token: rt 0.3 <= 0.4, 0.4 <= 0.6; late 1.0 <= 1.1, 1.5 > 1.3 -> 3 of 4
     assert rt_block["slo_attainment"]["tpot_per_token"] == 0.75
+    # per gap: 100, 100 ms; 100, 500 ms -> 3 of 4
+    assert rt_block["slo_attainment"]["tpot_per_gap"] == 0.75
     assert rt_block["normalized_latency_ms"]["mean"] == pytest.approx((400 / 3 + 500) / 2)
     assert be_block["slo_attainment"]["tpot"] is None
     assert set(m.as_dict()["by_class"]) == {"rt", "be"}
