@@ -6,7 +6,10 @@ with each step's copies batched by direction and each batch's runs gathered into
 through `shunter bench`'s own runner, on the simulator with scheduler time not charged.
 
 Per run: copy calls (out, in), gathers, transfers, slots per direction, the copy engine's busy
-seconds (both directions added), the step's stall on copies, and the RT/BE metrics.
+seconds (both directions added), the table fit's wall time per call (`fit`: where the
+batching runs; wall clock, so only a ratio within one run means anything), the step's stall on copies, the time the steps' own copies (inputs in, tokens out) waited
+behind slot copies on the copy engine (FastSwitch §3.2's bounded dispatch, sim/copy_engine.py),
+and the RT/BE metrics.
 
     python bench/gather_round10.py --points 1500:10,1750:12,3500:13 --seeds 9 --json OUT
     python bench/gather_round10.py --report OUT...
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +40,13 @@ from sim.copy_costs import GATHER_CALLS  # noqa: E402
 KINDS = {"runs": None, "gather": GATHER_CALLS, "gather_x0.5": GATHER_CALLS / 2,
          "gather_x2": GATHER_CALLS * 2}
 """Copy kind -> a gather's cost in copy calls (None: run by run, no batching)."""
-STATE: dict[str, Any] = {"kind": "gather", "busy_s": 0.0, "swappers": [], "tables": []}
+STATE: dict[str, Any] = {"kind": "gather", "busy_s": 0.0, "fit_s": 0.0, "fits": 0,
+                         "swappers": [], "tables": []}
 
 
 def install() -> None:
     bidi_init, swap_init = bidirectional_step.BidirectionalMemory.__init__, swap.SimSwapper.__init__
-    submit = copy_engine.CopyEngine.submit
+    submit, fit = copy_engine.CopyEngine.submit, bidirectional_step.BidirectionalMemory.fit
 
     def bidi(self: Any, *args: Any, **kwargs: Any) -> None:
         bidi_init(self, *args, **kwargs, gather=KINDS[STATE["kind"]] is not None)
@@ -56,13 +61,22 @@ def install() -> None:
         STATE["busy_s"] += t.end - t.start
         return t
 
+    def timed_fit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        began = time.perf_counter()
+        try:
+            return fit(self, *args, **kwargs)
+        finally:
+            STATE["fit_s"] += time.perf_counter() - began
+            STATE["fits"] += 1
+
+    bidirectional_step.BidirectionalMemory.fit = timed_fit  # type: ignore[method-assign]
     bidirectional_step.BidirectionalMemory.__init__ = bidi  # type: ignore[method-assign]
     swap.SimSwapper.__init__ = swapper  # type: ignore[method-assign]
     copy_engine.CopyEngine.submit = busy  # type: ignore[method-assign]
 
 
 def run(kind: str, spec: str, config: EngineConfig) -> dict[str, Any]:
-    STATE.update(kind=kind, busy_s=0.0, swappers=[], tables=[])
+    STATE.update(kind=kind, busy_s=0.0, fit_s=0.0, fits=0, swappers=[], tables=[])
     workload = load_workload(spec)
     o = run_one(parse_policy("bros"), workload, config, progress=False,
                 clock_limit_s=20 * workload.duration_s)
@@ -77,6 +91,7 @@ def run(kind: str, spec: str, config: EngineConfig) -> dict[str, Any]:
             "copy_calls": m.swap.copy_ops, "copy_calls_in": m.swap.copy_ops_in,
             "gathers": sw.gathers, "transfers": sw.transfers, "slots": dict(sw.slots),
             "copy_busy_s": round(STATE["busy_s"], 3), "stall_s": round(m.swap.stall_s, 3),
+            "step_copy_wait_s": round(m.swap.step_copy_wait_s, 3),
             "checkpointed_slots": t.checkpointed_slots_total,
             "rt_ttft_ok": a.get("ttft"), "rt_tpot_ok_per_token": a.get("tpot_per_token"),
             "rt_ttft_p99_ms": rt["ttft_ms"]["p99"],
@@ -84,19 +99,21 @@ def run(kind: str, spec: str, config: EngineConfig) -> dict[str, Any]:
             "be_requests_per_s": be.get("requests_per_s", 0.0),
             "preemptions": m.preemptions, "completed": m.completed, "failed": m.failed,
             "end_requests": len(t.requests()), "end_free_blocks": t.num_free,
-            "total_blocks": t.num_total, "wall_s": round(o.wall_s, 1)}
+            "total_blocks": t.num_total, "wall_s": round(o.wall_s, 1),
+            "fit_ms_per_call": round(1000 * STATE["fit_s"] / max(STATE["fits"], 1), 4)}
 
 
 def report(paths: list[Path]) -> str:
     rows = [r for p in paths for r in json.loads(p.read_text())]
     out = ["| blocks / RT/s | seed | copies | copy calls (in) | gathers | transfers | copy busy s "
-           "| stall s | RT TTFT ok | RT norm. latency ms | RT TTFT p99 ms | BE req/s "
-           "| preemptions | completed, failed |", "|---" * 14 + "|"]
+           "| stall s | step copy wait s | RT TTFT ok | RT norm. latency ms | RT TTFT p99 ms | BE req/s "
+           "| preemptions | completed, failed |", "|---" * 15 + "|"]
     for r in rows:
         out.append(" | ".join([
             f"| {r['num_blocks']:,} / {r['rate']:g}", str(r["seed"]), r["kind"],
             f"{r['copy_calls']:,} ({r['copy_calls_in']:,})", f"{r['gathers']:,}",
             f"{r['transfers']:,}", f"{r['copy_busy_s']:.2f}", f"{r['stall_s']:.2f}",
+            f"{r['step_copy_wait_s']:.2f}",
             f"{100 * r['rt_ttft_ok']:.1f}%", f"{r['rt_norm_latency_ms']:.1f}",
             f"{r['rt_ttft_p99_ms']:.0f}", f"{r['be_requests_per_s']:.2f}",
             f"{r['preemptions']:,}", f"{r['completed']:,}, {r['failed']}"]) + " |")
