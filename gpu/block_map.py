@@ -28,7 +28,8 @@ class BlockMap:
         self.group = group
         self._local = np.full(group.stop, -1, dtype=np.int64)
         self._taken = np.zeros(view.num_blocks, dtype=bool)
-        self._free = [int(b) for b in view.usable[::-1]]  # pop() takes the lowest
+        order = view.resplit_first() if hasattr(view, "resplit_first") else view.usable
+        self._free = [int(b) for b in order[::-1]]  # pop() takes them in that order
         self._reserved: dict[int, list[int]] = {}
         self.copied_blocks = 0
         """Blocks of kept KV that had to be copied (a reserved block could not be used)."""

@@ -21,6 +21,8 @@ from a peer's kept range, one contiguous tensor per range) and returns to the fu
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import numpy as np
 import torch
@@ -77,6 +79,16 @@ class StageView:
         """Where layer 0 of stage block `local` would lie, in units of one layer's K and V of a
         block (U): its kept layer l lies at `base + l` (the full view's old block b: b*L)."""
         return (local - self.keep.start // self.stride) * self.stride
+
+    def resplit_first(self) -> np.ndarray:
+        """The usable blocks, those whose KV a later re-split to any smaller stride can keep
+        in place first (their base a multiple of every divisor of the layer count below this
+        stride: gpu/kept_kv.py), each part ascending: the order a block map hands them out."""
+        L = self.per_old * self.stride
+        step = math.lcm(*(d for d in range(1, self.stride) if L % d == 0)) \
+            if self.stride > 1 else 1
+        aligned = (self.usable - self.keep.start // self.stride) * self.stride % step == 0
+        return np.concatenate((self.usable[aligned], self.usable[~aligned]))
 
     def local_at(self, base: int) -> int | None:
         """The usable stage block whose layers lie at `base + l` (l in `keep`), or None: none

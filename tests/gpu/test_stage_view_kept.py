@@ -162,3 +162,18 @@ def test_a_resplit_group_computes_what_the_full_model_does(model_dirs, layers):
         assert kept_a.copied_bytes == 0  # weights of layer 3)
     else:  # strides 3 -> 2: of blocks 1-3 of its view, those at an odd place are copied
         assert kept_a.copied_bytes > 0
+
+
+@pytest.mark.parametrize("was, keep", [(range(3), range(2)), (range(3, 6), range(4, 6))])
+def test_blocks_a_member_hands_out_first_stay_in_place_at_its_next_resplit(model_dirs, was,
+                                                                          keep):
+    """A block map hands out first the blocks whose KV any smaller stride can keep in place
+    (`StageView.resplit_first`): with 6 layers (stride 3, then 2) the KV of the first blocks a
+    member maps is kept where it lies when it keeps fewer layers of its range."""
+    model = CausalLM.from_pretrained(model_dirs[6], num_kv_blocks=12, block_size=4)
+    drop_layers(model, was)
+    bm = BlockMap(model.drop_state.view, range(100))
+    for i in range(40):
+        bm.assign(1, i, i)
+    kept = KeptKV(model, keep, bm.locals(range(40)))
+    assert len(kept.in_place) == 40, kept.in_place
