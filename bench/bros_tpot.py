@@ -221,7 +221,9 @@ def run(policy: str, spec: str, config: EngineConfig) -> dict[str, Any]:
            "metrics_tpot_per_token": a.get("tpot_per_token"),
            "rt_norm_latency_ms": rt["normalized_latency_ms"]["mean"],
            "be_requests_per_s": be.get("requests_per_s", 0.0),
-           "preemptions": o.metrics.preemptions, "wall_s": round(o.wall_s, 1), **analyse(o)}
+           "preemptions": o.metrics.preemptions, "copy_calls": o.metrics.swap.copy_ops,
+           "copy_stall_s": round(o.metrics.swap.stall_s, 3), "wall_s": round(o.wall_s, 1),
+           **analyse(o)}
     return out
 
 
@@ -230,7 +232,7 @@ def short(policy: str) -> str:
 
 
 def report(paths: list[Path]) -> str:
-    out = ["| blocks, tokens | RT/s | seed | policy | RT TTFT ok | TPOT ok per request | per token "
+    out = ["| GPU, blocks, tokens | RT/s | seed | policy | RT TTFT ok | TPOT ok per request | per token "
            "(cumulative) | per gap | per gap, request mean | late gaps: preempted / left out "
            "(iterations) / long iteration / copy stall | late gap p50 / max ms | RT / BE "
            "preempted whole | BE req/s |", "|---" * 13 + "|"]
@@ -243,7 +245,8 @@ def report(paths: list[Path]) -> str:
             g = r["late_gaps"]
             q = r["late_gap_p50_p99_max_ms"]
             out.append(" | ".join([
-                f"| {r['num_blocks']}, {r['max_batched_tokens']}", f"{r['rate']:g}",
+                f"| {r['profile'].split('-')[-1]}, {r['num_blocks']}, {r['max_batched_tokens']}",
+                f"{r['rate']:g}",
                 str(r["seed"]), short(r["policy"]), f"{100 * r['rt_ttft_ok']:.1f}%",
                 f"{100 * r['tpot_ok_per_request']:.2f}%",
                 f"{100 * r['tpot_ok_per_token_cumulative']:.2f}%",
@@ -255,6 +258,34 @@ def report(paths: list[Path]) -> str:
                 f"{q[0]:.0f} / {q[2]:.0f}" if q else "-",
                 f"{r['rt_preemptions']} / {r['be_preemptions']}",
                 f"{r['be_requests_per_s']:.2f}"]) + " |")
+    return "\n".join(out) + "\n\n" + ratios(paths)
+
+
+def ratios(paths: list[Path]) -> str:
+    """bros against each other policy of the same point and seed (`bros:V` against the others
+    run with variant V, where there is one): TPOT attainment per gap
+    (share of tokens; mean of each request's share), per token (cumulative), TTFT attainment
+    and BE throughput, each as a ratio."""
+    runs: dict[tuple[Any, ...], dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        for r in json.loads(path.read_text()):
+            if "error" not in r:
+                key = (r["profile"], r["num_blocks"], r["max_batched_tokens"], r["rate"], r["seed"])
+                runs.setdefault(key, {})[short(r["policy"])] = r
+    out = ["| profile, blocks, tokens | RT/s | seed | policies | TPOT per gap | per gap, "
+           "request mean | per token (cumulative) | TTFT | BE req/s |", "|---" * 9 + "|"]
+    for (profile, blocks, tokens, rate, seed), by in runs.items():
+        for name, o in by.items():
+            base, _, variant = name.partition(":")
+            # bros:V against the other policies run with the same variant V, else plain bros
+            mine = f"bros:{variant}" if base != "bros" and f"bros:{variant}" in by else "bros"
+            if name == mine or (b := by.get(mine)) is None:
+                continue
+            cells = [f"{b[k] / o[k]:.3f}x" if o[k] else "-" for k in (
+                "tpot_ok_per_gap", "tpot_ok_per_gap_request_mean", "tpot_ok_per_token_cumulative",
+                "rt_ttft_ok", "be_requests_per_s")]
+            out.append(f"| {profile}, {blocks}, {tokens} | {rate:g} | {seed} | {mine} against "
+                       f"{name} | " + " | ".join(cells) + " |")
     return "\n".join(out) + "\n"
 
 
