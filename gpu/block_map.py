@@ -8,7 +8,8 @@ means the same memory. Blocks already holding this member's layers of a request'
 is used where it lies. When an entry was mapped before (the allocator reused a group id
 already seen), the id moves onto the reserved block if no live table on this member still holds
 it (its old stage block is then free); only when one does (a shared prefix block) is the KV
-copied, and counted.
+copied, and counted. Free blocks are handed out in `StageView.resplit_first` order: first those
+whose KV a later re-split to a smaller stride keeps in place (gpu/kept_kv.py).
 """
 
 from __future__ import annotations
