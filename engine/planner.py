@@ -45,6 +45,9 @@ class Budget:
     """`prefill separate`: whole prompts alone, else decodes (`_Planner.separate_phases`)."""
     watermark_blocks: int = 0
     """Blocks a prompt admitted by `separate_phases` must leave free."""
+    short_self: bool = False
+    """`short_of_block = self`: a running request that lacks a block is preempted itself instead
+    of evicting running requests ranked below it (BROS §7.4.1's ablation without the cache)."""
 
     @classmethod
     def for_view(cls, view: SchedulerView, settings: PolicySettings, *,
@@ -58,7 +61,8 @@ class Budget:
             max_running={k.name: k.max_running for k in settings.classes
                          if k.max_running is not None},
             async_swap_in=async_swap_in, separate_prefill=settings.prefill == "separate",
-            watermark_blocks=int(settings.prompt_watermark * view.total_blocks))
+            watermark_blocks=int(settings.prompt_watermark * view.total_blocks),
+            short_self=settings.short_of_block == "self")
 
 
 @attrs.define
@@ -197,7 +201,7 @@ class _Planner:
             n = min(r.prompt_tokens + r.output_tokens - r.computed_tokens, self.tokens)
             cached = r.cached_tokens
             need = self.need(r, n) if cached else -(-(r.computed_tokens + n) // bs) - r.blocks
-            if need > self.free:
+            if need > self.free and not self.budget.short_self:
                 self.make_room(r, need)
             if need <= self.free:  # commit
                 self.free -= need

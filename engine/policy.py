@@ -223,17 +223,18 @@ class PolicySettings:
     classes: tuple[ClassSpec, ...] = (ClassSpec(name="default"),)
     default_class: str = "default"
     preempt_mode: PreemptMode = "recompute"
+    short_of_block: Literal["below", "self"] = "below"
+    """Who is preempted when a running request lacks its next block: running requests ranked
+    below it (engine/planner.py `make_room`), or itself (BROS §7.4.1's ablation)."""
     memory: MemorySettings = MemorySettings()
     dispatch: str = "round_robin"
-    """A cluster's rule for which instance a new request goes to (`dispatch` statement; one
-    of engine.cluster.dispatch.DISPATCH_RULES)."""
+    """A cluster's rule for which instance a new request goes to (`dispatch`, one of DISPATCH_RULES)."""
     prefill: Literal["mixed", "separate"] = "mixed"
     """`mixed`: prompts are chunked into the token budget beside decodes. `separate` (vLLM V0
     without chunked prefill): an iteration that takes prompts takes whole prompts and no
     decodes; otherwise it runs decodes (engine/planner.py, `_Planner.separate_phases`)."""
     token_budget: int | None = None
-    """The policy's own tokens per iteration (`prefill separate(budget = N tokens)`); None:
-    the engine's max_batched_tokens."""
+    """The policy's own tokens per iteration (`prefill separate(budget = N tokens)`), else the engine's."""
     prompt_watermark: float = 0.0
     """`prefill separate(watermark = 1%)`: a prompt is admitted only if this share of all blocks
     stays free after it (vLLM V0's BlockSpaceManager watermark, 0.01 by default)."""

@@ -190,6 +190,9 @@ class Prefill(Node):
 class Preempt(Node):
     mode: Ident
     displace: bool
+    short_of_block: Ident | None = None
+    """Who is preempted when a running request lacks its next block: `below` (default, the
+    running requests ranked below it) or `self` (the request itself, BROS §7.4.1's ablation)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -27,15 +27,11 @@ class Param:
 
 
 CLASS_SETTINGS = {"ttft": Param(kind="duration"), "tpot": Param(kind="duration"),
-                  "max_running": Param(kind="whole", minimum=1),
-                  "max_queued": Param(kind="whole", minimum=1)}
+                  "max_running": Param(kind="whole", minimum=1), "max_queued": Param(kind="whole", minimum=1)}
 FAIR_SETTINGS = {"input": Param(kind="number", default=1.0), "output": Param(kind="number", default=1.0)}
-PATTERNS = {
-    "markov": {"stay": Param(kind="share", default=0.8), "seed": Param(kind="whole", default=0)},
-    "random": {"seed": Param(kind="whole", default=0)},
-}
-ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1),
-            "grow": Param(kind="whole", default=1),
+PATTERNS = {"markov": {"stay": Param(kind="share", default=0.8), "seed": Param(kind="whole", default=0)},
+            "random": {"seed": Param(kind="whole", default=0)}}
+ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1), "grow": Param(kind="whole", default=1),
             "max": Param(kind="whole", default=None, minimum=1),
             "reset_on": Param(kind="symbol", default="violation",
                               symbols=("violation", "predicted", "observed"))}
@@ -311,14 +307,18 @@ class Checker:
             self.args(b, b.args, ADAPTIVE, "adaptive()")
 
     def check_preempt(self) -> None:
-        p = self.rules.get("preempt")
-        if p is None:
+        if (p := self.rules.get("preempt")) is None:
             return
         if p.mode.name not in PREEMPT_MODES:
             self.error(p.mode, f"unknown preemption mode '{p.mode.name}'"
                                f"{did_you_mean(p.mode.name, PREEMPT_MODES)} (modes: swap, recompute, never)")
         elif p.mode.name == "never" and p.displace:
             self.error(p, "preempt never cannot displace running requests")
+        if (s := p.short_of_block) and s.name not in ("below", "self"):
+            self.error(s, f"unknown short_of_block '{s.name}'{did_you_mean(s.name, ('below', 'self'))}"
+                          " (who is preempted when a running request lacks a block: below, self)")
+        elif s and s.name == "self" and p.mode.name == "never":
+            self.error(s, "preempt never cannot preempt a request short of a block itself")
 
     def check_dispatch(self) -> None:
         d = self.rules.get("dispatch")

@@ -189,7 +189,9 @@ def build(rules: RuleSet, *, source: str, filename: str, base_dir: Path) -> Comp
         name=rules.name, classes=tuple(_class_spec(rules, c) for c in classes),
         default_class=default, preempt_mode=preempt.mode.name if preempt else "recompute",
         memory=_memory(rules), dispatch=_dispatch(rules), prefill=prefill,
-        token_budget=token_budget, prompt_watermark=watermark)
+        token_budget=token_budget, prompt_watermark=watermark,
+        short_of_block=(preempt.short_of_block.name if preempt and preempt.short_of_block
+                        else "below"))
     spans = {m.name.name: m.span for m in rules.all("memory")}
     if preempt is not None:
         spans["preempt"] = preempt.span

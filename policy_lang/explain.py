@@ -222,6 +222,9 @@ class _Explainer:
         displace = ("A waiting request may evict running requests ranked below it."
                     if p is not None and p.displace else
                     "A waiting request does not evict running ones; it waits for memory.")
+        if p is not None and p.short_of_block and p.short_of_block.name == "self":
+            return (f"Preemption: {_PREEMPT[mode]}. A running request that lacks a block is "
+                    f"preempted itself (no other running request is evicted for it). {displace}")
         return (f"Preemption: {_PREEMPT[mode]}. Victims: the least deserving running request "
                 f"first (the end of the order). {displace}")
 

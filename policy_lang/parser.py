@@ -270,8 +270,14 @@ class _Build(Transformer):
                            args=tuple(children[1:]))
 
     def preempt(self, meta, children):
+        short = [c for c in children[1:] if isinstance(c, ast.Ident)]
         return ast.Preempt(span=self._span(meta), mode=self._ident(children[0]),
-                           displace=len(children) > 1)
+                           displace=any(isinstance(c, Token) and c.type == "DISPLACE"
+                                        for c in children[1:]),
+                           short_of_block=short[0] if short else None)
+
+    def short_of_block(self, meta, children):
+        return self._ident(children[0])
 
     def overload(self, meta, children):
         hold = children[2] if len(children) > 2 else None

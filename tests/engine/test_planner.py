@@ -140,3 +140,15 @@ def test_an_async_swap_in_comes_back_only_if_it_could_compute_when_it_lands():
         assert [v.id for v in plan.swapped_in] == ([half.id] if back else [])
         assert plan.work == {}                                  # asynchronous: computes later
         assert plan.block_targets == ({half.id: 5} if back else {})
+
+
+def test_short_of_block_self_preempts_the_request_that_lacks_the_block():
+    """`short_of_block = self` (BROS §7.4.1's ablation, "recomputation for requests failing to
+    acquire cache blocks"): the request that cannot grow goes, not the ones ranked below it."""
+    old = running(blocks=2, computed=8, prompt_tokens=8)     # needs a third block
+    young = running(blocks=2, computed=6, prompt_tokens=6)   # token 7 fits its second block
+    budget = make_budget(free_blocks=0, total_blocks=4)
+    below = plan_iteration(fcfs(old, young), [old, young], budget)
+    assert ([v.id for v in below.preempted], below.work) == ([young.id], {old.id: 1})
+    own = plan_iteration(fcfs(old, young), [old, young], attrs.evolve(budget, short_self=True))
+    assert ([v.id for v in own.preempted], own.work) == ([old.id], {young.id: 1})

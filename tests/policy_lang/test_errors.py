@@ -21,6 +21,11 @@ SYNTAX = {
         "t.policy:3:3: unexpected 'preempt'; expected ';', '}', a name (is a '}' missing before it?)\n"
         "    preempt swap\n"
         "    ^~~~~~~"),
+    "short_of_block without '='": (
+        "policy p {\n  preempt recompute short_of_block self\n}\n",
+        "t.policy:2:36: unexpected name 'self'; expected '='\n"
+        "    preempt recompute short_of_block self\n"
+        "                                     ^~~~"),
     "unclosed block at the end of the file": (
         "policy p {\n  priority rt =",
         "t.policy:1:10: this '{' is never closed (the file ends first)\n"
@@ -153,6 +158,17 @@ CHECK = {
         "`precedence rt > be` or a pack block\n"
         "    priority rt = slack asc\n"
         "    ^~~~~~~~~~~~~~~~~~~~~~~"),
+    "unknown short_of_block": (
+        "policy p {\n  preempt recompute displace short_of_block = slef\n}\n",
+        "t.policy:2:47: unknown short_of_block 'slef'; did you mean 'self'? (who is preempted "
+        "when a running request lacks a block: below, self)\n"
+        "    preempt recompute displace short_of_block = slef\n"
+        "                                                ^~~~"),
+    "short_of_block = self without preemption": (
+        "policy p {\n  preempt never short_of_block = self\n}\n",
+        "t.policy:2:34: preempt never cannot preempt a request short of a block itself\n"
+        "    preempt never short_of_block = self\n"
+        "                                   ^~~~"),
     "unknown class in a comparison": (
         "policy p {\n  include \"rtbe_classes.policy\"\n  priority = class == \"tr\" desc\n}\n",
         "t.policy:3:23: unknown class \"tr\" (known: be, rt)\n"

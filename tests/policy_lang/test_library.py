@@ -53,7 +53,7 @@ def test_every_shipped_policy_passes_check(capsys):
 
 CITED = {  # the paper sections each file's header comment cites, in order
     "bros": ["BROS §4.2", "§4.1", "§4.2", "§7.1", "§5"],
-    "bros_no_bicache": ["BROS §7"],
+    "bros_no_bicache": ["BROS §7.4.1"],
     "fastswitch_markov": ["FastSwitch §3", "§4", "§3.2"],
     "fastswitch_random": ["FastSwitch §3", "§4", "§3.2"],
     "fcfs": ["FastSwitch §4", "BROS §7.1", "KunServe §5"],
@@ -325,18 +325,22 @@ def test_new_arrivals_get_a_priority_on_arrival():
 
 def test_bros_no_bicache_is_bros_without_the_bidirectional_cache():
     """The ablation schedules as bros does, rule for rule: only the name, the memory setting
-    and the preemption's mode differ (bros swaps its victims into its table's copy space; the
-    ablation recomputes, as it was measured; so a change to bros's rules must be made to both)."""
+    and the preemption differ (bros swaps its victims into its table's copy space; the ablation
+    recomputes, and a running request short of a block is itself recomputed, BROS §7.4.1; so a
+    change to bros's rules must be made to both)."""
     def body(name: str) -> str:
         text = policy_path(name).read_text()
         return text[text.index("policy "):].replace(name, "P", 1)
 
     assert body("bros").replace("  memory { bidirectional on }\n", "").replace(
-        "preempt swap displace", "preempt recompute displace") == body("bros_no_bicache")
+        "preempt swap displace", "preempt recompute displace short_of_block = self"
+    ) == body("bros_no_bicache")
     bros, ablation = load("bros").settings, load("bros_no_bicache").settings
     assert bros.memory.bidirectional and not ablation.memory.bidirectional
     assert bros.preempt_mode == "swap" and ablation.preempt_mode == "recompute"
-    assert attrs.evolve(ablation, name="bros", memory=bros.memory, preempt_mode="swap") == bros
+    assert bros.short_of_block == "below" and ablation.short_of_block == "self"
+    assert attrs.evolve(ablation, name="bros", memory=bros.memory, preempt_mode="swap",
+                        short_of_block="below") == bros
 
 
 def test_bros_counts_bringing_kv_back_from_the_host_in_the_iteration_time():
