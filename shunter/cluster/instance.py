@@ -8,6 +8,7 @@ ends, so a group it leads or serves in finds it gone at once (gpu/data_plane.py 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import signal
@@ -82,10 +83,32 @@ def enter_netns(name: str) -> None:
             raise OSError(err, f"cannot enter network namespace {name!r}: {os.strerror(err)}")
 
 
+def configure_logging() -> None:
+    """An instance process logs as an engine does (INFO and up, to stderr), with tracebacks
+    printed plainly (`structlog.dev.plain_traceback`). structlog's default draws them with rich,
+    every frame's locals included, on the thread that logs: the executor's "step failed" of a
+    head whose group lost a member (gpu/kunserve_runner.py `GroupLost`, chained to the member's
+    loss) took seconds of the event loop that answers the front door's pings (8-17 s for a
+    two-frame traceback at load 12 on 2 cores), so a head recovering at load 8-10 was found
+    silent (tests/cluster/test_heartbeat_logging.py). A process whose structlog is configured
+    already keeps its configuration."""
+    from engine.logs import configure
+
+    if structlog.is_configured():
+        return
+    configure(logging.INFO)
+    structlog.configure(processors=[
+        structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
+        structlog.processors.StackInfoRenderer(), structlog.dev.set_exc_info,
+        structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
+        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)])
+
+
 async def serve_instance(config: EngineConfig, host: str,
                          report: Callable[[object], None]) -> None:
     """Start the engine, listen on `host` (an ephemeral port, sent through `report`), serve the
     first connection until it closes."""
+    configure_logging()
     async with Engine.start(config) as engine:
         listener = await anyio.create_tcp_listener(local_host=host, local_port=0)
         async with listener:

@@ -66,12 +66,11 @@ async def test_a_member_stopped_while_grouped_ends_every_request_within_the_sile
             assert took < BOUND_S, f"every request ended only {took:.1f} s after the stop"
             for name, prompt, n in jobs:
                 tokens, reason, error = out[name]
-                if reason == "error":  # streamed from an instance found silent: the member,
-                    # or the head itself as it recovers (its loop answered no ping for over 5 s
-                    # in 1 of 9 runs at load 8-10; as in the plant's run, 60 s after the stop:
-                    # the recovery, not this fix)
-                    assert error.startswith(("instance 0 went silent",
-                                             "instance 1 went silent")), (name, error)
+                if reason == "error":  # streamed from the member found silent: never the
+                    # head (it answered no ping for over 5 s as it recovered, once in 9 runs at
+                    # load 8-10, while its loop drew the step's failure as a rich traceback:
+                    # instance processes print tracebacks plainly, test_heartbeat_logging.py)
+                    assert error.startswith(f"instance {stopped} went silent"), (name, error)
                     continue
                 assert_matches(tokens, greedy_reference(kunserve_model, prompt, n), name)
     finally:
