@@ -7,6 +7,14 @@ it gone, the head serves alone from its host copy and recomputes every request (
 ones member 1 handed over when the group formed and the ones instance 2 handed over now), the new
 member serves alone, the front door's error names the lost instance. Every request goes on to
 transformers' tokens, no block is left held, and both survivors serve a new request alone.
+
+The requests ignore EOS (transformers' references too): one that ended on its own would never
+stream the tokens the test waits for. Request 0 here ends at EOS after 111 greedy tokens; in one
+fresh-clone CI run (2 cores, the session's Ray up) the other five started so slowly that it got
+there before the group formed, and the test waited for its tokens until its 120 s ran out (seen
+as a group that held every request). The first case now forms the group only once request 0
+went past that point (`head_start`), and `Streams.past` fails at once, naming the request, when
+one it waits for has ended.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ from tests.cluster.test_kunserve_torch_grow import (LAYERS, RUN_TOKENS, SOLO_BLO
 from tests.reference import Reference, assert_matches, greedy_reference, reference_model
 
 __all__ = ["grow_config", "grow_model"]  # the fixtures, shared with the growth's tests
+EOS_AFTER = 111
+"""Greedy tokens after which request 0 of the first case (prompts of `random.Random(24)`) ends
+at EOS unless EOS is ignored (`test_request_0_of_the_first_case_would_end_at_eos`)."""
 
 
 class Streams:
@@ -36,6 +47,8 @@ class Streams:
         self.cluster, self.prompts, self.max_tokens = cluster, prompts, max_tokens
         self.got: dict[int, list[int]] = {i: [] for i in range(len(prompts))}
         self.scopes: dict[int, anyio.CancelScope] = {}
+        self.ended: dict[int, str] = {}
+        """Request -> its finish reason, once its stream ended by itself (not cancelled)."""
 
     async def start(self, tg) -> None:
         for i in range(len(self.prompts)):
@@ -46,19 +59,32 @@ class Streams:
     async def _one(self, i: int, started: anyio.Event) -> None:
         with anyio.CancelScope() as self.scopes[i]:
             async with self.cluster.generate(self.prompts[i], shunter.SamplingParams(
-                    max_tokens=self.max_tokens, temperature=0)) as stream:
+                    max_tokens=self.max_tokens, temperature=0, ignore_eos=True)) as stream:
                 async for chunk in stream:
                     assert chunk.error is None, (i, chunk.error)
                     self.got[i] += chunk.token_ids
                     if len(self.got[i]) >= 2:
                         started.set()
+                    if chunk.finish_reason is not None:
+                        self.ended[i] = chunk.finish_reason
 
     def marks(self) -> dict[int, int]:
         return {i: len(g) for i, g in self.got.items()}
 
     async def past(self, marks: dict[int, int], extra: int = 3) -> None:
-        while any(len(self.got[i]) < n + extra for i, n in marks.items()):
+        """Until every request in `marks` streamed `extra` tokens past its mark; one that
+        ended meanwhile fails the test at once (it would wait for it forever)."""
+        while short := [i for i, n in marks.items() if len(self.got[i]) < n + extra]:
+            if over := [i for i in short if i in self.ended]:
+                raise AssertionError(
+                    f"requests {over} ended on their own ({[self.ended[i] for i in over]}) "
+                    f"after {[len(self.got[i]) for i in over]} tokens, short of the "
+                    f"{[marks[i] + extra for i in over]} this test waits for")
             await anyio.sleep(0.005)
+
+    async def until(self, i: int, n: int) -> None:
+        """Until request `i` streamed `n` tokens."""
+        await self.past({i: n}, extra=0)
 
     def cancel(self) -> None:
         for scope in self.scopes.values():
@@ -66,12 +92,13 @@ class Streams:
 
 
 async def _lose_one_while_growing(grow_config, monkeypatch, dead: int, then=None,
-                                  point: str = "grow-go") -> dict:
+                                  point: str = "grow-go", head_start: int = 0) -> dict:
     """Instances 0 and 1 form a group with two requests streaming on each instance; it grows to
     instance 2 and instance `dead` SIGKILLs itself at `point` (`grow-go`: its `GroupGo`, the
     growth fails; `grow-joined`: the new member once it joined, the growth succeeds and the
     head's steps find it lost); the requests go 3 tokens past the growth and are cancelled.
-    `then(cluster, rng)`: more, before the cluster stops. Returns what happened."""
+    `then(cluster, rng)`: more, before the cluster stops; `head_start`: tokens request 0 (the
+    head's) streams before the group forms. Returns what happened."""
     from shunter.cluster.launch import LocalLauncher
     from shunter.cluster.remote_grow import grow
     from shunter.cluster.remote_groups import GroupCommandError
@@ -91,6 +118,7 @@ async def _lose_one_while_growing(grow_config, monkeypatch, dead: int, then=None
             with anyio.fail_after(120):
                 async with anyio.create_task_group() as tg:
                     await run.start(tg)
+                    await run.until(0, head_start)
                     pair = GroupPlan(group_id=1, members=(0, 1), layers=stage_layers(LAYERS, 2))
                     await groups.form(pair)
                     await run.past(run.marks())
@@ -138,7 +166,7 @@ def _references(model_dir, prompts: list[list[int]], n: int) -> list[Reference]:
         torch.tensor(prompts), attention_mask=torch.ones(len(prompts), len(prompts[0]),
                                                          dtype=torch.long),
         do_sample=False, max_new_tokens=n, output_logits=True, return_dict_in_generate=True,
-        pad_token_id=0)
+        pad_token_id=0, eos_token_id=None)  # (the requests ignore EOS: `Streams`)
     refs = []
     for i, p in enumerate(prompts):
         top2 = []
@@ -177,7 +205,8 @@ async def test_an_old_member_lost_at_the_resplit(anyio_backend, grow_config, gro
     serves alone; instance 2 serves alone with nothing dropped."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
-    out = await _lose_one_while_growing(grow_config, monkeypatch, dead=1)
+    out = await _lose_one_while_growing(grow_config, monkeypatch, dead=1,
+                                        head_start=EOS_AFTER + 1)
     assert "instance 1" in out["error"] and "went away" in out["error"], out["error"]
     assert "every request is recomputed at instance 0" in out["error"], out["error"]
     assert "was lost" in out["head_lost"], out["head_lost"]  # (by rank once the plane watches)
@@ -242,3 +271,14 @@ async def test_a_new_member_lost_once_it_joined(anyio_backend, grow_config, grow
     assert "instance 2 was lost" in out["head_lost"], out["head_lost"]
     assert out["member"].get("abandoned") == "member instance 2 lost", out["member"]
     _check(out, grow_model)
+
+
+def test_request_0_of_the_first_case_would_end_at_eos(grow_model):
+    """Why the first case forms its group only after request 0 streamed `EOS_AFTER` + 1 tokens:
+    transformers' greedy output of its prompt ends at EOS there (so the case covers a request
+    that runs past its EOS, as the CI run's did not)."""
+    from gpu.make_model import EOS_ID
+
+    rng = random.Random(23 + 1)  # the first case's (dead=1) prompts
+    ref = greedy_reference(grow_model, [rng.randrange(2, 320) for _ in range(6)], EOS_AFTER + 5)
+    assert len(ref.tokens) == EOS_AFTER and ref.tokens[-1] == EOS_ID, ref.tokens
