@@ -26,13 +26,7 @@ from engine.params import SamplingParams
 from gpu.block_map import BlockMap
 from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
 from gpu.group_gens import hand_generators
-from gpu.kv_exchange import (
-    ExchangeStats,
-    KvReceiver,
-    KvTransfer,
-    WatchedRecv,
-    send_transfers,
-)
+from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, WatchedRecv, send_transfers
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
@@ -323,6 +317,7 @@ class GroupStage:
     def _book(self, step: ExecuteStep) -> None:
         for rid in step.release:
             self.seqs.pop(rid, None)
+            self.map.done_reserving(rid)  # (one adopted that ended before its first step)
         for s in step.setups:
             gen = self._owned_gens.pop(s.request_id, None) or make_generator(
                 s.sampling, fallback_seed=s.request_id, device=self.model.arena.device)
