@@ -17,9 +17,10 @@ process, scheduler time not charged: deterministic virtual time). Per run, over 
 
 Policies: any shipped or file policy, with variants after a colon, joined by `+`:
 - `self`: a running request that cannot get its next block is itself preempted by recompute,
-  instead of evicting requests ranked below it (the literal reading of §7.4.1's "recomputation
-  for requests failing to acquire cache blocks"; with `bench/bros_no_bicache_no_displace.policy`
-  RT requests waiting for their first token wait too);
+  instead of evicting requests ranked below it (§7.4.1's "recomputation for requests failing to
+  acquire cache blocks"; since round 10b the policy language's `short_of_block = self`, which
+  the shipped `bros_no_bicache` uses, so `:self` changes only policies without it, such as
+  `bench/bros_no_bicache_below.policy` or `bench/bros_no_bicache_no_displace.policy`);
 - `gap`: a decoding request's next token is due TPOT after its last one (§4.1 (6)), not at
   first + k x TPOT, for packing's slack and order.
 
