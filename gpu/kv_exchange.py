@@ -169,7 +169,9 @@ class KvReceiver:
             self._pending[t.request_id] = self._pending.get(t.request_id, 0) + 1
         self._cond = threading.Condition()
         self._arrived: list[int] = [r for r, n in self._pending.items() if n == 0]
-        self._error: GroupMemberLost | None = None
+        self._error: Exception | None = None
+        """What ended a receiving thread (a member lost, or any other failure): every wait for
+        a request still pending raises it (a thread that died silently left them waiting)."""
         self.stats = stats
         self._began = time.perf_counter()
         self._threads = [
@@ -188,9 +190,11 @@ class KvReceiver:
             dst = self.staging[id(t)][lo:hi]
             try:
                 self._link.recv_tensor(dst, rank, _tag(epoch, seq), "its KV was being exchanged")
-            except GroupMemberLost as exc:
+            except Exception as exc:  # noqa: BLE001 (raised by every wait: none waits forever)
                 with self._cond:
-                    self._error = exc
+                    self._error = exc if isinstance(exc, GroupMemberLost) else RuntimeError(
+                        f"receiving KV chunk {seq} of {len(chunks)} from instance {rank} "
+                        f"failed: {type(exc).__name__}: {exc}")
                     self._cond.notify_all()
                 return
             with self._cond:
