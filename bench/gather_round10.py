@@ -33,6 +33,7 @@ from shunter import EngineConfig  # noqa: E402
 from shunter.benchmark.policies import parse_policy  # noqa: E402
 from shunter.benchmark.run import run_one  # noqa: E402
 from shunter.commands.bench import finite  # noqa: E402
+from engine import scheduler_stats  # noqa: E402
 from shunter.workloads import load_workload  # noqa: E402
 from sim import copy_engine, swap  # noqa: E402
 from sim.copy_costs import GATHER_CALLS  # noqa: E402
@@ -41,7 +42,21 @@ KINDS = {"runs": None, "gather": GATHER_CALLS, "gather_x0.5": GATHER_CALLS / 2,
          "gather_x2": GATHER_CALLS * 2}
 """Copy kind -> a gather's cost in copy calls (None: run by run, no batching)."""
 STATE: dict[str, Any] = {"kind": "gather", "busy_s": 0.0, "fit_s": 0.0, "fits": 0,
-                         "swappers": [], "tables": []}
+                         "swappers": [], "tables": [], "fixed_charge_s": None}
+
+
+def fix_charge(seconds: float) -> None:
+    """Charge every iteration `seconds` of scheduler time instead of its measured CPU time (the
+    scheduler sleeps `last_scheduler_s` on the virtual clock before it sends the step): the
+    mechanism without the host's load. The measured time is still logged (`scheduler_ms_mean`)."""
+    record = scheduler_stats.SchedulerStats.record_iteration
+
+    def fixed(self: Any, **kwargs: Any) -> None:
+        record(self, **kwargs)
+        self.last_scheduler_s = seconds
+
+    STATE["fixed_charge_s"] = seconds
+    scheduler_stats.SchedulerStats.record_iteration = fixed  # type: ignore[method-assign]
 
 
 def install() -> None:
@@ -101,7 +116,8 @@ def run(kind: str, spec: str, config: EngineConfig) -> dict[str, Any]:
             "end_requests": len(t.requests()), "end_free_blocks": t.num_free,
             "total_blocks": t.num_total, "wall_s": round(o.wall_s, 1),
             "fit_ms_per_call": round(1000 * STATE["fit_s"] / max(STATE["fits"], 1), 4),
-            "charged": config.charge_scheduler_time, "scheduler_share": m.scheduler_share,
+            "charged": config.charge_scheduler_time, "fixed_charge_s": STATE["fixed_charge_s"],
+            "scheduler_share": m.scheduler_share,
             "scheduler_ms_mean": m.scheduler_ms_per_iteration.mean, "iterations": m.iterations}
 
 
@@ -133,9 +149,16 @@ def main() -> int:
     ap.add_argument("--charged", action="store_true",
                     help="charge the scheduler's measured CPU time to the virtual clock (its "
                          "share then moves with the host's load: compare interleaved pairs)")
+    ap.add_argument("--fixed-charge-ms", type=float, default=None,
+                    help="with --charged: charge this many ms per iteration instead of the "
+                         "measured CPU time (deterministic)")
     if (args := args_or_report(ap, report)) is None:
         return 0
     install()
+    if args.fixed_charge_ms is not None:
+        if not args.charged:
+            ap.error("--fixed-charge-ms needs --charged")
+        fix_charge(args.fixed_charge_ms / 1000)
     out: list[dict[str, Any]] = []
     for point in args.points.split(","):
         blocks, rate = int(point.split(":")[0]), float(point.split(":")[1])
