@@ -84,24 +84,15 @@ def enter_netns(name: str) -> None:
 
 
 def configure_logging() -> None:
-    """An instance process logs as an engine does (INFO and up, to stderr), with tracebacks
-    printed plainly (`structlog.dev.plain_traceback`). structlog's default draws them with rich,
-    every frame's locals included, on the thread that logs: the executor's "step failed" of a
-    head whose group lost a member (gpu/kunserve_runner.py `GroupLost`, chained to the member's
-    loss) took seconds of the event loop that answers the front door's pings (8-17 s for a
-    two-frame traceback at load 12 on 2 cores), so a head recovering at load 8-10 was found
-    silent (tests/cluster/test_heartbeat_logging.py). A process whose structlog is configured
-    already keeps its configuration."""
-    from engine.logs import configure
+    """An instance process logs as an engine does (engine/logs.py: INFO and up, to stderr,
+    tracebacks printed plainly). With rich's tracebacks the executor's "step failed" of a head
+    whose group lost a member took seconds of the event loop that answers the front door's
+    pings, so a head recovering at load 8-10 was found silent
+    (tests/cluster/test_heartbeat_logging.py). A process whose structlog is configured already
+    keeps its configuration."""
+    from engine.logs import configure_default
 
-    if structlog.is_configured():
-        return
-    configure(logging.INFO)
-    structlog.configure(processors=[
-        structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
-        structlog.processors.StackInfoRenderer(), structlog.dev.set_exc_info,
-        structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
-        structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)])
+    configure_default()
 
 
 async def serve_instance(config: EngineConfig, host: str,

@@ -12,11 +12,13 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent("""
     import structlog
-    from shunter.cluster.instance import configure_logging
+    from {module} import {function}
 
-    configure_logging()
+    {function}()
     seen = []
 
     class Costly:
@@ -35,9 +37,11 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_an_instance_process_logs_a_traceback_without_rendering_its_locals(tmp_path):
+@pytest.mark.parametrize("entry", [("shunter.cluster.instance", "configure_logging"),
+                                   ("engine.logs", "configure_default")])  # (the front door's)
+def test_an_instance_process_logs_a_traceback_without_rendering_its_locals(tmp_path, entry):
     script = tmp_path / "instance_log.py"  # a file: the traceback shows its source lines
-    script.write_text(SCRIPT)
+    script.write_text(SCRIPT.format(module=entry[0], function=entry[1]))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           timeout=120, check=True)
     assert done.stdout.strip() == "reprs 0", (done.stdout, done.stderr[-2000:])
