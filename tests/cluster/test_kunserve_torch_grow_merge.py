@@ -38,11 +38,12 @@ from tests.cluster.test_kunserve_torch_grow_faults import Streams, _references
 from tests.reference import Reference, assert_matches, greedy_reference
 
 LAYERS = 8
-RUN_TOKENS = 160
+RUN_TOKENS = 400
 """None ends by itself before the merge, however the load stretches the steps between the
-changes (with 80 one did, under load 9)."""
-SOLO_BLOCKS = 192
-"""Two requests of at most 6 + 160 tokens (42 blocks each) per instance, and the four of the
+changes (with 80 one did, under load 9; with 160, one in a fault test under load 8, and the
+test waited for its tokens; `Streams.past` now fails at once on a request that ended)."""
+SOLO_BLOCKS = 416
+"""Two requests of at most 6 + 400 tokens (102 blocks each) per instance, and the four of the
 joining group at its head when it restores: they always fit."""
 
 
@@ -90,6 +91,8 @@ class SeededStreams(Streams):
                     self.got[i] += chunk.token_ids
                     if len(self.got[i]) >= 2:
                         started.set()
+                    if chunk.finish_reason is not None:
+                        self.ended[i] = chunk.finish_reason
 
 
 @pytest.fixture(scope="module")
