@@ -31,7 +31,6 @@ from bench import gather_round10 as g  # noqa: E402
 from bench.bros_bicache_counts import args_or_report  # noqa: E402
 from engine import bidirectional_step  # noqa: E402
 from shunter import EngineConfig  # noqa: E402
-from shunter.commands.bench import finite  # noqa: E402
 
 SPLIT: dict[str, Any] = {"share": "0.5", "refused": 0, "fits": 0, "ckpt_full": 0,
                          "ckpt_peak": 0, "copy_peak": 0, "sizes": (0, 0)}
@@ -118,29 +117,12 @@ def report(paths: list[Path]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--points", default="1500:10,1750:12,3500:13", help="blocks:RT rate, ...")
-    ap.add_argument("--seeds", default="9")
+    g.point_args(ap)
     ap.add_argument("--splits", default="0.5,0.25,0.75,both")
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--profile", default="llama3-8b-a100")
     if (args := args_or_report(ap, report)) is None:
         return 0
     install()
-    out: list[dict[str, Any]] = []
-    for point in args.points.split(","):
-        blocks, rate = int(point.split(":")[0]), float(point.split(":")[1])
-        config = EngineConfig(backend="sim", profile=args.profile, num_blocks=blocks,
-                              block_size=16, max_batched_tokens=2048, max_num_seqs=256,
-                              max_queued_requests=100_000)
-        for seed in args.seeds.split(","):
-            spec = f"rtbe:rate={rate},duration={args.duration:g},seed={seed}"
-            for share in args.splits.split(","):
-                row = {"num_blocks": blocks, "rate": rate, "seed": int(seed), "spec": spec,
-                       **run(share, spec, config)}
-                out.append(row)
-                print(json.dumps(finite(row)), flush=True)
-                if args.json:
-                    args.json.write_text(json.dumps(finite(out), indent=1) + "\n")
+    g.sweep(args, args.splits.split(","), run)
     return 0
 
 

@@ -22,6 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,10 +142,7 @@ def report(paths: list[Path]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--points", default="1500:10,1750:12,3500:13", help="blocks:RT rate, ...")
-    ap.add_argument("--seeds", default="9")
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--profile", default="llama3-8b-a100")
+    point_args(ap)
     ap.add_argument("--kinds", default=",".join(KINDS))
     ap.add_argument("--charged", action="store_true",
                     help="charge the scheduler's measured CPU time to the virtual clock (its "
@@ -159,23 +157,37 @@ def main() -> int:
         if not args.charged:
             ap.error("--fixed-charge-ms needs --charged")
         fix_charge(args.fixed_charge_ms / 1000)
+    sweep(args, args.kinds.split(","), run, charge_scheduler_time=args.charged)
+    return 0
+
+
+def point_args(ap: argparse.ArgumentParser) -> None:
+    """The rows both gather scripts sweep: pool and RT rate points, seeds, length, profile."""
+    ap.add_argument("--points", default="1500:10,1750:12,3500:13", help="blocks:RT rate, ...")
+    ap.add_argument("--seeds", default="9")
+    ap.add_argument("--duration", type=float, default=120.0)
+    ap.add_argument("--profile", default="llama3-8b-a100")
+
+
+def sweep(args: argparse.Namespace, variants: list[str],
+          run: Callable[[str, str, EngineConfig], dict[str, Any]], **config: Any) -> None:
+    """Every variant on each point and seed, the same arrivals for each; a JSON line per run,
+    the rows so far rewritten to `args.json` after each."""
     out: list[dict[str, Any]] = []
     for point in args.points.split(","):
         blocks, rate = int(point.split(":")[0]), float(point.split(":")[1])
-        config = EngineConfig(backend="sim", profile=args.profile, num_blocks=blocks,
+        engine = EngineConfig(backend="sim", profile=args.profile, num_blocks=blocks,
                               block_size=16, max_batched_tokens=2048, max_num_seqs=256,
-                              max_queued_requests=100_000,
-                              charge_scheduler_time=args.charged)
+                              max_queued_requests=100_000, **config)
         for seed in args.seeds.split(","):
             spec = f"rtbe:rate={rate},duration={args.duration:g},seed={seed}"
-            for kind in args.kinds.split(","):
+            for variant in variants:
                 row = {"num_blocks": blocks, "rate": rate, "seed": int(seed), "spec": spec,
-                       **run(kind, spec, config)}
+                       **run(variant, spec, engine)}
                 out.append(row)
                 print(json.dumps(finite(row)), flush=True)
                 if args.json:
                     args.json.write_text(json.dumps(finite(out), indent=1) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
