@@ -21,13 +21,21 @@ def configure(level: int) -> None:
             structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
             structlog.processors.StackInfoRenderer(), structlog.dev.set_exc_info,
             structlog.processors.TimeStamper(fmt="%Y-%m-%d %H:%M:%S", utc=False),
-            structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback)],
+            structlog.dev.ConsoleRenderer(exception_formatter=structlog.dev.plain_traceback,
+                                          colors=_is_tty(sys.stderr))],
     )
 
 
 def configure_default() -> None:
     if not structlog.is_configured():
         configure(logging.INFO)
+
+
+def _is_tty(stream: object) -> bool:
+    """Colours only on a terminal, as structlog's default decides: a file or a pipe (a test's
+    captured stderr, a log collector) gets plain `key=value` text."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 def _stderr_logger(*args: object) -> structlog.PrintLogger:
