@@ -142,13 +142,6 @@ class MergeStage(GroupStage):
         self.receiver = self._kv_receiver(transfers)
         self._hidden = model.config.hidden_size
 
-    def _book(self, step) -> None:
-        """A handed-over request released before its first step here (cancelled while its KV
-        moved) gives its reserved blocks back: kept for it, they were lost to the group."""
-        for rid in step.release:
-            self.map.done_reserving(rid)
-        super()._book(step)
-
 
 def join_merged(stage: GroupStage, head_rank: int) -> tuple[MergeStage, GroupStart] | None:
     """A joining group's member (its head included; on its device thread): wait for the

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
+from gpu.group_stage import overlap
 from gpu.stage_view import view_for
 
 IN_PLACE = True
@@ -46,8 +47,7 @@ class KeptKV:
     def __init__(self, model, keep: range, old_blocks: Sequence[int]) -> None:
         state = model.drop_state
         was = state.keep
-        self.stay = range(max(was.start, keep.start), max(max(was.start, keep.start),
-                                                          min(was.stop, keep.stop)))
+        self.stay = overlap(was, keep)
         """The layers both ranges keep."""
         c, arena = model.config, model.arena
         self.block_bytes = (len(self.stay) * 2 * arena.block_size * c.num_kv_heads * c.head_dim
