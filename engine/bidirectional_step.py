@@ -109,7 +109,7 @@ class BidirectionalMemory:
             tokens = r.computed_tokens + plan.work[rid]
             if (copies := t.grow(rid, tokens)) is not None:  # `_place`'s first try, inline
                 if copies is not NO_COPIES:
-                    _add(transfers, rid, copies)
+                    transfers.add(rid, copies)
             elif not self._place(rid, tokens, plan, requests, transfers):
                 left.append((rid, plan.work[rid]))
                 _leave(plan, rid)
@@ -152,23 +152,23 @@ class BidirectionalMemory:
         t = self.table
         copies = t.grow(rid, tokens)  # most requests of a step: it fits as it is
         if copies is not None:
-            _add(transfers, rid, copies)
+            transfers.add(rid, copies)
             return True
         if t.swapped(rid):
             if not t.can_swap_in(rid):
                 return False
-            _add(transfers, rid, t.swap_in(rid))
+            transfers.add(rid, t.swap_in(rid))
         elif t.displaced(rid):
             if not t.can_restore(rid):
                 return False
-            _add(transfers, rid, t.restore(rid))
+            transfers.add(rid, t.restore(rid))
         if not t.can_extend(rid, tokens):  # false also while still swapped or displaced
             if t.is_reversed(rid) or t.swapped(rid) or t.displaced(rid):
                 return False
             self._make_room(rid, tokens, plan, requests, transfers)
             if not t.can_extend(rid, tokens):
                 return False
-        _add(transfers, rid, t.extend(rid, tokens, checked=True))
+        transfers.add(rid, t.extend(rid, tokens, checked=True))
         return True
 
     def _make_room(self, rid: int, tokens: int, plan: IterationPlan,
@@ -188,7 +188,7 @@ class BidirectionalMemory:
         idle.sort(key=lambda i: (not t.is_reversed(i), -requests[i].next_deadline()))
         for victim in idle:
             if not t.swapped(victim) and t.can_swap_out(victim):
-                _add(transfers, victim, t.swap_out(victim))
+                transfers.add(victim, t.swap_out(victim))
                 self._sent.pop(victim, None)
                 self.swapped_out += 1
             elif drop:
@@ -200,12 +200,6 @@ class BidirectionalMemory:
                 continue
             if t.can_extend(rid, tokens) or t.can_restore(rid) or t.can_swap_in(rid):
                 return
-
-
-def _add(transfers: StepCopies, rid: int, copies: SlotCopies) -> None:
-    """The copies, after those added before; each batch is a swap transfer the step waits for."""
-    if copies is not NO_COPIES:
-        transfers.add(rid, copies)
 
 
 def _leave(plan: IterationPlan, rid: int) -> None:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.memory.slot_runs import SlotDirection, slot_runs
+from engine.memory.slot_runs import SlotDirection, moves_onto_sources, slot_runs
 
 
 def copy_slots(direction: SlotDirection, pairs: Sequence[tuple[int, int]], device_kv: torch.Tensor,
@@ -36,9 +36,7 @@ def copy_slots(direction: SlotDirection, pairs: Sequence[tuple[int, int]], devic
                       "move": (device_kv, device_kv)}[direction]
     slot_nbytes = device_kv[0, :, :, 0].numel() * device_kv.element_size()
     runs = slot_runs(pairs, bs)
-    if gather and direction == "move" and not {s for s, _ in pairs}.isdisjoint(
-            d for _, d in pairs):
-        gather = False  # a move onto its own sources: only the given order is right
+    gather = gather and not moves_onto_sources(direction, pairs)
     scattered: list[tuple[int, int, int]] = []
     calls = 0
     for s, d, n in runs:

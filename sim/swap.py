@@ -15,7 +15,7 @@ import attrs
 
 from engine.iteration_log import SwapCounters
 from engine.memory.block_groups import coalesce
-from engine.memory.slot_runs import slot_blocks, slot_runs
+from engine.memory.slot_runs import moves_onto_sources, slot_blocks, slot_runs
 from sim.copy_costs import GATHER_CALLS
 from sim.copy_engine import CopyEngine
 from sim.profile import CopyLink
@@ -126,8 +126,7 @@ class SimSwapper:
         (a run longer than a block) is one call; the other runs one call each, or with a gather
         one call together, which costs `slot_gather_calls` calls' dispatch (its bytes are
         charged like any other)."""
-        if self.slot_gather_calls is None or (direction == "move" and not {
-                s for s, _ in pairs}.isdisjoint(d for _, d in pairs)):
+        if self.slot_gather_calls is None or moves_onto_sources(direction, pairs):
             return len(runs), 0.0
         groups = sum(1 for _, _, n in runs if n > self.block_size)
         scattered = len(runs) - groups

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from engine.memory.slot_runs import SlotCopies, SlotDirection
+from engine.memory.slot_runs import NO_COPIES, SlotCopies, SlotDirection
 
 Pairs = list[tuple[int, int]]
 
@@ -53,6 +53,8 @@ class StepCopies:
 
     def add(self, rid: int, copies: SlotCopies) -> None:
         """Copies of request `rid`'s change, to run after those added before (out, move, in)."""
+        if copies is NO_COPIES:  # most extensions of a step
+            return
         for direction, pairs in (("out", copies.out), ("move", copies.move), ("in", copies.into)):
             if pairs:
                 self._add(rid, direction, list(pairs))

@@ -79,6 +79,12 @@ def slot_runs(pairs: Sequence[tuple[int, int]], block_size: int) -> list[tuple[i
     return out
 
 
+def moves_onto_sources(direction: SlotDirection, pairs: Sequence[tuple[int, int]]) -> bool:
+    """A device move whose destinations include its own sources: only the given order is right,
+    so it is never gathered (all reads before the writes)."""
+    return direction == "move" and not {s for s, _ in pairs}.isdisjoint(d for _, d in pairs)
+
+
 def slot_blocks(direction: SlotDirection, pairs: Sequence[tuple[int, int]],
                 block_size: int) -> tuple[list[int], list[int]]:
     """(device blocks, host blocks) the copies touch, for the swapper's conflict tracking."""
