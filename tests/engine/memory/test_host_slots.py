@@ -75,12 +75,18 @@ def _interleaved(t: BidirectionalBlocks, m: SlotModel) -> tuple[int, int]:
     return decode(t.table(1)[0])[0], decode(t.table(2)[0])[0]
 
 
-def test_interleaved_decodes_restore_each_block_in_one_call():
+def _interleaved_then_rt_gone() -> tuple[BidirectionalBlocks, SlotModel]:
+    """`_interleaved`, then both RT requests end: BE 1 and 2 hold their checkpoints."""
     t = BidirectionalBlocks(range(2), BS, host_slots=4 * BS)
     m = SlotModel(t)
     _interleaved(t, m)
     t.free(3)
     t.free(4)
+    return t, m
+
+
+def test_interleaved_decodes_restore_each_block_in_one_call():
+    t, m = _interleaved_then_rt_gone()
     for rid in (1, 2):
         c = t.restore(rid)
         assert len(c.into) == BS - 1 and not c.move
@@ -91,11 +97,7 @@ def test_interleaved_decodes_restore_each_block_in_one_call():
 
 
 def test_a_steps_overwrites_in_one_block_go_out_in_one_call():
-    t = BidirectionalBlocks(range(2), BS, host_slots=4 * BS)
-    m = SlotModel(t)
-    _interleaved(t, m)
-    t.free(3)
-    t.free(4)
+    t, m = _interleaved_then_rt_gone()
     m.apply(t.restore(1))
     m.apply(t.restore(2))
     t.add(5, reverse=False)
