@@ -127,7 +127,7 @@ class Channel:
         self.ranks = tuple(ranks)
         self.rank = rank
         """This instance's world rank."""
-        self.queue = TransferQueue(send)
+        self.queue = TransferQueue(send, passes=(GroupMemberLost,))
         self._recv = recv
         self._pg = pg
         self.held: Held | None = None

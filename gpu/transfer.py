@@ -45,8 +45,13 @@ def _dist_send(tensor: torch.Tensor, dst: int, tag: int) -> None:
 class TransferQueue:
     """Two lanes of sends (activations, KV), one thread each."""
 
-    def __init__(self, send: Sender = _dist_send, *, yield_s: float = 0.05) -> None:
+    def __init__(self, send: Sender = _dist_send, *, yield_s: float = 0.05,
+                 passes: tuple[type[BaseException], ...] = ()) -> None:
         self._send = send
+        self._passes = passes
+        """A send's errors of these kinds reach the compute thread as they are (they name what
+        failed, and the caller acts on their kind: a lost group member, gpu/data_plane.py);
+        any other as "the transfer thread failed: ..."."""
         self._yield_s = yield_s
         self._lanes: dict[str, collections.deque] = {"activation": collections.deque(),
                                                      "kv": collections.deque()}
@@ -71,8 +76,7 @@ class TransferQueue:
 
     def put(self, tensor: torch.Tensor, *, dst: int, tag: int, kind: TransferKind) -> None:
         with self._cond:
-            if self._error is not None:
-                raise RuntimeError(f"the transfer thread failed: {self._error}")
+            self._raise_error()
             self._lanes["activation" if self.fifo else kind].append((tensor, dst, tag, kind))
             self._pending[kind] += 1
             self._cond.notify_all()
@@ -83,8 +87,14 @@ class TransferQueue:
         with self._cond:
             while any(self._pending[k] for k in kinds) and self._error is None:
                 self._cond.wait()
-            if self._error is not None:
-                raise RuntimeError(f"the transfer thread failed: {self._error}")
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is None:
+            return
+        if isinstance(self._error, self._passes):
+            raise self._error
+        raise RuntimeError(f"the transfer thread failed: {self._error}") from self._error
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the sending threads (what is still queued is not sent); a thread blocked in a

@@ -52,6 +52,27 @@ def test_a_failed_send_is_reported_to_the_compute_thread():
         q.close()
 
 
+def test_a_lost_member_reaches_the_compute_thread_as_it_is():
+    # a lost group member must stay a GroupMemberLost: the head then recomputes its requests
+    # instead of failing them (a fresh-clone CI run failed a request with "the transfer thread
+    # failed: pipeline group member instance 1 was lost ...": a RuntimeError the runner did not
+    # take for a loss)
+    from gpu.data_plane import Channel, GroupMemberLost
+
+    def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
+        raise GroupMemberLost(dst, "a tensor was being sent", RuntimeError("its process is gone"))
+
+    q = Channel((0, 1), 0, send, recv=None).queue
+    try:
+        q.put_activation(torch.zeros(1), dst=1, tag=0)
+        with pytest.raises(GroupMemberLost, match="instance 1 was lost"):
+            q.flush()
+        with pytest.raises(GroupMemberLost):
+            q.put_activation(torch.zeros(1), dst=1, tag=1)
+    finally:
+        q.close()
+
+
 def _held_sender(hold_tag: int):
     sent: list[int] = []
     started, release = threading.Event(), threading.Event()
