@@ -224,12 +224,17 @@ class TorchSwapper:
             t.event.synchronize()
 
     def wait(self, ticket_ids: Iterable[int]) -> None:
-        """Block until these tickets' copies are complete (synchronous swap-in); raises if one
-        failed, even one already polled."""
+        """Before a step: order it after these tickets' copies (synchronous swap-ins, BROS's
+        checkpoints and swap-backs); raises if one failed, even one already polled. The host
+        waits only until each ticket's copies are dispatched (on the CPU: done); on CUDA the
+        compute stream then waits on the ticket's event, the host does not (BROS §5.2: the
+        swaps "conducted asynchronously"), as in `wait_blocks`."""
         for tid in ticket_ids:
             t = self._tickets.get(tid)
             if t is not None:
-                self._wait_ticket(t)
+                t.future.result()
+                if t.event is not None:
+                    torch.cuda.current_stream(self.device_kv.device).wait_event(t.event)
             elif tid in self._failed_ids:
                 raise RuntimeError(f"swap ticket {tid} failed: {self._failed_ids[tid]}")
 

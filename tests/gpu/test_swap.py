@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from gpu.swap import TorchSwapper, coalesce
-from tests.gpu.swap_doubles import ConflictBlindSwapper, GatedSwapper
+from tests.gpu.swap_doubles import ConflictBlindSwapper, FailingSwapper, GatedSwapper
 
 LAYERS = 3
 
@@ -79,4 +80,66 @@ def test_the_conflict_blind_double_lets_a_step_write_blocks_still_being_copied()
     sw.wait([1])
     assert not torch.equal(sw.host_kv[1], want)
     assert torch.equal(sw.host_kv[1], torch.zeros_like(want))
+    sw.close()
+
+
+class _StandInEvent:
+    """A CUDA event on a machine without one: records who waited on it and how."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+    def query(self) -> bool:
+        return False  # the copy stream has not reached it yet
+
+
+class _StandInStream:
+    def __init__(self) -> None:
+        self.waited: list[_StandInEvent] = []
+
+    def wait_event(self, event: _StandInEvent) -> None:
+        self.waited.append(event)
+
+
+def _dispatched_on_a_copy_stream(sw: TorchSwapper, ticket_id: int) -> _StandInEvent:
+    """What `_run` leaves on CUDA: the ticket dispatched (its future done) and an event recorded
+    on the copy stream that the stream has not reached."""
+    ticket = sw._tickets[ticket_id]
+    ticket.future.result()
+    ticket.event = _StandInEvent()
+    return ticket.event
+
+
+def test_wait_orders_the_compute_stream_after_the_copies_without_blocking_the_host(monkeypatch):
+    """Issue 14 item 5: a step's checkpoints and swap-backs are waited for on the device, not
+    by the host: `wait` makes the compute stream wait on each ticket's event (as `wait_blocks`
+    does) and never synchronizes the event."""
+    stream = _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    dev = arena()
+    sw = TorchSwapper(dev, 8)
+    sw.submit(1, "out", [(3, 0)], "slots")
+    sw.submit(2, "in", [(0, 5)], "groups")
+    events = [_dispatched_on_a_copy_stream(sw, 1), _dispatched_on_a_copy_stream(sw, 2)]
+    sw.wait([1, 2])
+    assert [e.synchronized for e in events] == [0, 0], "the host blocked on the copies"
+    assert stream.waited == events
+    assert not sw.done(1) and not sw.done(2)  # still copying on the device: not polled away
+    sw.close()
+
+
+def test_wait_still_raises_for_a_failed_ticket(monkeypatch):
+    stream = _StandInStream()
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    sw = FailingSwapper(arena(), 8, fail_calls=frozenset({1}), error=OSError("injected"))
+    sw.submit(1, "out", [(3, 0)], "slots")
+    with pytest.raises(OSError, match="injected"):
+        sw.wait([1])
+    assert sorted(sw.poll()) == [1]
+    with pytest.raises(RuntimeError, match="swap ticket 1 failed: OSError: injected"):
+        sw.wait([1])  # already polled: still raises
+    assert stream.waited == []
     sw.close()
