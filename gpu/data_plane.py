@@ -136,12 +136,10 @@ class Channel:
     def recv_tensor(self, t: torch.Tensor, src: int, tag: int, what: str) -> None:
         try:
             self._recv(t, src, tag)
-        except Broken as exc:  # the group broke: a member known lost, or it was closed
-            raise _member_lost(exc, src, what) from exc
         except GroupMemberLost:
             raise
-        except RuntimeError as exc:
-            raise GroupMemberLost(src, what, exc) from exc
+        except RuntimeError as exc:  # the group broke, or gloo saw the peer's connections close
+            raise _member_lost(exc, src, what) from exc
 
     def close(self, *, broken: bool = False) -> None:
         """The group is over. `broken`: it ended without its last transfers (a member was
@@ -202,7 +200,7 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
     def send(tensor: torch.Tensor, dst: int, tag: int) -> None:
         try:
             held.run(lambda g: g.send([tensor], member(dst), tag), wait)
-        except Broken as exc:
+        except RuntimeError as exc:  # the group broke, or gloo saw the peer's connections close
             raise _member_lost(exc, dst, f"a tensor was being sent to instance {dst}") from exc
 
     def recv(tensor: torch.Tensor, src: int, tag: int) -> None:
@@ -214,9 +212,11 @@ def open_channel(plane: DataPlane, key: str, ranks: Sequence[int]) -> Channel:
     return channel
 
 
-def _member_lost(exc: Broken, peer: int, what: str) -> GroupMemberLost:
-    """A channel's send or receive ended because its group broke: the member known lost, else
-    the peer it was with."""
+def _member_lost(exc: RuntimeError, peer: int, what: str) -> GroupMemberLost:
+    """A channel's send or receive failed: its group broke (`Broken`: the member known lost,
+    else the peer it was with), or gloo saw the peer's connections close (before the watch)."""
+    if not isinstance(exc, Broken):
+        return GroupMemberLost(peer, what, exc)
     return GroupMemberLost(peer if exc.rank < 0 else exc.rank, what, RuntimeError(exc.why))
 
 
@@ -346,16 +346,14 @@ def send_obj(obj: Any, dst: int, tag: int, what: str) -> None:
     the watch knows it gone, and as soon as it does while the send waits (`_wait`)."""
     data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                             dtype=torch.uint8)
-    world = _live_world(dst, what)
-    works = [world.send([torch.tensor([data.numel()], dtype=torch.int64)], dst, tag),
-             world.send([data], dst, tag + 1)]  # posted here, in order; waited on a thread
+    works = _post(dst, what, lambda w: [w.send([torch.tensor([data.numel()])], dst, tag),
+                                        w.send([data], dst, tag + 1)])  # waited on a thread
     _wait(lambda: [w.wait(FOREVER) for w in works], dst, what)
 
 
 def recv_obj(src: int, tag: int, what: str) -> Any:
-    size = torch.empty(1, dtype=torch.int64)
-    world = _live_world(src, what)
-    first = world.recv([size], src, tag)
+    size, world = torch.empty(1, dtype=torch.int64), data_plane().world
+    first = _post(src, what, lambda w: w.recv([size], src, tag))
 
     def job() -> torch.Tensor:
         first.wait(FOREVER)
@@ -389,9 +387,14 @@ def _wait(job: Callable[[], Any], peer: int, what: str) -> Any:
     return got
 
 
-def _live_world(peer: int, what: str) -> Any:
-    """The world's process group, unless the watch knows `peer` is gone."""
+def _post(peer: int, what: str, post: Callable[[Any], Any]) -> Any:
+    """`post(world)` (a control message's sends or receives with `peer`) unless the watch knows
+    `peer` gone. gloo refuses to post once it saw the peer's connections close, which can be
+    before the watch sees its own close: the peer is lost then too, as when a wait fails."""
     plane = data_plane()
     if plane.lost([peer]):
         raise plane.lost_error(peer, what)
-    return plane.world
+    try:
+        return post(plane.world)
+    except RuntimeError as exc:
+        raise GroupMemberLost(peer, what, exc) from exc

@@ -2,9 +2,11 @@
 one process (threads) over a TCPStore: members address each other by world rank, a rank outside
 the group is refused by name, and a member that never opens the channel (it died after its
 `GroupGo`; planes without a watch, as here) costs the others `channel_open_s`, not the plane's
-whole `timeout_s`, and a channel closed as broken ends what its peer still waits for at once.
-Planted bugs checked by hand: the channel opened with `timeout_s` (60 s) fails the third test's
-bound; a broken channel's process group kept fails the last."""
+whole `timeout_s`, and a channel closed as broken ends what its peer still waits for at once;
+a peer whose connections gloo saw close is a lost member, for control messages and channels.
+Planted bugs checked by hand: the channel opened with `timeout_s` (60 s) fails the bound of the
+member that never opens; a broken channel's process group kept fails the broken close's; the
+gloo-saw-close test's own are in its docstring."""
 
 from __future__ import annotations
 
@@ -158,3 +160,50 @@ def test_a_member_the_front_door_found_silent_is_given_up_at_once():
     assert watches[0].lost([1]) == [1] and watches[1].lost([0]) == []
     for w in watches:
         w.close()
+
+
+def test_a_peer_whose_connections_gloo_saw_close_is_a_lost_member(monkeypatch):
+    """A killed process's sockets close one by one, so gloo can see a peer's world and channel
+    connections close before the watch sees its own; gloo then refuses to post a send or a
+    receive with it ("Connection closed by peer"). That is the peer lost (`GroupMemberLost`
+    naming it), as a failed wait always was: a member that answered a step to its killed head
+    so got the raw RuntimeError, its device thread ended with it and the instance too (the
+    head-lost test of test_kunserve_torch_moves.py failed so in a snapshot run at load ~15).
+    Plants: `_post` not catching (the raw RuntimeError); the channel's send catching `Broken`
+    only ("the transfer thread failed: ...")."""
+    import gpu.data_plane as dp
+    from gpu.plane_links import BREAK_WAIT
+
+    planes = _planes(2, timeout_s=20.0)  # no watch: nothing is known lost
+
+    def world(i: int) -> None:
+        planes[i].world = dp._process_group(planes[i], "shunter/world/", i, 2)
+
+    threads = [threading.Thread(target=world, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    a, b = _open_all(planes, "0.11", (0, 1))
+    # instance 1 "ends": the connections of its world and of the channel close (a wait that
+    # times out closes them all, as its process's end would)
+    with pytest.raises(RuntimeError):
+        planes[1].world.recv([torch.zeros(1)], 0, dp.BREAK_TAG).wait(BREAK_WAIT)
+    b.close(broken=True)
+    # instance 0's gloo has seen both close once a receive of each fails (not a sleep)
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        planes[0].world.recv([torch.zeros(1)], 1, dp.BREAK_TAG).wait(
+            datetime.timedelta(seconds=15))
+    with pytest.raises(GroupMemberLost, match="Connection closed by peer"):
+        a.recv_tensor(torch.zeros(1), 1, 7, "a test")
+    monkeypatch.setattr(dp, "_plane", planes[0])
+    closed = r"instance 1 was lost while a test: RuntimeError: .*Connection closed by peer"
+    with pytest.raises(GroupMemberLost, match=closed):
+        dp.send_obj("an answer", 1, dp.REPLY_TAG, "a test")
+    with pytest.raises(GroupMemberLost, match=closed):
+        dp.recv_obj(1, dp.CONTROL_TAG, "a test")
+    a.queue.put_activation(torch.ones(4), dst=1, tag=3)
+    with pytest.raises(GroupMemberLost, match=r"instance 1 was lost while a tensor was being "
+                                              r"sent to instance 1: RuntimeError: .*closed"):
+        a.queue.flush()
+    a.close(broken=True)
