@@ -10,6 +10,10 @@ already seen), the id moves onto the reserved block if no live table on this mem
 it (its old stage block is then free); only when one does (a shared prefix block) is the KV
 copied, and counted. Free blocks are handed out in `StageView.resplit_first` order: first those
 whose KV a later re-split to a smaller stride keeps in place (gpu/kept_kv.py).
+
+As the group restores: the head's pool shrinking back moves ids (`move`: the stage block follows
+the id, no copy), and a restore prefetch (gpu/restore_prefetch.py) vacates the dropped layers'
+stage blocks (`evacuate`): the ids there move out, and those blocks are never handed out again.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class BlockMap:
         self.group = group
         self._local = np.full(group.stop, -1, dtype=np.int64)
         self._taken = np.zeros(view.num_blocks, dtype=bool)
+        self._blocked = np.zeros(view.num_blocks, dtype=bool)
+        """Stage blocks given back to weights (`evacuate`): never free again."""
         order = view.resplit_first() if hasattr(view, "resplit_first") else view.usable
         self._free = [int(b) for b in order[::-1]]  # pop() takes them in that order
         self._reserved: dict[int, list[int]] = {}
@@ -84,8 +90,7 @@ class BlockMap:
             self.copied_blocks += 1
             return (want, mapped)
         if mapped >= 0:  # the id's old block held KV nobody reads any more
-            self._taken[mapped] = False
-            self._free.append(mapped)
+            self._release(mapped)
         self._local[group_id] = want
         held[index] = -1
         return None
@@ -94,8 +99,58 @@ class BlockMap:
         """The request's table is placed: blocks of its reservation left unused are free."""
         for b in self._reserved.pop(request_id, ()):
             if b is not None and b >= 0:
-                self._taken[b] = False
-                self._free.append(b)
+                self._release(b)
+
+    def move(self, moves: Iterable[tuple[int, int]]) -> None:
+        """The engine's shrinking pool moved table entries from group id `src` to `dst` (each
+        (src, dst); engine/memory/block_pool.py `resize`): `dst` now means `src`'s stage block,
+        no copy; `src` is unmapped, and `dst`'s old block (stale KV) is free again."""
+        for src, dst in moves:
+            self._check(src)
+            self._check(dst)
+            local = int(self._local[src])
+            if local < 0:
+                raise KeyError(f"group block {src} moved to {dst} has no stage block on this "
+                               f"member")
+            old = int(self._local[dst])
+            if old >= 0:
+                self._release(old)
+            self._local[dst], self._local[src] = local, -1
+
+    def evacuate(self, avoid: np.ndarray, pool: range) -> list[tuple[int, int]]:
+        """Stage blocks `avoid` (a bool per stage block) are taken from KV for good (a restore
+        writes weights there: gpu/restore_prefetch.py): every group id in `pool` mapped into
+        them moves to a free block outside (returned as (src, dst) stage blocks, for the caller
+        to copy), ids beyond `pool` are unmapped (the engine's pool no longer holds them), and
+        no block of `avoid` is handed out again."""
+        if self._reserved:
+            raise RuntimeError(f"requests {sorted(self._reserved)} still wait for their KV in "
+                               f"reserved blocks: nothing can be vacated yet")
+        for g in np.flatnonzero(self._local >= 0):
+            if int(g) not in pool:
+                self._release(int(self._local[g]))
+                self._local[g] = -1
+        mapped = np.flatnonzero(self._local >= 0)
+        inside = [int(g) for g in mapped if avoid[self._local[g]]]
+        free_outside = int(np.count_nonzero(~self._taken & ~avoid))
+        if len(inside) > free_outside:
+            raise RuntimeError(f"{len(inside)} blocks must leave the dropped layers' memory and "
+                               f"only {free_outside} stage blocks outside it are free (the "
+                               f"pool of {len(pool)} blocks is larger than this member holds "
+                               f"without them)")
+        self._blocked = avoid.copy()
+        self._taken |= avoid
+        out = []
+        for g in inside:
+            src, dst = int(self._local[g]), self._pop()
+            self._local[g] = dst
+            out.append((src, dst))
+        return out
+
+    def _release(self, local: int) -> None:
+        if not self._blocked[local]:
+            self._taken[local] = False
+            self._free.append(local)
 
     def local(self, group_id: int) -> int:
         b = int(self._local[group_id])

@@ -25,7 +25,7 @@ from gpu.data_plane import (
     send_obj,
 )
 from gpu.group_grow import await_abandon, regrow_member, take_generators
-from gpu.group_runner import restore_transfers, restore_weights
+from gpu.group_runner import restore_transfers
 from gpu.group_stage import (
     GroupAbandon,
     GroupGo,
@@ -37,6 +37,7 @@ from gpu.group_stage import (
 )
 from gpu.kv_exchange import send_transfers
 from gpu.pipeline_stage import StageStep
+from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, restore_weights, stop_prefetch
 from gpu.stage_view import restore_layers
 
 
@@ -116,6 +117,12 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
                 return _abandon(stage, "the group was abandoned while it grew")
             stage, start = grown, msg
             continue
+        if isinstance(msg, GroupPrefetch):  # the restore's weights, written while serving
+            try:
+                stage.prefetch = WeightPrefetch(stage, start.ranks, start.layers, msg)
+            except Exception as exc:  # noqa: BLE001 (the head learns it from the next step)
+                stage.prefetch_failed = exc
+            continue
         if isinstance(msg, StageStep):
             try:
                 reply = stage.run(msg)
@@ -148,12 +155,14 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
                 "sent_before_bytes": getattr(stage, "sent_before", 0),
                 "copied_blocks": stage.map.copied_blocks,
                 "weights_sent": getattr(stage, "weights_sent", 0),
+                "prefetch": stage.prefetch.report() if getattr(stage, "prefetch", None) else None,
                 "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None,
                 "merged": attrs.asdict(stage.merged) if hasattr(stage, "merged") else None}
 
 
 def _abandon(stage: GroupStage, why: str) -> dict:
     """A member leaves a broken group: its dropped layers from its host copy, no sequences."""
-    restore_layers(stage.model)
     stage.plane.close(broken=True)  # nothing left on the group's channel matches anything
+    stop_prefetch(stage)  # (its receives ended with the channel) before the host copy
+    restore_layers(stage.model)
     return {"abandoned": why}

@@ -7,9 +7,10 @@ sequences). `open()` tells every member to join (`GroupStart` over the data plan
 exchange; each `execute(step)` sends the step to every member, runs the head's layers (the first
 stage) and collects the members' answers, the last one's sampled tokens included;
 `restore(tables)` brings every member's dropped layers back (from the members keeping them, or
-from each one's host copy), moves the KV of the head's requests for the layers it had dropped
-back to the head, and leaves everyone serving alone (the KV moved: gpu/kv_moved.py). A member
-serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until the head restores.
+from each one's host copy; with `prefetch_restore` first, written in place while the group
+served: gpu/restore_prefetch.py), moves the KV of the head's requests for the layers it had
+dropped back to the head, and leaves everyone serving alone (the KV moved: gpu/kv_moved.py). A
+member serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until then.
 
 Faults: any send or receive with a lost member raises `GroupMemberLost` naming it; the head then
 `recover_from_host()`s: its dropped layers come back from its host copy, and every request loses
@@ -31,7 +32,6 @@ from engine.messages import ExecuteStep, SampledToken, StepFinished
 from gpu.data_plane import (
     CONTROL_TAG,
     REPLY_TAG,
-    WEIGHTS_TAG,
     GroupMemberLost,
     data_plane,
     new_channel_key,
@@ -55,7 +55,9 @@ from gpu.group_stage import (
 from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost, lost_error
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
-from gpu.stage_view import elem_range, group_pool_blocks, restore_layers
+from gpu.restore_prefetch import (GroupPrefetch, WeightPrefetch, prefetch_report,
+                                  restore_weights, room_outside, stop_prefetch)
+from gpu.stage_view import group_pool_blocks, restore_layers
 
 MIN_CHUNK_TOKENS = 4
 """Lookahead never cuts a prefill into a piece under this many tokens (§4.3 Figure 11, lines
@@ -100,6 +102,7 @@ class GroupRunner:
         self.records: list[StepRecord] | None = None
         self.exchange = None  # the head's exchange counters (set at `open`)
         self.restore_stats: dict[str, float] = {}
+        self._prefetched: set[int] = set()  # members whose prefetched weights are in
         self.set_up: set[int] = set()
         """Requests some step of this group set up (an adopted one not among them still has its
         KV staged or reserved: gpu/group_grow.py waits for it)."""
@@ -192,6 +195,8 @@ class GroupRunner:
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
             self._note_arrived(m, reply.arrived)
+            if reply.prefetched:
+                self._prefetched.add(rank)
             replies.append(reply)
         self._note_arrived(0, mine.arrived)
         self._fed_back = replies[-1].sampled
@@ -267,7 +272,9 @@ class GroupRunner:
                                stage.model.config.head_dim), stage.model.arena.dtype,
                               stage.stats, link=stage.plane)
         own = {rid: stage.read_layers(s.table) for rid, s in stage.seqs.items()}
-        weights_s = restore_weights(stage, self.ranks, self.layers, source)
+        w_began = time.perf_counter()
+        weights_at = restore_weights(stage, self.ranks, self.layers, source)
+        weights_s = time.perf_counter() - w_began
         arena = stage.model.arena
         for rid, s in stage.seqs.items():
             new = list(tables[rid])
@@ -288,9 +295,34 @@ class GroupRunner:
                     seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
         count_moved(self.solo, kv := stage.stats.received_bytes - received)
         self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
-                              "kv_bytes": float(kv)}
+                              "kv_bytes": float(kv), "weight_bytes_at": float(weights_at),
+                              **prefetch_report(stage)}
         stage.end_exchange()
         self.stage = None
+
+    def prefetch_restore(self, source: str, pool: range) -> None:
+        """Start writing every member's dropped layers back while the group serves (gpu/
+        restore_prefetch.py); `pool`: the group ids the engine's pool holds now (shrunk back:
+        the rest of the dropped memory is vacated). `restore` later waits for what is left."""
+        if getattr(self.stage, "prefetch", None) is not None:
+            raise RuntimeError("the restore is being prefetched already")
+        if len(pool) > (room := room_outside(self.stage.model, self.layers)):
+            raise ValueError(f"a restore prefetch needs the pool shrunk to at most {room} "
+                             f"blocks first (the dropped layers' memory is vacated); it has "
+                             f"{len(pool)}")
+        msg = GroupPrefetch(source=source, pool=pool)
+        self._prefetched = set()  # (the head's own first: what refuses it refuses it here)
+        self.stage.prefetch = WeightPrefetch(self.stage, self.ranks, self.layers, msg)
+        for rank in self.ranks[1:]:
+            send_obj(msg, rank, CONTROL_TAG, "the restore was prefetched")
+
+    def restore_ready(self) -> bool | None:
+        """Whether every member's prefetched weights are in (per the last step's answers);
+        None: no prefetch runs. Raises the loss of a member the head's prefetch saw."""
+        prefetch = getattr(self.stage, "prefetch", None)
+        if prefetch is None:
+            return None
+        return prefetch.check() and len(self._prefetched) == len(self.ranks) - 1
 
     def recover_from_host(self, lost: int) -> list[int]:
         """After member instance `lost` was lost: every survivor is told to restore from its
@@ -306,8 +338,9 @@ class GroupRunner:
         for t in self._fed_back:
             if t.request_id in stage.seqs:
                 stage.seqs[t.request_id].tokens.append(t.token_id)
-        restore_layers(stage.model)
         stage.plane.close(broken=True)  # nothing left on the group's channel matches anything
+        stop_prefetch(stage)  # (its receives ended with the channel) before the host copy
+        restore_layers(stage.model)
         for rid, s in stage.seqs.items():
             self.solo._seqs[rid] = _solo_seq(self.solo, s, [])
         self.stage = None
@@ -362,39 +395,3 @@ def _solo_seq(solo, s, table: list[int]):
     from gpu.runner import _DeviceSeq
 
     return _DeviceSeq(tokens=s.tokens, table=table, sampling=s.sampling, generator=s.generator)
-
-
-def _kept_blocks(stage: GroupStage, keep: range) -> range:
-    lb = stage.model.arena.layout.layer_blocks
-    return range(lb[keep.start].start, lb[keep.stop - 1].stop)
-
-
-def restore_weights(stage: GroupStage, ranks: Sequence[int], layers: Sequence[range],
-                    source: str) -> float:
-    """Every member's dropped layers back into place: from the members keeping them (each
-    sends its kept range, one tensor, to every other) or from its own host copy."""
-    began = time.perf_counter()
-    arena = stage.model.arena
-    if source == "host":
-        restore_layers(stage.model)
-        return time.perf_counter() - began
-    if source != "peer":
-        raise ValueError(f"restore source must be 'peer' or 'host', got {source!r}")
-    plane = stage.plane
-    mine = arena.buffer[elem_range(arena, _kept_blocks(stage, stage.keep))]
-    for k, rank in enumerate(ranks):
-        if k != stage.me:
-            plane.queue.put(mine, dst=rank, tag=WEIGHTS_TAG, kind="kv")
-
-    def fill(blocks: range, dst: torch.Tensor) -> None:
-        per = arena.layout.block_elems
-        for k, keep in enumerate(layers):
-            kb = _kept_blocks(stage, keep)
-            if k != stage.me and blocks.start <= kb.start and kb.stop <= blocks.stop:
-                lo = (kb.start - blocks.start) * per
-                plane.recv_tensor(dst[lo:lo + len(kb) * per], ranks[k], WEIGHTS_TAG,
-                                  "its layers were being restored")
-
-    restore_layers(stage.model, fill)
-    plane.queue.flush()
-    return time.perf_counter() - began

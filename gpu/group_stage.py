@@ -30,6 +30,7 @@ from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, WatchedRecv, 
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
+from gpu.restore_prefetch import prefetch_state
 from gpu.sampler import make_generator
 from gpu.stage_view import drop_layers, send_gained
 
@@ -138,6 +139,8 @@ class MemberReply:
     """The rank of a member this one lost contact with while running the step."""
     generator_states: Mapping[int, bytes] | None = None
     """At restore, from the last member (which sampled): each seeded request's generator."""
+    prefetched: bool | None = None
+    """Whether its prefetched weights are in (gpu/restore_prefetch.py); None: no prefetch."""
 
 
 @attrs.frozen(kw_only=True)
@@ -292,6 +295,7 @@ class GroupStage:
             cpu.append(u)
             sampled.extend(out)
         own_core = self.model.arena.device.type == "cpu" and torch.get_num_threads() == 1
+        prefetched = prefetch_state(self)  # raises a member lost
         try:
             self.plane.queue.flush("activation")  # KV chunks keep going behind them
         except RuntimeError as exc:  # the sending thread failed: the next member went away
@@ -300,7 +304,7 @@ class GroupStage:
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),
-                           arrived=tuple(self.receiver.take_arrived()))
+                           arrived=tuple(self.receiver.take_arrived()), prefetched=prefetched)
 
     def _activations(self, x: torch.Tensor, src: int, tag: int) -> None:
         """Receive them while watching the other members (`WatchedRecv`)."""
@@ -315,6 +319,7 @@ class GroupStage:
         self.plane.close()
 
     def _book(self, step: ExecuteStep) -> None:
+        self.map.move(step.moves)  # the head's pool shrank while grouped: ids move, KV stays
         for rid in step.release:
             self.seqs.pop(rid, None)
             self.map.done_reserving(rid)  # (one adopted that ended before its first step)

@@ -68,6 +68,13 @@ class KunServeTorchRunner(TorchRunner):
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
         `serve_group` takes them."""
+        self._prefetch_after: tuple[str, int] | None = None
+        self.prefetch_refused: str | None = None
+        """Why the last restore prefetch waiting for a shrink could not start, if it could
+        not (its group restored everything at the boundary)."""
+        self._engine_pool: int | None = None
+        """The engine's pool size while it leads a group, as the last step that resized it
+        said (None: the group's whole pool)."""
         self.handing_over = False
         """Its group merges into another (`hand_over`): the step carrying the engine's plan of
         one does not restore it (its KV goes to the merged group's members instead)."""
@@ -78,6 +85,7 @@ class KunServeTorchRunner(TorchRunner):
         serves that group as a member, on the device thread, until it restores."""
         from gpu.group_merge import hand_over_group
 
+        self._restoring("merge into another")
         self.holding = False
         return hand_over_group(self, head)
 
@@ -89,7 +97,44 @@ class KunServeTorchRunner(TorchRunner):
         self.holding = False
         return serve_member(self, head)
 
+    def prefetch_restore(self, source: str = "peer", after_shrink_to: int | None = None
+                         ) -> bool:
+        """Start restoring the group this instance leads while it keeps serving: every
+        member's dropped layers are written back in place (gpu/restore_prefetch.py) and the
+        step whose plan is of one later moves only the rest. The engine's pool must have shrunk
+        back first (a step carrying that `pool_blocks` ran, its moves applied: its ids are what
+        stays); `after_shrink_to`: until a step carried a pool of at most that many blocks,
+        the prefetch waits (it starts before the next step after it). Returns whether it
+        started. On the device thread."""
+        group = self.group
+        if group is None:
+            raise RuntimeError("this instance leads no group")
+        n = self._engine_pool if self._engine_pool is not None else len(group.pool)
+        if after_shrink_to is not None and n > after_shrink_to:
+            self._prefetch_after = (source, after_shrink_to)
+            return False
+        self._prefetch_after = None
+        group.prefetch_restore(source, range(group.pool.start, group.pool.start + n))
+        return True
+
+    def start_pending_prefetch(self) -> None:
+        """A prefetch waiting for the pool's shrink starts once a step carried it."""
+        if self._prefetch_after is None or self.group is None:
+            return
+        try:
+            self.prefetch_restore(*self._prefetch_after)
+        except GroupMemberLost:
+            raise
+        except (ValueError, RuntimeError) as exc:  # the restore moves it all at the boundary
+            self._prefetch_after, self.prefetch_refused = None, str(exc)
+
+    def _restoring(self, what: str) -> None:
+        if self.group is not None and getattr(self.group.stage, "prefetch", None) is not None:
+            raise RuntimeError(f"the group this instance leads is restoring (its dropped layers "
+                               f"are being prefetched): it cannot {what}")
+
     def _group(self, plan, adopted: Sequence[Adopted]) -> GroupRunner:
+        self._engine_pool = self._prefetch_after = None
         return GroupRunner(self, plan.members, plan.layers, adopted,
                            chunk_blocks=self.chunk_blocks, microbatch=self.microbatch,
                            fits=self._fits(plan), kv_exchange=self.kv_exchange)
@@ -141,6 +186,7 @@ class KunServeTorchRunner(TorchRunner):
 
         if self.group is None:
             raise RuntimeError("this instance leads no group")
+        self._restoring("grow")
         try:
             return grow_group(self.group, plan, adopted, fits=self._fits(plan), live=live)
         except GroupMemberLost as exc:
@@ -205,6 +251,9 @@ class KunServeTorchRunner(TorchRunner):
             step = attrs.evolve(step, release=(), moves=(), group=None, pool_blocks=None)
         if self.group is not None:
             try:
+                self.start_pending_prefetch()  # (before this step's own pool is noted)
+                if step.pool_blocks is not None:
+                    self._engine_pool = step.pool_blocks
                 return self.group.execute(step)
             except GroupMemberLost as exc:
                 self._group_lost(exc)

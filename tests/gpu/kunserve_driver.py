@@ -8,10 +8,12 @@ from __future__ import annotations
 import multiprocessing as mp
 import random
 import socket
+import time
 from collections.abc import Iterator, Sequence
 
 import attrs
 
+from engine.cluster.drop_plan import GroupPlan
 from engine.messages import BlockUpdate, ExecuteStep, RequestSetup, SeqWork
 from engine.params import SamplingParams
 
@@ -185,3 +187,47 @@ class Scheduler:
 
     def live(self) -> list[Req]:
         return [r for r in self.reqs.values() if not r.done]
+
+
+def group_steps(head: Host, sched: Scheduler, until) -> int:
+    """Group steps until `until()`; returns how many had work. Empty steps (every request
+    still waits for its KV: they ask the members for arrivals) do not count, however many the
+    exchange takes under load; the KV must come within 60 s."""
+    n, waiting_since = 0, time.monotonic()
+    while not until():
+        step = sched.next_step()
+        done, arrived = head.call("step", step)
+        sched.finish(step, done.sampled)
+        for rid in arrived:
+            sched.reqs[rid].ready = True
+        if step.seqs:
+            n, waiting_since = n + 1, time.monotonic()
+        assert time.monotonic() - waiting_since < 60, "no request's KV arrived"
+        assert n < 60, "the group never got there"
+    return n
+
+
+def form_group(model_dir, head: Host, sched: Scheduler, ranks, adopted, solo: range,
+               layers: tuple[range, ...]) -> range:
+    """The head's engine grows its pool to the group's and its next step carries the plan
+    (ExecuteStep.group, .pool_blocks: K1's engine fields); returns the group's block ids."""
+    import torch
+
+    from gpu.config import ModelConfig
+    from gpu.stage_view import group_pool_blocks
+
+    config = ModelConfig.from_dir(model_dir)
+    pool = range(solo.start, solo.start + group_pool_blocks(
+        config, sched.block_size, torch.float32, solo.stop, layers))
+    head.call("expect_adopted", tuple(adopted))
+    sched.grow(pool)
+    for r in sched.live():  # the head's own requests wait for their KV on the member too
+        r.ready = False
+    step = attrs.evolve(sched.next_step(), group=GroupPlan(group_id=1, members=tuple(ranks),
+                                                            layers=layers),
+                        pool_blocks=len(pool))
+    done, arrived = head.call("step", step)
+    sched.finish(step, done.sampled)
+    for rid in arrived:
+        sched.reqs[rid].ready = True
+    return pool

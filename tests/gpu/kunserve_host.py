@@ -53,6 +53,11 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
             elif cmd == "grow_stats":
                 g = runner.group or runner.last_group
                 conn.send(("ok", attrs.asdict(g.grow_stats)))
+            elif cmd == "prefetch":  # start the restore while the group serves
+                runner.prefetch_restore(*args)
+                conn.send(("ok", None))
+            elif cmd == "ready":  # whether every member's prefetched weights are in
+                conn.send(("ok", runner.group.restore_ready()))
             elif cmd == "expect_adopted":
                 runner.expect_adopted(args[0])
                 conn.send(("ok", None))

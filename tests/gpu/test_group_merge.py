@@ -50,5 +50,5 @@ def test_a_handed_over_request_released_before_its_first_step_frees_its_kept_blo
     stage = object.__new__(MergeStage)  # only what booking a step reads
     stage.map, stage.seqs, stage._owned_gens = BlockMap(view, range(4)), {}, {}
     stage.map.reserve(7, [1, 2])
-    stage._book(SimpleNamespace(release=(7,), setups=(), blocks=()))
+    stage._book(SimpleNamespace(release=(7,), setups=(), blocks=(), moves=()))
     assert sorted(stage.map.assign(9, i, i) or stage.map.local(i) for i in range(4)) == [0, 1, 2, 3]

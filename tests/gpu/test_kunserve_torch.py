@@ -12,18 +12,22 @@ fail (`step 3: engine 221, reference 206`).
 from __future__ import annotations
 
 import random
-import time
 
 import attrs
 import pytest
-import torch
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.params import SamplingParams
-from gpu.config import ModelConfig
 from gpu.group_stage import Adopted
-from gpu.stage_view import group_pool_blocks
-from tests.gpu.kunserve_driver import Req, Scheduler, random_prompt, running_hosts, solo_steps
+from tests.gpu.kunserve_driver import (
+    Req,
+    Scheduler,
+    form_group,
+    group_steps,
+    random_prompt,
+    running_hosts,
+    solo_steps,
+)
 from tests.reference import assert_matches, greedy_reference
 
 SEEDED = SamplingParams(max_tokens=64, temperature=1.0, seed=1234)
@@ -43,44 +47,6 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def hosts(model_dir):
     yield from running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
-
-
-def _group_steps(head, sched: Scheduler, until) -> int:
-    """Group steps until `until()`; returns how many had work. Empty steps (every request
-    still waits for its KV: they ask the members for arrivals) do not count, however many the
-    exchange takes under load; the KV must come within 60 s."""
-    n, waiting_since = 0, time.monotonic()
-    while not until():
-        step = sched.next_step()
-        done, arrived = head.call("step", step)
-        sched.finish(step, done.sampled)
-        for rid in arrived:
-            sched.reqs[rid].ready = True
-        if step.seqs:
-            n, waiting_since = n + 1, time.monotonic()
-        assert time.monotonic() - waiting_since < 60, "no request's KV arrived"
-        assert n < 60, "the group never got there"
-    return n
-
-
-def _form(model_dir, head, sched: Scheduler, ranks, adopted, solo: range) -> range:
-    """The head's engine grows its pool to the group's and its next step carries the plan
-    (ExecuteStep.group, .pool_blocks: K1's engine fields); returns the group's block ids."""
-    config = ModelConfig.from_dir(model_dir)
-    pool = range(solo.start, solo.start + group_pool_blocks(config, BLOCK, torch.float32,
-                                                            solo.stop, LAYERS))
-    head.call("expect_adopted", tuple(adopted))
-    sched.grow(pool)
-    for r in sched.live():  # the head's own requests wait for their KV on the member too
-        r.ready = False
-    step = attrs.evolve(sched.next_step(), group=GroupPlan(group_id=1, members=tuple(ranks),
-                                                            layers=LAYERS),
-                        pool_blocks=len(pool))
-    done, arrived = head.call("step", step)
-    sched.finish(step, done.sampled)
-    for rid in arrived:
-        sched.reqs[rid].ready = True
-    return pool
 
 
 def _check(model_dir, reqs) -> None:
@@ -119,12 +85,12 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
         moved.append((r, new))
     for _, new in moved:
         s0.add(new)
-    group = _form(model_dir, h0, s0, (0, 1), adopted, solo0)
+    group = form_group(model_dir, h0, s0, (0, 1), adopted, solo0, LAYERS)
     assert group.start == solo0.start and len(group) > 3 * len(solo0), (group, solo0)
     for r in burst:
         assert s0.fits(r)
         s0.add(r)
-    n = _group_steps(h0, s0, lambda: all(r.done for r in burst))
+    n = group_steps(h0, s0, lambda: all(r.done for r in burst))
     assert n >= 6 and all(r.ready for r in s0.reqs.values())
 
     # restore: the head's pool shrinks back (blocks above it move below, the rule of the
@@ -180,8 +146,8 @@ def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member,
                 ready=False)
     s0.add(f_new)
     adopted = (Adopted(request_id=400, owner=1, old_request_id=300, kv_tokens=f.computed),)
-    _form(model_dir, head, s0, ranks, adopted, solo_head)
-    _group_steps(head, s0, lambda: f_new.ready and len(f_new.out) > len(f.out) + 1)
+    form_group(model_dir, head, s0, ranks, adopted, solo_head, LAYERS)
+    group_steps(head, s0, lambda: f_new.ready and len(f_new.out) > len(f.out) + 1)
     victim.proc.kill()
     victim.proc.join(timeout=10)
     return s0, e + [f_new]

@@ -1,0 +1,78 @@
+"""A member's block map as its group restores (gpu/block_map.py `move`, `evacuate`): the
+head's pool shrinking back moves ids without copying KV, and a restore prefetch vacates the
+dropped layers' stage blocks (gpu/restore_prefetch.py) so the weights can be written there while
+the group serves."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from gpu.block_map import BlockMap
+
+
+def _map(blocks: int = 8) -> BlockMap:
+    view = SimpleNamespace(capacity=blocks, num_blocks=blocks,
+                           usable=np.arange(blocks, dtype=np.int64))
+    return BlockMap(view, range(blocks))
+
+
+def test_a_moved_id_means_the_same_stage_block_and_frees_its_old_one():
+    m = _map()
+    for i, g in enumerate((6, 2)):
+        m.assign(1, i, g)  # id 6 -> stage block 0, id 2 -> stage block 1
+    m.move([(6, 3)])  # the pool shrank below 6: its entry became id 3
+    assert m.local(3) == 0
+    with pytest.raises(KeyError, match="group block 6 has no stage block"):
+        m.local(6)
+    m.move([(2, 4)])
+    assert m.local(4) == 1
+    assert m.assign(2, 0, 5) is None and m.local(5) == 2  # nothing freed was lost or doubled
+    with pytest.raises(KeyError, match="group block 7 moved to 0 has no stage block"):
+        m.move([(7, 0)])
+
+
+def test_a_moved_onto_id_seen_before_gives_its_stale_block_back():
+    m = _map(3)
+    m.assign(1, 0, 0)  # stage 0 (a finished request's: stale KV)
+    m.assign(2, 0, 2)  # stage 1
+    m.move([(2, 0)])
+    assert m.local(0) == 1
+    assert m.assign(3, 0, 1) is None and m.local(1) == 0  # stage 0 is free again
+
+
+def test_evacuate_moves_every_pool_id_out_and_never_hands_those_blocks_out_again():
+    m = _map(8)
+    for i, g in enumerate((0, 1, 2, 3, 4)):
+        m.assign(1, i, g)  # stage blocks 0..4
+    avoid = np.zeros(8, dtype=bool)
+    avoid[[0, 1, 2, 7]] = True  # the dropped layers' memory (block 7 held nothing)
+    copies = m.evacuate(avoid, range(4))  # id 4 is beyond the shrunk pool
+    assert sorted(src for src, _ in copies) == [0, 1, 2]
+    assert all(not avoid[dst] for _, dst in copies)
+    assert [m.local(g) for g in (0, 1, 2)] == [dst for _, dst in copies]
+    assert m.local(3) == 3
+    with pytest.raises(KeyError):
+        m.local(4)  # unmapped: its block (4) is free again
+    assert sorted(dst for _, dst in copies) == [4, 5, 6]  # id 4's block was given back first
+    with pytest.raises(RuntimeError, match="no free stage block left"):
+        m.assign(2, 0, 5)  # blocks 0..2 and 7 are the weights' now
+    m.move([(3, 5)])  # nor does a move give one back
+    assert m.local(5) == 3
+
+
+def test_evacuate_refuses_a_pool_larger_than_what_lies_outside():
+    m = _map(4)
+    for i, g in enumerate((0, 1, 2)):
+        m.assign(1, i, g)
+    avoid = np.array([True, True, False, False])
+    with pytest.raises(RuntimeError, match="2 blocks must leave the dropped layers' memory and "
+                                           "only 1 stage blocks outside it are free"):
+        m.evacuate(avoid, range(4))
+
+
+def test_evacuate_waits_for_reserved_blocks():
+    m = _map()
+    m.reserve(7, [5])
+    with pytest.raises(RuntimeError, match=r"requests \[7\] still wait for their KV"):
+        m.evacuate(np.zeros(8, dtype=bool), range(8))

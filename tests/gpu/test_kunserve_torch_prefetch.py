@@ -1,0 +1,220 @@
+"""KunServe on the torch backend: a group's restore prefetched while it serves (§4.4,
+gpu/restore_prefetch.py). Two instance processes of the tiny 4-layer Llama over gloo, driven
+by the stand-in scheduler (tests/gpu/kunserve_driver.py): drop -> KV exchange -> pipelined
+decoding -> the head's pool shrinks back (ids move, no KV copied: gpu/block_map.py `move`) ->
+every member vacates its dropped layers' memory and writes their weights back in place while
+pipelined steps go on -> the restore moves only the KV -> alone. Greedy outputs equal
+transformers'; a member lost while the prefetch runs leaves the head serving alone from its
+host copy, every request recomputed.
+
+Planted bugs checked by hand (the report of session 29 quotes their failures): one prefetched
+weight chunk received into scratch instead of its place; one vacated block not copied; the
+shrink's moves not applied on the members.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import statistics
+
+import attrs
+import pytest
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.messages import BlockUpdate
+from gpu.data_plane import FAULT_ENV
+from gpu.group_stage import Adopted
+from tests.gpu.kunserve_driver import (
+    Req,
+    Scheduler,
+    form_group,
+    group_steps,
+    random_prompt,
+    running_hosts,
+    solo_steps,
+)
+from tests.reference import assert_matches, greedy_reference
+
+BLOCK = 4
+SOLO_BLOCKS = 24
+LAYERS = (range(2), range(2, 4))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from gpu.make_model import write_random_model
+
+    return write_random_model(tmp_path_factory.mktemp("kunserve-prefetch"), arch="llama",
+                              layers=4, hidden=64, heads=4, kv_heads=2, vocab=320, seed=7)
+
+
+@pytest.fixture(scope="module")
+def hosts(model_dir):
+    yield from running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=2)
+
+
+@pytest.fixture
+def hosts_member_dies(model_dir):
+    """Two instances; instance 1 kills itself as the restore's prefetch reaches it."""
+    os.environ[FAULT_ENV] = "restore-prefetch@1"
+    try:
+        gen = running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=2)
+        started = next(gen)
+    finally:
+        del os.environ[FAULT_ENV]
+    yield started
+    next(gen, None)
+
+
+def _grouped(model_dir, h0, h1, solo0, solo1, seed: int):
+    """Both instances serve alone, then instance 1 joins instance 0's group with its requests,
+    a burst runs through the group until it is done. Returns the head's scheduler, every
+    request (the moved ones as the head knows them) and the moved (member's, head's) pairs."""
+    rng = random.Random(seed)
+    s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
+    a = [Req(f"A{i}", random_prompt(rng, 9 + i), 24 - 14 * i, rid=1 + i) for i in range(2)]
+    b = [Req(f"B{i}", random_prompt(rng, 7 + i), 24 - 16 * i, rid=1 + i) for i in range(2)]
+    for r in a:
+        s0.add(r)
+    for r in b:
+        s1.add(r)
+    solo_steps([(h0, s0), (h1, s1)], 3)
+    h1.conn.send(("member", 0))
+    moved, adopted = [], []
+    for r in s1.live():
+        new = Req(r.name, r.prompt, r.max_tokens, rid=100 + r.rid, out=list(r.out),
+                  computed=r.computed, ready=False)
+        adopted.append(Adopted(request_id=new.rid, owner=1, old_request_id=r.rid,
+                               kv_tokens=r.computed))
+        moved.append((r, new))
+        s0.add(new)
+    form_group(model_dir, h0, s0, (0, 1), adopted, solo0, LAYERS)
+    burst = [Req(f"C{i}", random_prompt(rng, 8 + i), 6, rid=20 + i) for i in range(4)]
+    for r in burst:
+        s0.add(r)
+    group_steps(h0, s0, lambda: all(r.done for r in burst))
+    return s0, a + [new for _, new in moved] + burst, moved
+
+
+def _step(h0, s0: Scheduler) -> None:
+    step = s0.next_step()
+    done, _ = h0.call("step", step)
+    s0.finish(step, done.sampled)
+
+
+def _shrink(h0, s0: Scheduler, solo0: range) -> None:
+    """The head's engine shrinks its pool back to its own (held blocks above it move below):
+    the next pipelined step carries the size and the moves; the group goes on serving."""
+    moves = s0.shrink(solo0)
+    assert moves, "nothing moved: the members' id moves were not exercised"
+    step = s0.next_step()
+    to = {d for _, d in moves}  # as the engine's allocator: a moved request's whole table
+    whole = {r.rid for r in s0.live() if to & set(r.table)}
+    blocks = [u for u in step.blocks if u.request_id not in whole] + [
+        BlockUpdate(request_id=rid, reset=True, append=tuple(s0.reqs[rid].table))
+        for rid in sorted(whole)]
+    step = attrs.evolve(step, pool_blocks=len(solo0), moves=moves, blocks=tuple(blocks))
+    done, _ = h0.call("step", step)
+    s0.finish(step, done.sampled)
+
+
+def _restore(h0, h1, s0: Scheduler, solo0: range) -> tuple[dict, dict]:
+    step = attrs.evolve(s0.next_step(), group=GroupPlan(group_id=1, members=(0,),
+                                                         layers=(range(4),)),
+                        pool_blocks=len(solo0))
+    done, _ = h0.call("step", step)
+    s0.finish(step, done.sampled)
+    restored, _ = h0.call("group_stats")
+    return restored, h1.answer()
+
+
+def _alone(h0, s0: Scheduler) -> None:
+    while any(not r.done for r in s0.reqs.values()):
+        solo_steps([(h0, s0)], 1)
+    solo_steps([(h0, s0)], 1)  # hands the runner the last releases
+
+
+def _check(model_dir, reqs) -> None:
+    for r in reqs:
+        assert_matches(r.out, greedy_reference(model_dir, r.prompt, r.max_tokens), r.name)
+
+
+@pytest.mark.parametrize("source", ["peer", "host"])
+def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, source):
+    (h0, h1), (solo0, solo1) = hosts
+    s0, reqs, moved = _grouped(model_dir, h0, h1, solo0, solo1, seed=["peer", "host"].index(source))
+    _shrink(h0, s0, solo0)
+    live = s0.live()
+    assert len(live) >= 2, [r.name for r in live]
+    h0.call("prefetch", source)
+    served = 0
+    while served < 2 or not h0.call("ready"):  # pipelined steps go on while the weights come
+        assert s0.live(), "every request ended before the prefetch was in"
+        _step(h0, s0)
+        served += 1
+    restored, member = _restore(h0, h1, s0, solo0)
+    print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
+          f"weights before {restored['weight_bytes_before']:.0f} B / at "
+          f"{restored['weight_bytes_at']:.0f} B, KV at {restored['kv_bytes']:.0f} B; vacated "
+          f"head {restored['vacated_blocks']} ({restored['vacated_live']} live) member "
+          f"{member['prefetch']['vacated_blocks']} ({member['prefetch']['vacated_live']} live)")
+    assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
+    assert restored["weight_bytes_before"] > 0 and restored["kv_bytes"] > 0, restored
+    assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
+    assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
+        "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
+    _alone(h0, s0)
+    for r, new in moved:
+        r.out = new.out
+    _check(model_dir, reqs)
+
+
+def test_restore_boundary_stall_with_and_without_prefetch(model_dir, hosts):
+    """The same scenario restored at the boundary (as before) and prefetched, alternating in
+    one run: the head's boundary (no step runs) and the bytes moved before and at it. Timings
+    are printed, not asserted (a loaded host); the bytes are."""
+    (h0, h1), (solo0, solo1) = hosts
+    seconds: dict[bool, list[float]] = {False: [], True: []}
+    for cycle in range(4):
+        prefetch = cycle % 2 == 1
+        s0, reqs, _ = _grouped(model_dir, h0, h1, solo0, solo1, seed=10 + cycle // 2)
+        _shrink(h0, s0, solo0)
+        if prefetch:
+            h0.call("prefetch", "peer")
+            while not h0.call("ready"):
+                assert s0.live(), "every request ended before the prefetch was in"
+                _step(h0, s0)
+        restored, _ = _restore(h0, h1, s0, solo0)
+        seconds[prefetch].append(restored["seconds"])
+        assert restored["prefetched"] == prefetch, restored
+        if prefetch:
+            assert restored["weight_bytes_at"] == 0 < restored["weight_bytes_before"]
+        else:
+            assert restored["weight_bytes_at"] > 0
+        _alone(h0, s0)
+    base, pre = (statistics.median(seconds[p]) for p in (False, True))
+    print(f"\nrestore boundary: at the boundary {base * 1e3:.1f} ms, prefetched "
+          f"{pre * 1e3:.1f} ms (ratio {pre / base:.2f}; load {os.getloadavg()[0]:.1f})")
+
+
+def test_member_lost_while_the_prefetch_runs_head_recovers_from_host_copy(
+        model_dir, hosts_member_dies):
+    (h0, h1), (solo0, solo1) = hosts_member_dies
+    s0, reqs, _ = _grouped(model_dir, h0, h1, solo0, solo1, seed=3)
+    _shrink(h0, s0, solo0)
+    h0.call("prefetch", "peer")  # the member kills itself as it gets it
+    h1.proc.join(timeout=60)
+    assert not h1.proc.is_alive()
+    step = s0.next_step()
+    h0.conn.send(("step", step))
+    kind, message = h0.conn.recv()
+    assert kind == "lost" and "member instance 1 was lost" in message, (kind, message)
+    rids = h0.call("recover", 1)  # the failed step restored the head from its host copy
+    assert sorted(rids) == sorted([r.rid for r in s0.live()] + list(step.release))
+    s0.release = list(step.release)  # (the failed step did not hand them over)
+    s0.free = list(reversed(solo0))
+    for r in s0.live():
+        r.table, r.computed, r.reset = [], 0, True
+    _alone(h0, s0)
+    _check(model_dir, reqs)
