@@ -127,8 +127,9 @@ def markdown(backend: str, rows: dict[float, list[dict[str, Any]]], spec: str,
            + (", scheduler time charged to the virtual clock" if config.charge_scheduler_time
               else "") + ".\n",
            ("| RT req/s | policy | RT norm. latency ms | RT TTFT p99 ms | TTFT ok | TPOT ok | "
-            "TPOT ok per token | BE req/s | BE tok/s | sched share | cost-model error (median) |"),
-           "|---|---|---|---|---|---|---|---|---|---|---|"]
+            "TPOT ok per token | TPOT ok per gap | BE req/s | BE tok/s | sched share | "
+            "cost-model error (median) |"),
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate, runs in rows.items():
         for r in runs:
             if "error" in r:
