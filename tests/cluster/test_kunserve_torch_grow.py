@@ -28,11 +28,13 @@ from shunter.cluster.cluster import Cluster
 from tests.reference import assert_matches, greedy_reference
 
 LAYERS = 6
-SOLO_BLOCKS = 112
-RUN_TOKENS = 200
-"""6 + 200 tokens: 52 blocks of 4; two fit an instance's 112-block pool. With 80, a request of
+SOLO_BLOCKS = 208
+RUN_TOKENS = 400
+"""6 + 400 tokens: 102 blocks of 4; two fit an instance's 208-block pool. With 80, a request of
 instance 2 (alone, a few ms a step) could end while the group formed on a loaded host: it was
-not handed over and the test waited for its tokens past the growth."""
+not handed over and the test waited for its tokens past the growth. With 200, two of member 1's
+requests ended (`length`) before the pair formed in a full-suite run at load ~7 (the group
+formed with `adopted=0`; `test_an_old_member_lost_at_the_resplit`)."""
 
 
 @pytest.fixture(scope="module")
