@@ -68,7 +68,10 @@ class KunServeTorchRunner(TorchRunner):
         """A member about to serve a group: steps do not release sequences (the engine
         releases the requests it exported, whose KV the group still needs) until
         `serve_group` takes them."""
-        self._prefetch_after: tuple[str, int] | None = None
+        self.restore_prefetch = True
+        """An instance process's restore writes the dropped layers back while the group serves
+        (shunter/cluster/instance_restore.py); False: all at the restore's step, as before."""
+        self._prefetch_after: tuple[str, int | None] | None = None
         self.prefetch_refused: str | None = None
         """Why the last restore prefetch waiting for a shrink could not start, if it could
         not (its group restored everything at the boundary)."""
@@ -105,28 +108,36 @@ class KunServeTorchRunner(TorchRunner):
         back first (a step carrying that `pool_blocks` ran, its moves applied: its ids are what
         stays); `after_shrink_to`: until a step carried a pool of at most that many blocks,
         the prefetch waits (it starts before the next step after it). Returns whether it
-        started. On the device thread."""
-        group = self.group
-        if group is None:
+        started; one that cannot start says why in `prefetch_refused` (the restore then moves
+        everything at its boundary). On the device thread."""
+        if self.group is None:
             raise RuntimeError("this instance leads no group")
+        self._prefetch_after, self.prefetch_refused = (source, after_shrink_to), None
+        return self.start_pending_prefetch()
+
+    @property
+    def prefetch_pending(self) -> bool:
+        """A prefetch waits for the step that carries the pool's shrink."""
+        return self._prefetch_after is not None
+
+    def start_pending_prefetch(self) -> bool:
+        """A prefetch waiting for the pool's shrink starts once a step carried it."""
+        pending, group = self._prefetch_after, self.group
+        if pending is None or group is None:
+            return False
+        source, after = pending
         n = self._engine_pool if self._engine_pool is not None else len(group.pool)
-        if after_shrink_to is not None and n > after_shrink_to:
-            self._prefetch_after = (source, after_shrink_to)
+        if after is not None and n > after:
             return False
         self._prefetch_after = None
-        group.prefetch_restore(source, range(group.pool.start, group.pool.start + n))
-        return True
-
-    def start_pending_prefetch(self) -> None:
-        """A prefetch waiting for the pool's shrink starts once a step carried it."""
-        if self._prefetch_after is None or self.group is None:
-            return
         try:
-            self.prefetch_restore(*self._prefetch_after)
+            group.prefetch_restore(source, range(group.pool.start, group.pool.start + n))
         except GroupMemberLost:
             raise
-        except (ValueError, RuntimeError) as exc:  # the restore moves it all at the boundary
-            self._prefetch_after, self.prefetch_refused = None, str(exc)
+        except (ValueError, RuntimeError) as exc:
+            self.prefetch_refused = str(exc)
+            return False
+        return True
 
     def _restoring(self, what: str) -> None:
         if self.group is not None and getattr(self.group.stage, "prefetch", None) is not None:

@@ -23,8 +23,9 @@ shunter/cluster/group_wire.py; the front door's side: shunter/cluster/remote_gro
   adopted here to be recomputed (their KV stays on, or died with, their member): the answer
   is the error, and no request waits for a group that never came.
 - `LeaveGroup` (the head): the pool shrinks back (`PoolTooSmall` when the requests do not fit
-  yet: the front door retries) and the next step restores; with no live request, the runner
-  restores at once.
+  yet: the front door retries), the dropped layers come back while the group serves, and the
+  next step restores the rest (shunter/cluster/instance_restore.py); with no live request, the
+  runner restores at once.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.reply import Reply
 from gpu.group_stage import Adopted
 from shunter.cluster.instance_grow import HandOverGroup, hand_over_here
+from shunter.cluster.instance_restore import RestoreLost, leave_here
 from shunter.cluster.group_wire import (
     AdoptQueued,
     AskGroupStats,
@@ -115,8 +117,9 @@ class InstanceGroups:
             answer = GroupAnswer(key=msg.key, value=value)
         except PoolTooSmall as exc:
             answer = GroupAnswer(key=msg.key, error=str(exc), too_small=True)
-        except GroupNotFormed as exc:  # handled here already: no traceback (it is slow)
-            log.error("group not formed", error=str(exc))
+        except (GroupNotFormed, RestoreLost) as exc:  # handled here already: no traceback
+            log.error("group not formed" if isinstance(exc, GroupNotFormed)  # (it is slow)
+                      else "group lost while restoring", error=str(exc))
             answer = GroupAnswer(key=msg.key, error=str(exc))
         except Exception as exc:  # reported to the front door, which names the instance
             log.exception("group command failed", command=type(msg).__name__)
@@ -332,18 +335,7 @@ class InstanceGroups:
             await anyio.sleep(POLL_S)
 
     async def _leave(self) -> dict:
-        eng, runner = self.engine, self.runner
-        if runner.group is None:
-            raise RuntimeError("this instance leads no group")
-        me = runner.group.ranks[0]
-        layers = runner._model_config.num_layers
-        solo = GroupPlan(group_id=-1, members=(me,), layers=(range(layers),))
-        await _ask(eng._scheduler_send, lambda r: Regroup(
-            pool_blocks=runner.num_blocks, group=solo, reply=r))
-        idle = not (await eng.inspect()).scheduler.live_requests
-        if idle:  # no step will come to carry the restore
-            await runner._thread.run(runner.dissolve_idle)
-        return {"restored_at_once": idle}
+        return await leave_here(self)
 
     def _stats(self) -> dict:
         runner = self.runner

@@ -175,6 +175,11 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     # asserted. Requests live across drop, exchange, pipelined steps and restore for certain,
     # steps driven by hand: tests/gpu/test_kunserve_torch.py
     assert formed["t"] <= restored["t"], (formed, restored)
+    # the restore's weights came back while the group served (shunter/cluster/
+    # instance_restore.py), unless no request was left for it to serve
+    assert restored["prefetched"] or restored["restored_at_once"], restored
+    if head["restore"].get("prefetched"):
+        assert head["restore"]["weight_bytes_before"] > 0, head["restore"]
     for i in range(2):
         t = times[f"L{i}"]
         before = sum(x < formed["t"] for x in t)

@@ -54,7 +54,7 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
                 g = runner.group or runner.last_group
                 conn.send(("ok", attrs.asdict(g.grow_stats)))
             elif cmd == "prefetch":  # start the restore while the group serves
-                runner.prefetch_restore(*args)
+                assert runner.prefetch_restore(*args), runner.prefetch_refused
                 conn.send(("ok", None))
             elif cmd == "ready":  # whether every member's prefetched weights are in
                 conn.send(("ok", runner.group.restore_ready()))

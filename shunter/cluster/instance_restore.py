@@ -1,0 +1,121 @@
+"""`LeaveGroup` at the head's instance process (KunServe §4.4): its group restores, the dropped
+layers written back while the group keeps serving (gpu/restore_prefetch.py), then the switch.
+
+1. The scheduler's pool shrinks back to the instance's own (`Regroup(pool_blocks)`, group
+   kept: `PoolTooSmall` when its requests do not fit yet, and the front door asks again later);
+   the next pipelined step carries the size and the blocks it moved (the members rebind them).
+2. The runner starts the prefetch once that step ran (`prefetch_restore(after_shrink_to=)`):
+   every member vacates its dropped layers' memory and their weights come back into it, from
+   the members keeping them, on the KV lane behind activations; the group serves meanwhile.
+   This waits until every member's are in (the members say so in each step's answer; an empty
+   pipelined step asks them when no step ran for a while).
+3. The scheduler's next step carries the plan of one (`Regroup(group=solo)`): that step's
+   restore moves only the KV and switches every member to its whole model. With no live
+   request, the runner restores at once (no step would carry it).
+
+A member lost while the prefetch runs: a step that finds it fails as any grouped step does
+(`GroupLost`: the head serves alone from its host copy, the engine recomputes every request);
+found by this wait's own empty step, the runner recovers the same way and the scheduler is told
+to recompute (`Regroup(recompute)`). Either way the group is over and the answer is the error
+(`RestoreLost`): the front door's round ends the group as for any member lost while grouped. A
+runner whose prefetch cannot start (`prefetch_refused`) restores everything at the boundary, as
+one with `restore_prefetch` off does (the one-step restore of before).
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+
+from engine.cluster.drop_plan import GroupPlan
+from engine.messages import Regroup
+
+POLL_S = 0.005
+LIMIT_S = 120.0
+"""The wait's bound: a prefetch that never started (no step carried the shrink) or never
+ended (a member stuck but not known lost) leaves the rest to the restore's boundary."""
+QUIET_S = 0.05
+"""No step sent for this long: the wait asks the members itself (an empty pipelined step)."""
+
+
+async def leave_here(groups) -> dict:
+    """`groups`: the instance's InstanceGroups (shunter/cluster/instance_groups.py)."""
+    from shunter.cluster.instance_groups import _ask
+
+    eng, runner = groups.engine, groups.runner
+    group = runner.group
+    if group is None:
+        raise RuntimeError("this instance leads no group")
+    solo = GroupPlan(group_id=-1, members=(group.ranks[0],), layers=(
+        range(runner._model_config.num_layers),))
+    prefetch = getattr(runner, "restore_prefetch", False)
+    await _ask(eng._scheduler_send, lambda r: Regroup(
+        pool_blocks=runner.num_blocks, group=None if prefetch else solo, reply=r))
+    out: dict = {"prefetched": False}
+    if prefetch and await _live(eng):
+        began = anyio.current_time()
+        state = await _prefetched(groups, group)
+        out = {"prefetched": state == "ready", "prefetch_wait_s": anyio.current_time() - began}
+        if state in ("lost", "gone"):  # the group is over: every request was recomputed
+            raise RestoreLost(f"the group lost a member while its restore was prefetched "
+                              f"({runner.lost}); instance {group.ranks[0]} serves alone from "
+                              f"its host copy and recomputes every request")
+        await _ask(eng._scheduler_send, lambda r: Regroup(group=solo, reply=r))
+    elif prefetch:
+        await _ask(eng._scheduler_send, lambda r: Regroup(group=solo, reply=r))
+    idle = not await _live(eng)
+    if idle:  # no step will come to carry the restore
+        await runner._thread.run(runner.dissolve_idle)
+    return {**out, "restored_at_once": idle}
+
+
+async def _live(eng) -> int:
+    return (await eng.inspect()).scheduler.live_requests
+
+
+async def _prefetched(groups, group) -> str:
+    """Wait until every member's weights are in: 'ready'; 'refused' (the prefetch could not
+    start: the boundary moves them), 'late' (`LIMIT_S`), 'lost' (this wait found a member gone: recovered, the
+    scheduler told) or 'gone' (a step found it: the engine recomputes already)."""
+    from shunter.cluster.instance_groups import _ask
+
+    runner, began = groups.runner, time.monotonic()
+    await runner._thread.run(runner.prefetch_restore, "peer", runner.num_blocks)
+    while True:
+        state = await runner._thread.run(_state, runner, group)
+        if state == "lost":
+            me = group.ranks[0]
+            solo = GroupPlan(group_id=-1, members=(me,), layers=(
+                range(runner._model_config.num_layers),))
+            await _ask(groups.engine._scheduler_send, lambda r: Regroup(
+                recompute=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
+        if state != "waiting":
+            return state
+        if time.monotonic() - began > LIMIT_S:  # the restore waits for the rest itself
+            return "late"
+        await anyio.sleep(POLL_S)
+
+
+def _state(runner, group) -> str:
+    """On the device thread: where the group's prefetch is."""
+    from gpu.data_plane import GroupMemberLost
+
+    if runner.group is not group:
+        return "gone"
+    try:
+        runner.start_pending_prefetch()
+        if time.monotonic() - group.last_step > QUIET_S:
+            group.poll(0)  # no step for a while: the members answer an empty one
+        ready = group.restore_ready()
+    except GroupMemberLost as exc:
+        runner.lose_group(exc)
+        return "lost"
+    if ready is None:
+        return "waiting" if runner.prefetch_pending else "refused"
+    return "ready" if ready else "waiting"
+
+
+class RestoreLost(RuntimeError):
+    """A member was lost while the restore was prefetched: the group is over, the head serves
+    alone and recomputes its requests."""
