@@ -176,6 +176,12 @@ BROS = [
     ("memory: an RT prompt that does not fit is skipped and the BE request behind it runs",
      [waiting(1, 100, request_class="rt", slack_ms=300.0), waiting(2, 20, request_class="be")],
      {"free_blocks": 2}, [2], [], False),
+    # FindPreemptBlock skips the request that does not fit; it does not end the RT pass (a
+    # decode behind it needs no new block and still runs)
+    ("skip: an RT prompt that does not fit leaves the RT decode behind it in the batch",
+     [waiting(1, 100, request_class="rt", slack_ms=300.0),
+      decode(2, request_class="rt", slack_ms=1000.0)],
+     {"free_blocks": 2}, [2], [], False),
     ("reserve: a newer RT prompt may not take the blocks an older one waits for; BE may",
      [waiting(1, 100, request_class="rt", slack_ms=300.0),
       waiting(2, 20, request_class="rt", slack_ms=350.0), waiting(3, 20, request_class="be")],
