@@ -120,30 +120,33 @@ class BlockMap:
     def evacuate(self, avoid: np.ndarray, pool: range) -> list[tuple[int, int]]:
         """Stage blocks `avoid` (a bool per stage block) are taken from KV for good (a restore
         writes weights there: gpu/restore_prefetch.py): every group id in `pool` mapped into
-        them moves to a free block outside (returned as (src, dst) stage blocks, for the caller
-        to copy), ids beyond `pool` are unmapped (the engine's pool no longer holds them), and
-        no block of `avoid` is handed out again."""
-        if self._reserved:
-            raise RuntimeError(f"requests {sorted(self._reserved)} still wait for their KV in "
-                               f"reserved blocks: nothing can be vacated yet")
+        them, and every block reserved for a request's kept KV there, moves to a free block
+        outside (returned as (src, dst) stage blocks, for the caller to copy), ids beyond
+        `pool` are unmapped (the engine's pool no longer holds them), and no block of `avoid`
+        is handed out again."""
         for g in np.flatnonzero(self._local >= 0):
             if int(g) not in pool:
                 self._release(int(self._local[g]))
                 self._local[g] = -1
-        mapped = np.flatnonzero(self._local >= 0)
-        inside = [int(g) for g in mapped if avoid[self._local[g]]]
+        ids = [int(g) for g in np.flatnonzero(self._local >= 0) if avoid[self._local[g]]]
+        held = [(rid, i) for rid, h in self._reserved.items() for i, b in enumerate(h)
+                if b is not None and b >= 0 and avoid[b]]
         free_outside = int(np.count_nonzero(~self._taken & ~avoid))
-        if len(inside) > free_outside:
-            raise RuntimeError(f"{len(inside)} blocks must leave the dropped layers' memory and "
-                               f"only {free_outside} stage blocks outside it are free (the "
-                               f"pool of {len(pool)} blocks is larger than this member holds "
-                               f"without them)")
+        if len(ids) + len(held) > free_outside:
+            raise RuntimeError(f"{len(ids) + len(held)} blocks must leave the dropped layers' "
+                               f"memory and only {free_outside} stage blocks outside it are "
+                               f"free (the pool of {len(pool)} blocks is larger than this "
+                               f"member holds without them)")
         self._blocked = avoid.copy()
         self._taken |= avoid
         out = []
-        for g in inside:
+        for g in ids:
             src, dst = int(self._local[g]), self._pop()
             self._local[g] = dst
+            out.append((src, dst))
+        for rid, i in held:  # (an adopted request whose table has not come yet)
+            src, dst = self._reserved[rid][i], self._pop()
+            self._reserved[rid][i] = dst
             out.append((src, dst))
         return out
 

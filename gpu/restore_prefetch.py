@@ -216,7 +216,9 @@ def _held(host: dict, blocks: range) -> tuple[int, torch.Tensor]:
 def prefetch_state(stage) -> bool | None:
     """For a step's reply: whether `stage`'s prefetched weights are all in (None: no prefetch
     runs); raises what ended its prefetch (a member lost: `GroupMemberLost`)."""
-    if (failed := getattr(stage, "prefetch_failed", None)) is not None:
+    if isinstance(failed := getattr(stage, "prefetch_failed", None), GroupMemberLost):
+        raise failed
+    if failed is not None:
         raise RuntimeError(f"its restore prefetch could not start: {failed}")
     prefetch = getattr(stage, "prefetch", None)
     return None if prefetch is None else prefetch.check()
