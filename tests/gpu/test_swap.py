@@ -121,8 +121,8 @@ def test_wait_orders_the_compute_stream_after_the_copies_without_blocking_the_ho
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
     dev = arena()
     sw = TorchSwapper(dev, 8)
-    sw.submit(1, "out", [(3, 0)], "slots")
-    sw.submit(2, "in", [(0, 5)], "groups")
+    sw.submit(1, "out", [(3, 0)], "slots")  # slot 3 of block 0 -> host slot 0
+    sw.submit(2, "in", [(2, 5)], "groups")  # no block in common: no worker waits on ticket 1
     events = [_dispatched_on_a_copy_stream(sw, 1), _dispatched_on_a_copy_stream(sw, 2)]
     sw.wait([1, 2])
     assert [e.synchronized for e in events] == [0, 0], "the host blocked on the copies"
