@@ -25,7 +25,6 @@ from gpu.data_plane import (
     send_obj,
 )
 from gpu.group_grow import await_abandon, regrow_member, take_generators
-from gpu.group_runner import restore_transfers
 from gpu.group_stage import (
     GroupAbandon,
     GroupGo,
@@ -37,6 +36,7 @@ from gpu.group_stage import (
 )
 from gpu.kv_exchange import send_transfers
 from gpu.pipeline_stage import StageStep
+from gpu.restore_kv import restore_transfers, send_kv_prefetch
 from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, restore_weights, stop_prefetch
 from gpu.stage_view import restore_layers
 
@@ -119,6 +119,8 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
             continue
         if isinstance(msg, GroupPrefetch):  # the restore's weights, written while serving
             try:
+                send_kv_prefetch(stage, start.ranks, me, start.layers, msg.kv_blocks,
+                                 start.chunk_blocks)  # (first: read before the vacating)
                 stage.prefetch = WeightPrefetch(stage, start.ranks, start.layers, msg)
             except Exception as exc:  # noqa: BLE001 (the head learns it from the next step)
                 stage.prefetch_failed = exc
@@ -139,10 +141,10 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
         assert isinstance(msg, GroupRestore), msg
         for rid in msg.release:
             stage.seqs.pop(rid, None)
-        transfers = restore_transfers(stage, start.layers)
+        transfers = restore_transfers(stage.seqs, start.layers, msg.skip)
         send_transfers(stage.plane, start.ranks, me, transfers, start.chunk_blocks, 1,
-                       lambda t, s=stage: s.read_layers(s.seqs[t.request_id].table[:t.blocks]),
-                       stage.stats)
+                       lambda t, s=stage, k=msg.skip: s.read_layers(s.seqs[t.request_id].table[
+                           k.get(t.request_id, 0):][:t.blocks]), stage.stats)
         restore_weights(stage, start.ranks, start.layers, msg.source)
         stage.end_exchange()
         states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()

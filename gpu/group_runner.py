@@ -24,8 +24,6 @@ import contextlib
 import time
 from collections.abc import Mapping, Sequence
 
-import torch
-
 from engine.cluster.plan import PipelineTotals, pipeline_timing
 from engine.cluster.stage_fits import StageFits, check_cut
 from engine.messages import ExecuteStep, SampledToken, StepFinished
@@ -42,21 +40,19 @@ from gpu.group_stage import (
     Adopted,
     GroupAbandon,
     GroupGo,
-    GroupRestore,
     GroupStage,
     GroupStart,
     GroupStep,
     MemberReply,
     SeqState,
     generator_state,
-    restored_generator,
     start_transfers,
 )
-from gpu.kv_exchange import KvReceiver, KvTransfer, known_lost, lost_error
+from gpu.kv_exchange import known_lost, lost_error
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
-from gpu.restore_prefetch import (GroupPrefetch, WeightPrefetch, prefetch_report,
-                                  restore_weights, room_outside, stop_prefetch)
+from gpu.restore_kv import KvPrefetch, note_step, restore_group
+from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, room_outside, stop_prefetch
 from gpu.stage_view import group_pool_blocks, restore_layers
 
 MIN_CHUNK_TOKENS = 4
@@ -103,6 +99,7 @@ class GroupRunner:
         self.exchange = None  # the head's exchange counters (set at `open`)
         self.restore_stats: dict[str, float] = {}
         self._prefetched: set[int] = set()  # members whose prefetched weights are in
+        self._computed: dict[int, int] = {}  # request -> tokens whose KV is written
         self.set_up: set[int] = set()
         """Requests some step of this group set up (an adopted one not among them still has its
         KV staged or reserved: gpu/group_grow.py waits for it)."""
@@ -169,6 +166,7 @@ class GroupRunner:
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
         self.set_up.update(s.request_id for s in step.setups)
+        note_step(self._computed, self.stage, step)
         cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
                             min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
         check_cut(step.seqs, cut)
@@ -250,55 +248,8 @@ class GroupRunner:
                 release: Sequence[int] = ()) -> None:
         """Solo again. `tables`: every live request's solo block ids (below the solo range's
         end); `release`: requests ended since the last step. Afterwards the head's TorchRunner
-        holds every request, with these tables."""
-        began, stage = time.perf_counter(), self.stage
-        received = stage.stats.received_bytes
-        for rid in release:
-            stage.seqs.pop(rid, None)
-        for t in self._fed_back:  # the head is not the last stage: tokens it has not appended
-            if t.request_id in stage.seqs:
-                stage.seqs[t.request_id].tokens.append(t.token_id)
-        missing = set(stage.seqs) - set(tables)
-        if missing:
-            raise ValueError(f"restore needs a solo table for every live request; missing "
-                             f"{sorted(missing)}")
-        msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
-                           release=tuple(release))
-        for rank in self.ranks[1:]:
-            send_obj(msg, rank, CONTROL_TAG, "the group was restored")
-        transfers = restore_transfers(stage, self.layers)
-        receiver = KvReceiver(self.ranks, 0, transfers, self.chunk_blocks, 1,
-                              (2, stage.block_size, stage.model.config.num_kv_heads,
-                               stage.model.config.head_dim), stage.model.arena.dtype,
-                              stage.stats, link=stage.plane)
-        own = {rid: stage.read_layers(s.table) for rid, s in stage.seqs.items()}
-        w_began = time.perf_counter()
-        weights_at = restore_weights(stage, self.ranks, self.layers, source)
-        weights_s = time.perf_counter() - w_began
-        arena = stage.model.arena
-        for rid, s in stage.seqs.items():
-            new = list(tables[rid])
-            n = min(len(new), len(s.table))
-            idx = torch.tensor(new[:n], device=arena.device)
-            full = arena.kv  # [blocks, L, 2, bs, H, D], the full view again
-            full[idx, stage.keep.start:stage.keep.stop] = own[rid][:n].to(arena.device)
-            for t, data in receiver.wait(rid):
-                full[idx, t.layers.start:t.layers.stop] = data[:n].to(arena.device)
-            self.solo._seqs[rid] = _solo_seq(self.solo, s, new)
-        for rank in self.ranks[1:]:
-            reply: MemberReply = recv_obj(rank, REPLY_TAG, "its layers were restored")
-            if reply.error is not None:
-                raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
-            for rid, state in (reply.generator_states or {}).items():
-                seq = self.solo._seqs.get(rid)
-                if seq is not None:  # the last member sampled: its generator goes on here
-                    seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
-        count_moved(self.solo, kv := stage.stats.received_bytes - received)
-        self.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
-                              "kv_bytes": float(kv), "weight_bytes_at": float(weights_at),
-                              **prefetch_report(stage)}
-        stage.end_exchange()
-        self.stage = None
+        holds every request, with these tables (gpu/restore_kv.py)."""
+        restore_group(self, tables, source, release)
 
     def prefetch_restore(self, source: str, pool: range) -> None:
         """Start writing every member's dropped layers back while the group serves (gpu/
@@ -310,9 +261,11 @@ class GroupRunner:
             raise ValueError(f"a restore prefetch needs the pool shrunk to at most {room} "
                              f"blocks first (the dropped layers' memory is vacated); it has "
                              f"{len(pool)}")
-        msg = GroupPrefetch(source=source, pool=pool)
+        kv = KvPrefetch(self.stage, self.ranks, self.layers, self.chunk_blocks, self._computed)
+        msg = GroupPrefetch(source=source, pool=pool, kv_blocks=kv.blocks)
         self._prefetched = set()  # (the head's own first: what refuses it refuses it here)
         self.stage.prefetch = WeightPrefetch(self.stage, self.ranks, self.layers, msg)
+        self.stage.kv_prefetch = kv
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, "the restore was prefetched")
 
@@ -322,7 +275,8 @@ class GroupRunner:
         prefetch = getattr(self.stage, "prefetch", None)
         if prefetch is None:
             return None
-        return prefetch.check() and len(self._prefetched) == len(self.ranks) - 1
+        return (prefetch.check() and len(self._prefetched) == len(self.ranks) - 1
+                and not self.stage.kv_prefetch.receiver.pending())
 
     def recover_from_host(self, lost: int) -> list[int]:
         """After member instance `lost` was lost: every survivor is told to restore from its
@@ -383,12 +337,6 @@ def abandon_members(ranks: Sequence[int], *, lost: int, why: str) -> None:
                          "the group was abandoned")
             except GroupMemberLost:
                 pass  # lost as well: nothing to tell it
-
-
-def restore_transfers(stage: GroupStage, layers: Sequence[range]) -> list[KvTransfer]:
-    """Each member's layers of every live request, back to the head."""
-    return [KvTransfer(request_id=rid, src=k, dst=0, layers=layers[k], blocks=len(s.table))
-            for rid, s in sorted(stage.seqs.items()) for k in range(1, len(layers))]
 
 
 def _solo_seq(solo, s, table: list[int]):

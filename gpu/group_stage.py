@@ -1,8 +1,7 @@
 """One member's part of a pipeline group formed at run time (KunServe §4.1-4.2): its model with
 the other members' layers dropped (gpu/stage_view.py), its block map, the group's sequences,
-and the KV exchange in both directions. The head (member 0) and every other member run the same
-class; the head's runner (gpu/group_runner.py) drives it and sends the others their control
-messages over the data plane.
+and the KV exchange in both directions. Every member runs this class; the head's runner
+(gpu/group_runner.py) drives it and sends the others their control messages.
 
 Forming the group: every member gathers the KV it must send (its own requests' KV for the other
 members' layers: from the old full-layout blocks, before anything overwrites them), drops its
@@ -114,13 +113,15 @@ class GroupStep(StageStep):
 
 
 @attrs.frozen(kw_only=True)
-class GroupRestore:
+class GroupRestore:  # the head to every member: solo again (gpu/restore_kv.py)
     tables: Mapping[int, tuple[int, ...]]
     """Each live request's solo table on the head."""
     source: str
     """'peer' (dropped weights from the members keeping them) or 'host' (each one's copy)."""
     release: tuple[int, ...] = ()
     """Requests that ended since the last step (dropped before anything moves)."""
+    skip: Mapping[int, int] = attrs.field(factory=dict)
+    """Request -> its first blocks, whose KV moved before (gpu/restore_kv.py)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -159,8 +160,7 @@ class GroupAbandon:
     dropped layers from its host copy (a member still waiting for `GroupStart` has dropped
     nothing) and serves alone, empty (the head recomputes the requests)."""
 
-    lost: int
-    """The lost member's rank; -1: none was lost (the head gave up forming the group)."""
+    lost: int  # the lost member's rank; -1: none was (the head gave up forming the group)
     why: str = ""
 
 
@@ -367,7 +367,7 @@ class GroupStage:
 
     def read_layers(self, table: Sequence[int]) -> torch.Tensor:
         """This member's layers of blocks `table`: [blocks, kept layers, 2, bs, H, D] on host."""
-        idx = torch.tensor(self.map.locals(table))
+        idx = torch.tensor(self.map.locals(table), dtype=torch.long)
         return torch.stack([torch.stack((k[idx], v[idx]), dim=1) for k, v in self.model._kv],
                            dim=1).to("cpu")
 

@@ -17,9 +17,10 @@ blocks per solo block).
 Then a thread per source writes the weights: from each member keeping them (every member queues
 its kept range on its transfer queue's KV lane, in chunks of `chunk_blocks` arena blocks:
 activations go first, §4.2) or from the member's own host copy taken at the drop. Steps run
-meanwhile; each step's reply says whether a member's weights are all in (`done`). The restore
-at the boundary then only waits for what is left (nothing, once every member said so), switches
-the view back and moves the KV.
+meanwhile; each step's reply says whether a member's weights are all in (`done`). The KV of
+every live request's full blocks goes to the head at the same time (gpu/restore_kv.py). The
+restore at the boundary then only waits for what is left (nothing, once every member said so),
+switches the view back and moves the KV of the blocks after those.
 
 Faults: a receiving thread that finds a member gone records it (`check` raises it on the next
 step: the head recovers from its host copy as for any loss); `stop` ends the threads (after the
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import numpy as np
@@ -62,6 +63,8 @@ class GroupPrefetch:
     pool: range
     """The group ids the head's pool holds now (shrunk back): their KV must stay."""
     chunk_blocks: int = PREFETCH_CHUNK_BLOCKS
+    kv_blocks: Mapping[int, int] = attrs.field(factory=dict)
+    """Request -> its first blocks, full: their KV goes to the head now (gpu/restore_kv.py)."""
 
 
 def kept_blocks(layout, keep: range) -> range:

@@ -58,6 +58,11 @@ def host_main(rank: int, world: int, init: str, model_dir: str, num_blocks: int,
                 conn.send(("ok", None))
             elif cmd == "ready":  # whether every member's prefetched weights are in
                 conn.send(("ok", runner.group.restore_ready()))
+            elif cmd == "kv":  # a solo request's KV of its first n tokens: [n, L, 2, H, D]
+                rid, n = args
+                kv = runner._model.arena.kv[torch.tensor(runner._seqs[rid].table, dtype=torch.long)]
+                conn.send(("ok", kv.permute(0, 3, 1, 2, 4, 5).reshape(
+                    -1, *kv.shape[1:3], *kv.shape[4:])[:n].clone()))
             elif cmd == "expect_adopted":
                 runner.expect_adopted(args[0])
                 conn.send(("ok", None))

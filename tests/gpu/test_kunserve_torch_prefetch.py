@@ -157,18 +157,41 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     restored, member = _restore(h0, h1, s0, solo0)
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
           f"weights before {restored['weight_bytes_before']:.0f} B / at "
-          f"{restored['weight_bytes_at']:.0f} B, KV at {restored['kv_bytes']:.0f} B; vacated "
+          f"{restored['weight_bytes_at']:.0f} B, KV before {restored['kv_bytes_before']:.0f} B "
+          f"/ at {restored['kv_bytes']:.0f} B; vacated "
           f"head {restored['vacated_blocks']} ({restored['vacated_live']} live) member "
           f"{member['prefetch']['vacated_blocks']} ({member['prefetch']['vacated_live']} live)")
     assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
-    assert restored["weight_bytes_before"] > 0 and restored["kv_bytes"] > 0, restored
+    assert restored["weight_bytes_before"] > 0 and restored["kv_bytes_before"] > 0, restored
+    assert restored["kv_bytes"] > 0, "no block was left to the restore's step (a partial one)"
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
+    _restored_kv_is_a_prefill(h0, h1, s0, solo1)
     _alone(h0, s0)
     for r, new in moved:
         r.out = new.out
     _check(model_dir, reqs)
+
+
+def _restored_kv_is_a_prefill(h0, h1, s0: Scheduler, solo1: range) -> None:
+    """Every live request's KV on the head after the restore equals a prefill of its computed
+    tokens on instance 1 (alone again): a block restored stale (prefetched, then changed) or
+    not at all differs by far more than the float order of pipelined decoding."""
+    import torch
+
+    s1 = Scheduler(solo1, BLOCK)
+    for r in s0.live():
+        got = h0.call("kv", r.rid, r.computed)
+        ref = Req(f"{r.name} prefill", r.tokens[:r.computed], 1, rid=900 + r.rid)
+        s1.add(ref)
+        solo_steps([(h1, s1)], 1)
+        want = h1.call("kv", ref.rid, r.computed)
+        diff = (got - want).abs().amax(dim=(1, 2, 3, 4))  # per token
+        assert torch.allclose(got, want, atol=1e-4), \
+            f"{r.name}: restored KV differs from a prefill at tokens " \
+            f"{torch.nonzero(diff > 1e-4).flatten().tolist()} of {r.computed}"
+    solo_steps([(h1, s1)], 1)  # hands the runner the releases
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +237,7 @@ def test_restore_boundary_stall_with_and_without_prefetch(stall_hosts):
     print(f"\nrestore boundary ({len(seconds[True])} each): at the boundary {base * 1e3:.1f} "
           f"ms, prefetched {pre * 1e3:.1f} ms (ratio {pre / base:.2f}; load "
           f"{os.getloadavg()[0]:.1f}); weights before {restored['weight_bytes_before']:.0f} B, "
-          f"KV at {restored['kv_bytes']:.0f} B")
+          f"KV before {restored['kv_bytes_before']:.0f} B, at {restored['kv_bytes']:.0f} B")
 
 
 def test_member_lost_while_the_prefetch_runs_head_recovers_from_host_copy(

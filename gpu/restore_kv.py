@@ -1,0 +1,165 @@
+"""The head's side of a pipeline group's restore (KunServe §4.4) and the KV it moves: every live
+request's KV of the members' layers comes to the head, and the head's own kept KV, and both are
+written into the solo tables its engine chose (those are not the blocks the KV lies in).
+
+With a restore prefetch (gpu/restore_prefetch.py) the KV of every *full* block moves before the
+restore's step too: a block whose tokens are all computed never changes again while its request
+lives and keeps its table (decoding writes only the last block; a request preempted (its table
+reset) or ended since is not taken from what was prefetched). The head names, per request, how
+many leading blocks are full (`GroupPrefetch.kv_blocks`, from the tokens its steps computed),
+reads its own kept layers of them to the host, and receives the members' over the channel
+(chunks on the KV lane behind activations, tag epoch `KV_EPOCH`); the restore's step then moves
+only the blocks after them (`GroupRestore.skip`) and writes the prefetched ones from the host.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from engine.messages import ExecuteStep
+from gpu.data_plane import CONTROL_TAG, REPLY_TAG, recv_obj, send_obj
+from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
+from gpu.kv_moved import count_moved
+from gpu.restore_prefetch import prefetch_report, restore_weights
+
+KV_EPOCH = 15
+"""The prefetched KV's tag epoch on the group's channel (0 forming, 1 restoring, 2+ growing:
+each growth on a channel of its own)."""
+
+
+def restore_transfers(seqs: Mapping[int, object], layers: Sequence[range],
+                      skip: Mapping[int, int] = {}) -> list[KvTransfer]:
+    """Each member's layers of every live request's blocks after its first `skip[rid]` (those
+    moved before), back to the head; `blocks` counts from there."""
+    out = []
+    for rid, s in sorted(seqs.items()):
+        n = len(s.table) - min(skip.get(rid, 0), len(s.table))
+        out += [KvTransfer(request_id=rid, src=k, dst=0, layers=layers[k], blocks=n)
+                for k in range(1, len(layers)) if n]
+    return out
+
+
+def prefetch_transfers(blocks: Mapping[int, int], layers: Sequence[range]) -> list[KvTransfer]:
+    """Each member's layers of each request's first `blocks[rid]` blocks, to the head."""
+    return [KvTransfer(request_id=rid, src=k, dst=0, layers=layers[k], blocks=n)
+            for rid, n in sorted(blocks.items()) for k in range(1, len(layers)) if n]
+
+
+def note_step(computed: dict[int, int], stage, step: ExecuteStep) -> None:
+    """The head's record of each request's computed tokens (whose KV every member wrote), and
+    a prefetch's requests whose blocks changed (reset) since it took them."""
+    for w in step.seqs:
+        computed[w.request_id] = w.start + w.num_tokens
+    kv = getattr(stage, "kv_prefetch", None)
+    for u in step.blocks:
+        if u.reset and kv is not None:
+            kv.stale.add(u.request_id)
+
+
+def _block_shape(stage) -> tuple[int, ...]:
+    c = stage.model.config
+    return (2, stage.block_size, c.num_kv_heads, c.head_dim)
+
+
+class KvPrefetch:
+    """The head's prefetched KV of full blocks: its own kept layers (read now) and the members'
+    (arriving)."""
+
+    def __init__(self, stage, ranks: Sequence[int], layers: Sequence[range], chunk_blocks: int,
+                 computed: Mapping[int, int]) -> None:
+        bs = stage.block_size
+        self.blocks = {rid: n for rid, s in stage.seqs.items()
+                       if (n := min(computed.get(rid, 0) // bs, len(s.table)))}
+        """Request -> its leading full blocks taken now."""
+        self.own = {rid: stage.read_layers(stage.seqs[rid].table[:n])
+                    for rid, n in self.blocks.items()}  # [n, kept layers, 2, bs, H, D]
+        self.stale: set[int] = set()
+        """Requests whose table was reset since: their prefetched KV is not used."""
+        self.began_bytes = stage.stats.received_bytes
+        self.receiver = KvReceiver(ranks, 0, prefetch_transfers(self.blocks, layers),
+                                   chunk_blocks, KV_EPOCH, _block_shape(stage),
+                                   stage.model.arena.dtype, stage.stats, link=stage.plane)
+
+    def usable(self, seqs: Mapping[int, object]) -> dict[int, int]:
+        """Request -> prefetched leading blocks the restore takes from here."""
+        return {rid: n for rid, n in self.blocks.items()
+                if rid in seqs and rid not in self.stale and n <= len(seqs[rid].table)}
+
+
+def send_kv_prefetch(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
+                     blocks: Mapping[int, int], chunk_blocks: int) -> None:
+    """A member: its layers of the full blocks the head named, gathered now and queued (kind
+    kv) to the head."""
+    send_transfers(stage.plane, ranks, me, prefetch_transfers(blocks, layers), chunk_blocks,
+                   KV_EPOCH, lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
+                   stage.stats)
+
+
+def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
+                  release: Sequence[int]) -> None:
+    """`GroupRunner.restore` (gpu/group_runner.py): solo again, each live request with its
+    table in `tables`."""
+    from gpu.group_runner import _solo_seq
+    from gpu.group_stage import GroupRestore, MemberReply, restored_generator
+
+    began, stage = time.perf_counter(), runner.stage
+    received = stage.stats.received_bytes
+    for rid in release:
+        stage.seqs.pop(rid, None)
+    for t in runner._fed_back:  # the head is not the last stage: tokens it has not appended
+        if t.request_id in stage.seqs:
+            stage.seqs[t.request_id].tokens.append(t.token_id)
+    missing = set(stage.seqs) - set(tables)
+    if missing:
+        raise ValueError(f"restore needs a solo table for every live request; missing "
+                         f"{sorted(missing)}")
+    kv = getattr(stage, "kv_prefetch", None)
+    skip = kv.usable(stage.seqs) if kv is not None else {}
+    msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
+                       release=tuple(release), skip=skip)
+    for rank in runner.ranks[1:]:
+        send_obj(msg, rank, CONTROL_TAG, "the group was restored")
+    receiver = KvReceiver(runner.ranks, 0, restore_transfers(stage.seqs, runner.layers, skip),
+                          runner.chunk_blocks, 1, _block_shape(stage), stage.model.arena.dtype,
+                          stage.stats, link=stage.plane)
+    own = {rid: stage.read_layers(s.table[skip.get(rid, 0):]) for rid, s in stage.seqs.items()}
+    w_began = time.perf_counter()
+    weights_at = restore_weights(stage, runner.ranks, runner.layers, source)
+    weights_s = time.perf_counter() - w_began
+    arena = stage.model.arena
+    full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
+    if kv is not None:
+        kv.receiver.join()  # every prefetched chunk in (a stale one's too: the tags go on)
+    for rid, s in stage.seqs.items():
+        new = list(tables[rid])
+        n = min(len(new), len(s.table))
+        k = min(skip.get(rid, 0), n)
+        if rid in skip:  # the first blocks: moved while the group served
+            idx = torch.tensor(new[:k], dtype=torch.long, device=arena.device)
+            full[idx, keep.start:keep.stop] = kv.own[rid][:k].to(arena.device)
+            for t, data in kv.receiver.wait(rid):
+                full[idx, t.layers.start:t.layers.stop] = data[:k].to(arena.device)
+        idx = torch.tensor(new[k:n], dtype=torch.long, device=arena.device)
+        full[idx, keep.start:keep.stop] = own[rid][:n - k].to(arena.device)
+        for t, data in receiver.wait(rid) if receiver.expects(rid) else ():
+            full[idx, t.layers.start:t.layers.stop] = data[:n - k].to(arena.device)
+        runner.solo._seqs[rid] = _solo_seq(runner.solo, s, new)
+    for rank in runner.ranks[1:]:
+        reply: MemberReply = recv_obj(rank, REPLY_TAG, "its layers were restored")
+        if reply.error is not None:
+            raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
+        for rid, state in (reply.generator_states or {}).items():
+            seq = runner.solo._seqs.get(rid)
+            if seq is not None:  # the last member sampled: its generator goes on here
+                seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
+    at = stage.stats.received_bytes - received
+    before = received - kv.began_bytes if kv is not None else 0
+    count_moved(runner.solo, at + before)
+    runner.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
+                            "kv_bytes": float(at), "kv_bytes_before": float(before),
+                            "weight_bytes_at": float(weights_at), **prefetch_report(stage)}
+    stage.end_exchange()
+    runner.stage = None
