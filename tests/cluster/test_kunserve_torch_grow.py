@@ -28,13 +28,15 @@ from shunter.cluster.cluster import Cluster
 from tests.reference import assert_matches, greedy_reference
 
 LAYERS = 6
-SOLO_BLOCKS = 208
-RUN_TOKENS = 400
-"""6 + 400 tokens: 102 blocks of 4; two fit an instance's 208-block pool. With 80, a request of
-instance 2 (alone, a few ms a step) could end while the group formed on a loaded host: it was
-not handed over and the test waited for its tokens past the growth. With 200, two of member 1's
-requests ended (`length`) before the pair formed in a full-suite run at load ~7 (the group
-formed with `adopted=0`; `test_an_old_member_lost_at_the_resplit`)."""
+SOLO_BLOCKS = 416
+RUN_TOKENS = 800
+"""6 + 800 tokens: 202 blocks of 4; two fit an instance's 416-block pool. A request must not
+end before the test cancels it, and instance 2's run alone, a few ms a step, while the others
+form a group (slow on a loaded host): with 80 one ended before the growth and the test waited
+for its tokens; with 200 two of member 1's ended ('length') before the pair formed (the group
+formed with `adopted=0`) in a full-suite run at load ~7; with 400 one of instance 2's had ended
+before the growth (`[4, 0, 1] == [4, 0, 2]`) at load ~9. The tokens a test streams are bounded
+by its time, not by this."""
 
 
 @pytest.fixture(scope="module")
