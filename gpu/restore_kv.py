@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from engine.messages import ExecuteStep
-from gpu.data_plane import CONTROL_TAG, REPLY_TAG, recv_obj, send_obj
+from gpu.data_plane import CONTROL_TAG, REPLY_TAG
 from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
@@ -102,7 +102,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                   release: Sequence[int]) -> None:
     """`GroupRunner.restore` (gpu/group_runner.py): solo again, each live request with its
     table in `tables`."""
-    from gpu.group_runner import _solo_seq
+    import gpu.group_runner as gr  # (its send_obj/recv_obj: stand-ins replace them there)
     from gpu.group_stage import GroupRestore, MemberReply, restored_generator
 
     began, stage = time.perf_counter(), runner.stage
@@ -121,7 +121,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
                        release=tuple(release), skip=skip)
     for rank in runner.ranks[1:]:
-        send_obj(msg, rank, CONTROL_TAG, "the group was restored")
+        gr.send_obj(msg, rank, CONTROL_TAG, "the group was restored")
     receiver = KvReceiver(runner.ranks, 0, restore_transfers(stage.seqs, runner.layers, skip),
                           runner.chunk_blocks, 1, _block_shape(stage), stage.model.arena.dtype,
                           stage.stats, link=stage.plane)
@@ -146,9 +146,9 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
         full[idx, keep.start:keep.stop] = own[rid][:n - k].to(arena.device)
         for t, data in receiver.wait(rid) if receiver.expects(rid) else ():
             full[idx, t.layers.start:t.layers.stop] = data[:n - k].to(arena.device)
-        runner.solo._seqs[rid] = _solo_seq(runner.solo, s, new)
+        runner.solo._seqs[rid] = gr._solo_seq(runner.solo, s, new)
     for rank in runner.ranks[1:]:
-        reply: MemberReply = recv_obj(rank, REPLY_TAG, "its layers were restored")
+        reply: MemberReply = gr.recv_obj(rank, REPLY_TAG, "its layers were restored")
         if reply.error is not None:
             raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
         for rid, state in (reply.generator_states or {}).items():
@@ -159,7 +159,8 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     before = received - kv.began_bytes if kv is not None else 0
     count_moved(runner.solo, at + before)
     runner.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
-                            "kv_bytes": float(at), "kv_bytes_before": float(before),
+                            "kv_bytes": float(before + at), "kv_bytes_before": float(before),
+                            "kv_bytes_at": float(at),
                             "weight_bytes_at": float(weights_at), **prefetch_report(stage)}
     stage.end_exchange()
     runner.stage = None

@@ -95,7 +95,7 @@ async def test_a_group_restores_while_its_requests_stream(anyio_backend, grow_co
     print(f"\nrestore while streaming: {event}; head {restore}")
     assert event["prefetched"] and not event["restored_at_once"], event
     assert restore["prefetched"] and restore["weight_bytes_at"] == 0, restore
-    assert restore["weight_bytes_before"] > 0 and restore["kv_bytes"] > 0, restore
+    assert restore["weight_bytes_before"] > 0 and restore["kv_bytes_before"] > 0, restore
     _check(out, grow_model, alive=(0, 1))
 
 

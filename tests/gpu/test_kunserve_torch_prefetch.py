@@ -158,12 +158,12 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
           f"weights before {restored['weight_bytes_before']:.0f} B / at "
           f"{restored['weight_bytes_at']:.0f} B, KV before {restored['kv_bytes_before']:.0f} B "
-          f"/ at {restored['kv_bytes']:.0f} B; vacated "
+          f"/ at {restored['kv_bytes_at']:.0f} B; vacated "
           f"head {restored['vacated_blocks']} ({restored['vacated_live']} live) member "
           f"{member['prefetch']['vacated_blocks']} ({member['prefetch']['vacated_live']} live)")
     assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
     assert restored["weight_bytes_before"] > 0 and restored["kv_bytes_before"] > 0, restored
-    assert restored["kv_bytes"] > 0, "no block was left to the restore's step (a partial one)"
+    assert restored["kv_bytes_at"] > 0, "no block was left to the restore's step (a partial one)"
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
@@ -237,7 +237,7 @@ def test_restore_boundary_stall_with_and_without_prefetch(stall_hosts):
     print(f"\nrestore boundary ({len(seconds[True])} each): at the boundary {base * 1e3:.1f} "
           f"ms, prefetched {pre * 1e3:.1f} ms (ratio {pre / base:.2f}; load "
           f"{os.getloadavg()[0]:.1f}); weights before {restored['weight_bytes_before']:.0f} B, "
-          f"KV before {restored['kv_bytes_before']:.0f} B, at {restored['kv_bytes']:.0f} B")
+          f"KV before {restored['kv_bytes_before']:.0f} B, at {restored['kv_bytes_at']:.0f} B")
 
 
 def test_member_lost_while_the_prefetch_runs_head_recovers_from_host_copy(
