@@ -128,49 +128,93 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
         assert_matches(got[i], ref, f"R{i}")
 
 
+HEAD_LOST_LONG = 80
+"""The head-lost test's long requests' `max_tokens` (8 + 80 tokens: 22 blocks, one fits a pool
+alone): the head goes on with its own while the group forms, and with 40 one of them ended
+before the kill at load 13 (its 40 tokens all streamed, so it was not among the errors)."""
+
+
+def by_hand_policy(tmp_path) -> object:
+    """`kunserve_lookahead` (its group settings) with a drop that cannot fire with the head-lost
+    test's few requests and no restore: the test forms the group itself, and it lasts until the
+    head is killed. Left to the monitor (one-round drop, restore at 60%), the group formed only
+    if a monitor round saw a burst that drained in about 7 steps (at load none did: no group,
+    the test waited out its 180 s), and it restored 150-250 ms after it formed."""
+    from policies import policy_path
+
+    policy = tmp_path / "kunserve_by_hand.policy"
+    policy.write_text(f'policy kunserve_by_hand extends "{policy_path("kunserve_lookahead")}" '
+                      f'{{\n  overload drop when waiting > 100\n}}\n')
+    return policy
+
+
+async def _admitted(streams: dict, which: range) -> None:
+    """Until each request of `which` was admitted (its stream has the cluster's id)."""
+    while any(streams.get(i) is None or streams[i].request_id is None for i in which):
+        await anyio.sleep(0.0005)
+
+
 @pytest.mark.anyio
 async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go_to_the_member(
-        anyio_backend, kunserve_config, kunserve_model):
-    """The head is SIGKILLed as soon as the group forms (its own two processes: it kills one).
-    Every request was on the head then (the member had handed its own over): each one that had
+        anyio_backend, kunserve_config, kunserve_model, tmp_path):
+    """Two long requests stream, a burst is admitted, and the test forms the group (head 0);
+    the head is SIGKILLed as soon as it formed (its own two processes: it kills one). Every
+    request was on the head then (the member had handed its own over): each one that had
     streamed tokens ends with the front door's clear error, its tokens so far transformers';
     each that had not is dispatched again, to the member, which restored its dropped layers
     from its host copy and serves alone, and gives transformers' tokens; so does a new
-    request."""
+    request. A failure prints what each request streamed and the group manager's events (each
+    process's log is in the captured stderr)."""
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    from engine.cluster.drop_plan import GroupPlan
     from shunter.cluster.launch import LocalLauncher
     from tests.reference import Reference
 
+    config = attrs.evolve(kunserve_config, policy=by_hand_policy(tmp_path))
     launcher = LocalLauncher("asyncio")
-    instances = [launcher.start_process(i, kunserve_config) for i in range(2)]
-    rng = random.Random(0)  # the first test's requests: their references are computed once
-    prompts = [(_prompt(rng, 8), LONG_TOKENS) for _ in range(2)]
+    instances = [launcher.start_process(i, config) for i in range(2)]
+    rng = random.Random(0)  # the burst is the cluster test's: its references are computed once
+    prompts = [(_prompt(rng, 8), HEAD_LOST_LONG) for _ in range(2)]
     prompts += [(_prompt(rng, 16), 8) for _ in range(slow_scale(20, 12))]
     burst = len(prompts)
     prompts += [(_prompt(rng, 12), 8) for _ in range(2)]  # sent to the head just before the kill
     run = FaultBurst(prompts, errors_allowed=True)
     got, errors, streams = run.got, run.errors, run.streams
     before_kill: dict[int, int] = {}
+    report: dict = {}
 
     try:
-        async with Cluster.start(kunserve_config, attach=instances,
-                                 monitor_interval_s=0.02) as cluster:
-            with anyio.fail_after(180):
-                async with anyio.create_task_group() as tg:
-                    group = await run.until_grouped(cluster, tg, burst)
-                    for i in range(burst, len(prompts)):  # admitted at the head, no token yet
-                        tg.start_soon(run.one, cluster, i)
-                    while any(streams.get(i) is None or streams[i].request_id is None
-                              for i in range(burst, len(prompts))):
-                        await anyio.sleep(0.0005)
-                    before_kill.update({i: len(t) for i, t in got.items()})
-                    instances[group.head].kill()
-                alone = _prompt(rng, 10)
-                after = await cluster.complete(alone, shunter.SamplingParams(
-                    max_tokens=12, temperature=0))
-                member = await cluster.instances[group.members[1]].snapshot()
-            report = cluster.groups.report(0.0)
+        async with Cluster.start(config, attach=instances, monitor_interval_s=0.02) as cluster:
+            try:
+                with anyio.fail_after(180):
+                    async with anyio.create_task_group() as tg:
+                        started = [anyio.Event() for _ in range(2)]
+                        for i in range(2):
+                            tg.start_soon(run.one, cluster, i, started[i])
+                        for ev in started:
+                            await ev.wait()
+                        for i in range(2, burst):
+                            tg.start_soon(run.one, cluster, i)
+                        await _admitted(streams, range(2, burst))
+                        await cluster.groups.form(GroupPlan(
+                            group_id=1, members=(0, 1), layers=(range(2), range(2, 4))))
+                        (group,) = cluster.groups.groups.values()
+                        for i in range(burst, len(prompts)):  # admitted at the head, no token
+                            tg.start_soon(run.one, cluster, i)
+                        await _admitted(streams, range(burst, len(prompts)))
+                        before_kill.update({i: len(t) for i, t in got.items()})
+                        instances[group.head].kill()
+                    alone = _prompt(rng, 10)
+                    after = await cluster.complete(alone, shunter.SamplingParams(
+                        max_tokens=12, temperature=0))
+                    member = await cluster.instances[group.members[1]].snapshot()
+            finally:
+                report = cluster.groups.report(0.0)
+    except BaseException:
+        print(f"\nhead lost, failed: tokens {[len(got.get(i, ())) for i in range(len(prompts))]}"
+              f"; before the kill {before_kill}; errors {errors}; events {report.get('events')}")
+        raise
     finally:
         launcher.shutdown(timeout_s=0)
     print(f"\nhead lost: tokens before the kill {before_kill}; errors {sorted(errors)}")
