@@ -1,9 +1,10 @@
 """A KunServe group's member stops (SIGSTOP: its sockets stay open, as on a host cut off) once
-the group formed, and the front door cannot kill it (as with a host it cannot reach): the front
-door finds it silent and tells the head (`PeerLost`), and the head's sends and receives already
-posted to it end then (gpu/plane_links.py `Held`), not after gloo's 60 s: every request ends
-within the silence bound and a few seconds, served at the head, equal to transformers' (or,
-having streamed from the member alone, with the silent error).
+the group formed (the test forms it as the burst arrives: `BurstStreams.until_formed`), and the
+front door cannot kill it (as with a host it cannot reach): the front door finds it silent and
+tells the head (`PeerLost`), and the head's sends and receives already posted to it end then
+(gpu/plane_links.py `Held`), not after gloo's 60 s: every request ends within the silence bound
+and a few seconds, served at the head, equal to transformers' (or, having streamed from the
+member alone, with the silent error).
 
 Planted bug, run by hand (quoted in the s27 report): the channel's `Held` built without the
 watch (`lost=None` in gpu/data_plane.py `open_channel`) fails the bound (the head's posted send
@@ -22,6 +23,7 @@ from shunter.cluster.cluster import Cluster
 from shunter.cluster.heartbeat import Liveness
 from tests.cluster.burst_streams import BurstStreams, burst_jobs
 from tests.cluster.test_heartbeat import until_gone
+from tests.cluster.test_kunserve_torch_moves import by_hand_policy
 from tests.reference import assert_matches, greedy_reference
 
 LIVENESS = Liveness()
@@ -33,24 +35,25 @@ BOUND_S = LIVENESS.silent_after_s + 25.0
 
 @pytest.mark.anyio
 async def test_a_member_stopped_while_grouped_ends_every_request_within_the_silence(
-        anyio_backend, kunserve_config, kunserve_model):
+        anyio_backend, kunserve_config, kunserve_model, tmp_path):
     if anyio_backend != "asyncio":
         pytest.skip("one event loop is enough: the instance processes are the expensive part")
     from shunter.cluster.launch import LocalLauncher
 
     longs, burst, jobs = burst_jobs()
     out: dict[str, tuple[list[int], str | None, str | None]] = {}
+    config = attrs.evolve(kunserve_config, policy=by_hand_policy(tmp_path))
     launcher = LocalLauncher("asyncio")
-    started = [await anyio.to_thread.run_sync(launcher.start_process, i, kunserve_config)
+    started = [await anyio.to_thread.run_sync(launcher.start_process, i, config)
                for i in range(2)]
     unreachable = [attrs.evolve(up, kill=lambda: None) for up in started]
     stopped = None
     try:
-        async with Cluster.start(kunserve_config, attach=unreachable, monitor_interval_s=0.02,
+        async with Cluster.start(config, attach=unreachable, monitor_interval_s=0.02,
                                  liveness=LIVENESS) as cluster:
             with anyio.move_on_after(240) as waited:
                 async with anyio.create_task_group() as tg:
-                    head, group = await BurstStreams(cluster, out).until_grouped(tg, longs, burst)
+                    head, group = await BurstStreams(cluster, out).until_formed(tg, longs, burst)
                     stopped = 1 - head
                     os.kill(started[stopped].pid, signal.SIGSTOP)
                     stopped_at = anyio.current_time()
