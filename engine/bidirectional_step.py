@@ -57,6 +57,12 @@ class BidirectionalMemory:
         """Of those, the scheduler's victims (`swap_out`), the rest `_make_room`'s."""
         self.recomputed = 0
         """Requests `_make_room` recomputed because nothing fit and none could be swapped out."""
+        self.steps = 0
+        """Fits since the start: one per step the scheduler built."""
+        self.overwriting_steps = 0
+        """Of those, steps in which RT overwrote BE slots (lazily checkpointing them first)."""
+        self.restores = 0
+        """Swap-backs of a displaced BE request's checkpointed slots (`restore`) since the start."""
 
     def swap_out(self, rid: int) -> bool:
         """The scheduler preempts request `rid` by swap (the planner's victim: BE first, then RT
@@ -93,6 +99,8 @@ class BidirectionalMemory:
         """Fit `plan` (changed in place: requests that cannot be placed leave it) and return
         the step's table changes and slot copies."""
         t, transfers = self.table, StepCopies(merge=self.gather)
+        self.steps += 1
+        checkpointed = t.checkpointed_slots_total
         for rid, copies in self._pending:
             transfers.add(rid, copies)
         self._pending = []
@@ -120,6 +128,7 @@ class BidirectionalMemory:
                 plan.work[rid], plan.block_targets[rid] = n, 0
                 if requests[rid].state == "swapped":
                     plan.swapped_in.append(requests[rid].view())
+        self.overwriting_steps += t.checkpointed_slots_total > checkpointed
         blocks, sent = [], self._sent
         for rid in plan.work:
             table = t.entries(rid)  # not a copy: copied only when it changed
@@ -162,6 +171,7 @@ class BidirectionalMemory:
             if not t.can_restore(rid):
                 return False
             transfers.add(rid, t.restore(rid))
+            self.restores += 1
         if not t.can_extend(rid, tokens):  # false also while still swapped or displaced
             if t.is_reversed(rid) or t.swapped(rid) or t.displaced(rid):
                 return False
