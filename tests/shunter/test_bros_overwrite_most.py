@@ -6,15 +6,17 @@ slot copies out in at least a quarter of the iterations. This scenario is set up
 engine's own counters (`BidirectionalMemory.overwriting_steps` over the iteration log) must
 show RT overwriting BE slots in more than half of all iterations: six BE requests of 16-token
 prompts (four full blocks of 4 slots each) fill a pool of 24 blocks; once the first BE request
-has its first token, two RT requests arrive whose greedy outputs run 40 tokens (no EOS), so
-that for about 40 iterations both grow through BE blocks, each new RT token overwriting a live
+has its first token, two RT requests arrive whose greedy outputs run 36 tokens (no EOS), so
+that for about 36 iterations both grow through BE blocks, each new RT token overwriting a live
 BE slot (lazily checkpointed to a poisoned host space first, copies slowed). The BE requests
 whose slots went are displaced and swapped back once the RT requests leave, and finish.
 Greedy outputs must equal transformers' (near-tie rule) under asyncio and trio; with one
 checkpoint copy skipped, or one reversed slot read forwards, a BE output must go wrong.
-In 24 probe runs (seeds 0-2, both backends, load 5-10): RT overwrote BE slots in 36-39 of
-52-53 iterations (68-74%), 72-78 slots checkpointed, 2-6 swap-backs, 0.2-0.5 s per engine run;
-the file takes about 9 s, most of it transformers' references."""
+In probe runs (seeds 0-3, both backends, load ~8): RT overwrote BE slots in 32-35 of 49-54
+iterations (65-69%), 64-70 slots checkpointed, 4-6 swap-backs, 0.2-0.5 s per engine run; with
+40 RT tokens the planner sometimes recomputed the displaced BE request whose checkpoint the
+plant below skips (RT held 22 of the 24 blocks), with 36 it never did. The file takes about
+9-25 s, most of it transformers' references."""
 
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ pytestmark = pytest.mark.anyio
 BLOCKS, BLOCK_SIZE, HOST_BLOCKS = 24, 4, 40
 BE, BE_PROMPT, BE_TOKENS = 6, 16, 8
 """BE requests: each prompt fills four blocks, so the six fill the pool."""
-RT, RT_TOKENS = 2, 40
+RT, RT_TOKENS = 2, 36
 RT_PROMPTS = (3, 0)
 """(length, seed): RT prompts `random.Random(seed)` draws, whose greedy outputs on the test
 model run all RT_TOKENS tokens (asserted: an RT request ending early would shorten the
@@ -143,9 +145,11 @@ async def test_rt_overwrites_be_slots_in_most_iterations_and_outputs_match(tiny_
 @pytest.mark.parametrize("anyio_backend", ["trio"])
 async def test_a_skipped_checkpoint_copy_shows_in_the_outputs(tiny_llama_dir):
     """The test above must fail with the first checkpoint copy skipped (its host slots hold
-    noise) whenever the BE request it belonged to reads it back and keeps it. Timing decides
-    whether that request is swapped back or recomputed by the planner first (in probe runs
-    swapped back for seeds 0 and 2, mostly): the seed changes, up to six runs."""
+    noise) whenever a request reads it back and keeps it (is not recomputed later). A step's
+    checkpoints go out as one gathered copy, so the skipped copy may hold several BE requests'
+    slots and the reader the copy history names is not always the one that goes wrong: any BE
+    output must. Timing decides whether the planner recomputes the owner first (seen with 40 RT
+    tokens, not with 36): the seed changes, up to six runs."""
     for seed in range(6):
         with copy_history() as events:
             run = await serve(tiny_llama_dir, seed=seed, swapper=SkipOneCheckpointSwapper)
@@ -153,9 +157,9 @@ async def test_a_skipped_checkpoint_copy_shows_in_the_outputs(tiny_llama_dir):
         read = lost_checkpoint_reader(events, run.swapper.lost)
         if read is None or not read[1]:
             continue
-        label = run.labels[read[0]]
         bad = wrong(tiny_llama_dir, run.outputs)
-        assert any(m.startswith(f"{label}:") for m in bad), f"{label} read noise back: {bad}"
+        assert any(m.startswith("be ") for m in bad), (
+            f"{run.labels[read[0]]} read noise back and kept it: {bad}")
         return
     pytest.fail("in six runs no request kept the skipped checkpoint it read back")
 
@@ -182,7 +186,7 @@ def one_reversed_slot_read_forwards() -> Iterator[None]:
 async def test_one_reversed_slot_read_forwards_shows_in_the_outputs(tiny_llama_dir):
     """It only shows where a BE request decodes with a partly filled last block whose offset 1
     is written (a full block reads the same set of slots either way): the seed changes until a
-    run shows it, up to four (in probe runs seeds 0 and 2 did)."""
+    run shows it, up to four (in probe runs seeds 0 and 3 did, under both backends)."""
     for seed in range(4):
         with one_reversed_slot_read_forwards():
             run = await serve(tiny_llama_dir, seed=seed)
