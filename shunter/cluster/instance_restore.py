@@ -52,11 +52,13 @@ async def leave_here(groups) -> dict:
     prefetch = getattr(runner, "restore_prefetch", False)
     await _ask(eng._scheduler_send, lambda r: Regroup(
         pool_blocks=runner.num_blocks, group=None if prefetch else solo, reply=r))
-    out: dict = {"prefetched": False}
-    if prefetch and await _live(eng):
+    live = await _live(eng)
+    out: dict = {"prefetched": False, "live_at_leave": live}
+    if prefetch and live:
         began = anyio.current_time()
         state = await _prefetched(groups, group)
-        out = {"prefetched": state == "ready", "prefetch_wait_s": anyio.current_time() - began}
+        out.update(prefetched=state == "ready", prefetch_state=state,
+                   prefetch_wait_s=anyio.current_time() - began)
         if state in ("lost", "gone"):  # the group is over: every request was recomputed
             raise RestoreLost(f"the group lost a member while its restore was prefetched "
                               f"({runner.lost}); instance {group.ranks[0]} serves alone from "
@@ -76,7 +78,8 @@ async def _live(eng) -> int:
 
 async def _prefetched(groups, group) -> str:
     """Wait until every member's weights are in: 'ready'; 'refused' (the prefetch could not
-    start: the boundary moves them), 'late' (`LIMIT_S`), 'lost' (this wait found a member gone: recovered, the
+    start: the boundary moves them), 'idle' (every request ended before a step carried the
+    shrink: the runner restores at once), 'late' (`LIMIT_S`), 'lost' (this wait found a member gone: recovered, the
     scheduler told) or 'gone' (a step found it: the engine recomputes already)."""
     from shunter.cluster.instance_groups import _ask
 
@@ -92,6 +95,8 @@ async def _prefetched(groups, group) -> str:
                 recompute=True, pool_blocks=runner.num_blocks, group=solo, reply=r))
         if state != "waiting":
             return state
+        if runner.prefetch_pending and not await _live(groups.engine):
+            return "idle"  # no step will carry the shrink: the idle restore needs none
         if time.monotonic() - began > LIMIT_S:  # the restore waits for the rest itself
             return "late"
         await anyio.sleep(POLL_S)

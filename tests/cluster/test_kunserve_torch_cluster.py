@@ -176,8 +176,10 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
     # steps driven by hand: tests/gpu/test_kunserve_torch.py
     assert formed["t"] <= restored["t"], (formed, restored)
     # the restore's weights came back while the group served (shunter/cluster/
-    # instance_restore.py), unless no request was left for it to serve
-    assert restored["prefetched"] or restored["restored_at_once"], restored
+    # instance_restore.py) when a request was left for it to serve, unless every one ended
+    # before a step carried the pool's shrink (then it restored at once)
+    assert restored["prefetched"] or not restored["live_at_leave"] \
+        or restored.get("prefetch_state") == "idle", restored
     if head["restore"].get("prefetched"):
         assert head["restore"]["weight_bytes_before"] > 0, head["restore"]
     for i in range(2):

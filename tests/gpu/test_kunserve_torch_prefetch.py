@@ -17,12 +17,13 @@ from __future__ import annotations
 import os
 import random
 import statistics
+import time
 
 import attrs
 import pytest
 
 from engine.cluster.drop_plan import GroupPlan
-from engine.messages import BlockUpdate
+from engine.messages import BlockUpdate, ExecuteStep
 from gpu.data_plane import FAULT_ENV
 from gpu.group_stage import Adopted
 from tests.gpu.kunserve_driver import (
@@ -104,6 +105,23 @@ def _step(h0, s0: Scheduler) -> None:
     s0.finish(step, done.sampled)
 
 
+def _serve_until_ready(h0, s0: Scheduler) -> None:
+    """Pipelined steps while the prefetch runs (two at least), until every member's weights and
+    KV are in; a request is not stepped to its end (it must live across the restore): once one
+    would end, empty steps ask the members instead (however many a busy host takes)."""
+    served, since = 0, time.monotonic()
+    while served < 2 or not h0.call("ready"):
+        if all(r.max_tokens - len(r.out) > 2 for r in s0.live()):
+            _step(h0, s0)
+            served += 1
+        else:
+            s0.step_id += 1
+            h0.call("step", ExecuteStep(step_id=s0.step_id, release=(), setups=(), blocks=(),
+                                        seqs=()))
+            served += 1
+        assert time.monotonic() - since < 120, "the prefetch did not end in 120 s"
+
+
 def _shrink(h0, s0: Scheduler, solo0: range) -> None:
     """The head's engine shrinks its pool back to its own (held blocks above it move below):
     the next pipelined step carries the size and the moves; the group goes on serving."""
@@ -149,11 +167,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     live = s0.live()
     assert len(live) >= 2, [r.name for r in live]
     h0.call("prefetch", source)
-    served = 0
-    while served < 2 or not h0.call("ready"):  # pipelined steps go on while the weights come
-        assert s0.live(), "every request ended before the prefetch was in"
-        _step(h0, s0)
-        served += 1
+    _serve_until_ready(h0, s0)
     restored, member = _restore(h0, h1, s0, solo0)
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
           f"weights before {restored['weight_bytes_before']:.0f} B / at "
@@ -222,9 +236,7 @@ def test_restore_boundary_stall_with_and_without_prefetch(stall_hosts):
         _shrink(h0, s0, solo0)
         if prefetch:
             h0.call("prefetch", "peer")
-            while not h0.call("ready"):
-                assert s0.live(), "every request ended before the prefetch was in"
-                _step(h0, s0)
+            _serve_until_ready(h0, s0)
         restored, _ = _restore(h0, h1, s0, solo0)
         seconds[prefetch].append(restored["seconds"])
         assert restored["prefetched"] == prefetch, restored
