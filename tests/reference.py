@@ -69,3 +69,22 @@ def assert_matches(engine_tokens: Sequence[int], ref: Reference, label: str) -> 
         return
     assert len(engine_tokens) == len(ref.tokens), (
         f"{label}: engine produced {len(engine_tokens)} tokens, reference {len(ref.tokens)}")
+
+
+def mismatches(model_dir: Path, outputs, max_tokens: int | None = None) -> list[str]:
+    """Outputs whose tokens differ from the reference other than at a near-tie (as
+    `assert_matches` judges), one line each. `outputs`: (prompt, tokens, label) with
+    `max_tokens`, or (prompt, tokens, label, max_tokens)."""
+    bad = []
+    for prompt, tokens, label, *own in outputs:
+        ref = greedy_reference(model_dir, prompt, own[0] if own else max_tokens)
+        for k, (got, want) in enumerate(zip(tokens, ref.tokens)):
+            if got != want:
+                best, second, gap = ref.top2[k]
+                if not (gap <= TIE_GAP and got == second):
+                    bad.append(f"{label}: step {k}: engine {got}, reference {want}")
+                break
+        else:
+            if len(tokens) != len(ref.tokens):
+                bad.append(f"{label}: {len(tokens)} tokens, reference {len(ref.tokens)}")
+    return bad

@@ -35,7 +35,7 @@ from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
 from tests.gpu.swap_doubles import PoisonedHostSwapper, SkipOneCheckpointSwapper, torch_backend
-from tests.reference import TIE_GAP, greedy_reference
+from tests.reference import mismatches
 from tests.shunter.test_bidirectional_engine import (POLICY, copy_history,
                                                      lost_checkpoint_reader, made_tables)
 
@@ -109,18 +109,7 @@ async def serve(model_dir, *, seed: int = 0, swapper=PoisonedHostSwapper) -> Run
 
 def wrong(model_dir, outputs) -> list[str]:
     """Requests whose tokens differ from transformers' other than at a near-tie."""
-    bad = []
-    for prompt, tokens, label, max_tokens in outputs:
-        ref = greedy_reference(model_dir, prompt, max_tokens)
-        for k, (got, want) in enumerate(zip(tokens, ref.tokens)):
-            if got != want:
-                if not (ref.top2[k][2] <= TIE_GAP and got == ref.top2[k][1]):
-                    bad.append(f"{label}: step {k}: engine {got}, reference {want}")
-                break
-        else:
-            if len(tokens) != len(ref.tokens):
-                bad.append(f"{label}: {len(tokens)} tokens, reference {len(ref.tokens)}")
-    return bad
+    return mismatches(model_dir, outputs)
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio", "trio"])

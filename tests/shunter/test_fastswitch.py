@@ -21,7 +21,7 @@ from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, RequestFailedError, SamplingParams, SchedulingParams
 from tests.conftest import slow_scale
 from tests.gpu.swap_doubles import ConflictBlindSwapper, FailingSwapper, SlowSwapper, torch_backend
-from tests.reference import TIE_GAP, greedy_reference
+from tests.reference import mismatches as reference_mismatches
 
 pytestmark = pytest.mark.anyio
 
@@ -89,19 +89,7 @@ async def serve(model_dir, granularity: str, *, plant_bug: bool = False, seed: i
 
 def mismatches(model_dir, served) -> list[str]:
     """Requests whose tokens differ from the reference other than at a near-tie."""
-    bad = []
-    for prompt, tokens, label in served:
-        ref = greedy_reference(model_dir, prompt, MAX_TOKENS)
-        for k, (got, want) in enumerate(zip(tokens, ref.tokens)):
-            if got != want:
-                best, second, gap = ref.top2[k]
-                if not (gap <= TIE_GAP and got == second):
-                    bad.append(f"{label}: step {k}: engine {got}, reference {want}")
-                break
-        else:
-            if len(tokens) != len(ref.tokens):
-                bad.append(f"{label}: {len(tokens)} tokens, reference {len(ref.tokens)}")
-    return bad
+    return reference_mismatches(model_dir, served, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("anyio_backend", ["trio"])
