@@ -51,7 +51,7 @@ from gpu.group_stage import (
 from gpu.kv_exchange import known_lost, lost_error
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
-from gpu.restore_kv import KvPrefetch, note_step, restore_group
+from gpu.restore_kv import KvPrefetch, full_blocks, note_step, restore_group
 from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, room_outside, stop_prefetch
 from gpu.stage_view import group_pool_blocks, restore_layers
 
@@ -261,11 +261,12 @@ class GroupRunner:
             raise ValueError(f"a restore prefetch needs the pool shrunk to at most {room} "
                              f"blocks first (the dropped layers' memory is vacated); it has "
                              f"{len(pool)}")
-        kv = KvPrefetch(self.stage, self.ranks, self.layers, self.chunk_blocks, self._computed)
-        msg = GroupPrefetch(source=source, pool=pool, kv_blocks=kv.blocks)
+        blocks = full_blocks(self.stage, self._computed)
+        msg = GroupPrefetch(source=source, pool=pool, kv_blocks=blocks)
         self._prefetched = set()  # (the head's own first: what refuses it refuses it here)
         self.stage.prefetch = WeightPrefetch(self.stage, self.ranks, self.layers, msg)
-        self.stage.kv_prefetch = kv
+        self.stage.kv_prefetch = KvPrefetch(self.stage, self.ranks, self.layers,
+                                            self.chunk_blocks, blocks)
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, "the restore was prefetched")
 

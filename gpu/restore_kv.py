@@ -64,16 +64,22 @@ def _block_shape(stage) -> tuple[int, ...]:
     return (2, stage.block_size, c.num_kv_heads, c.head_dim)
 
 
+def full_blocks(stage, computed: Mapping[int, int]) -> dict[int, int]:
+    """Each live request's leading blocks whose every token is computed (`computed`: tokens
+    with KV written, `note_step`)."""
+    bs = stage.block_size
+    return {rid: n for rid, s in stage.seqs.items()
+            if (n := min(computed.get(rid, 0) // bs, len(s.table)))}
+
+
 class KvPrefetch:
     """The head's prefetched KV of full blocks: its own kept layers (read now) and the members'
     (arriving)."""
 
     def __init__(self, stage, ranks: Sequence[int], layers: Sequence[range], chunk_blocks: int,
-                 computed: Mapping[int, int]) -> None:
-        bs = stage.block_size
-        self.blocks = {rid: n for rid, s in stage.seqs.items()
-                       if (n := min(computed.get(rid, 0) // bs, len(s.table)))}
-        """Request -> its leading full blocks taken now."""
+                 blocks: Mapping[int, int]) -> None:
+        self.blocks = dict(blocks)
+        """Request -> its leading full blocks taken now (`full_blocks`)."""
         self.own = {rid: stage.read_layers(stage.seqs[rid].table[:n])
                     for rid, n in self.blocks.items()}  # [n, kept layers, 2, bs, H, D]
         self.stale: set[int] = set()

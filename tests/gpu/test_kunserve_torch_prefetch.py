@@ -169,6 +169,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     h0.call("prefetch", source)
     _serve_until_ready(h0, s0)
     restored, member = _restore(h0, h1, s0, solo0)
+    _restored_kv_is_a_prefill(h0, h1, s0, solo1)
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
           f"weights before {restored['weight_bytes_before']:.0f} B / at "
           f"{restored['weight_bytes_at']:.0f} B, KV before {restored['kv_bytes_before']:.0f} B "
@@ -181,7 +182,6 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
-    _restored_kv_is_a_prefill(h0, h1, s0, solo1)
     _alone(h0, s0)
     for r, new in moved:
         r.out = new.out
