@@ -190,3 +190,41 @@ def test_a_later_members_start_failing_leaves_the_earlier_member_serving_alone(
         assert out["formed"] is False and built == [] and restored == [], out
     else:
         assert built == [1] and restored == ["member 1's model"] and member_plane.closed == [True]
+
+
+@pytest.mark.anyio
+async def test_a_restore_answered_after_its_group_was_lost_ends_quietly(anyio_backend):
+    """The head answers `LeaveGroup` with success while the front door's monitor round (`act`)
+    has already ended the group because a member went away: `restore` leaves the group ended
+    as lost (one 'lost' event, no 'restore') instead of failing on the group it no longer
+    holds (it raised KeyError: 0 when it deleted it again)."""
+    from engine.cluster.drop_plan import GroupPlan
+    from shunter.cluster.group_wire import GroupAnswer, LeaveGroup
+    from shunter.cluster.remote_groups import RemoteGroups
+
+    _one_event_loop(anyio_backend)
+    sent = []
+
+    class Coordinator:
+        async def send(self, msg):
+            sent.append(msg)
+
+    class Instance:
+        def __init__(self, index):
+            self.index, self.alive, self._live, self.moved_to = index, True, {}, {}
+
+        async def _ask(self, make):
+            msg = make(0)
+            assert isinstance(msg, LeaveGroup), msg
+            instances[1].alive = False  # the member went away while the head left the group
+            await groups.act(None, None)
+            return GroupAnswer(key=0, value={"restore_s": 0.1})
+
+    instances = [Instance(i) for i in range(2)]
+    groups = RemoteGroups(instances, coordinator=Coordinator(), base_pools=[24] * 2,
+                          num_layers=4)
+    groups.groups[0] = GroupPlan(group_id=1, members=(0, 1), layers=(range(2), range(2, 4)))
+    assert await groups.restore(0)
+    assert not groups.groups and groups.counters.restores == 0
+    assert [e["event"] for e in groups.counters.events] == ["lost"]
+    assert [m.restored for m in sent] == [0]
