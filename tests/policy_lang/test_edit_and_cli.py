@@ -107,7 +107,7 @@ def test_policy_explain_prints_plain_words(capsys):
         "first that fails ends this step and counts as a predicted deadline violation.",
         "  2. fill with be requests (by checkpointed_blocks, smallest first, then by arrival, "
         "earliest first) while the batch has room and est_iteration < min_slack.",
-        "Batch size (BROS §4.2, adaptive): starts at 8, grows by 1 after each calm iteration up "
+        "Batch size (BROS §4.2, adaptive): starts at 8, grows by 8 after each calm iteration up "
         "to the engine's max_num_seqs, and goes back to 8 after a predicted deadline violation.",
         "  est_iteration is predicted by the engine's cost model (a profile, or one fitted in the "
         "engine from its own iterations); before the engine has one, by the moving average of "
