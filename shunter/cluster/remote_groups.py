@@ -331,8 +331,7 @@ class RemoteGroups:
             log.error("restore failed", head=head, error=str(exc))
             await self.coordinator.send(GroupsChanged())
             return False
-        if self.groups.pop(head, None) is None:  # a member went away as it left: `act` ended
-            log.info("group left after it was lost", head=head)  # it (its 'lost' event)
+        if self.groups.pop(head, None) is None:  # `act` ended it: a member went away as it left
             return True
         self._forget_moved()  # members', and instances' whose queued requests moved
         await self.coordinator.send(GroupsChanged(restored=head))
