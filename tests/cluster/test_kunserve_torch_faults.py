@@ -32,6 +32,7 @@ import pytest
 import shunter
 from shunter.cluster.cluster import Cluster
 from tests.cluster.test_kunserve_torch_cluster import (
+    BURST_TOKENS,
     LONG_TOKENS,
     _long_then_burst,
     _prompt,
@@ -119,7 +120,7 @@ async def test_a_fifo_exchange_burst_gives_transformers_outputs(
     assert head["kv_exchange"] == "fifo" and head["received_bytes"] > 0, head
     assert [s.scheduler.total_blocks for s in snap.snapshots] == [SOLO_BLOCKS] * 2
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-                            *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
+                            *((f"B{i}", p, BURST_TOKENS) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 

@@ -28,7 +28,8 @@ from tests.cluster.test_kunserve_torch_faults import (  # noqa: F401 (fixtures)
     by_hand_config,
     fifo_config,
 )
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _long_then_burst, _prompt
+from tests.cluster.test_kunserve_torch_cluster import (BURST_TOKENS, LONG_TOKENS, _long_then_burst,
+                                                    _prompt)
 from tests.reference import assert_matches, greedy_reference
 
 
@@ -96,7 +97,7 @@ async def test_a_group_forms_across_hosts_with_transformers_outputs(
         gloo = [c for c in links[i] if c[2] != hosts.gateway]
         assert gloo and all(c[0] == me and c[2] == peer for c in gloo), (i, links[i])
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-                            *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
+                            *((f"B{i}", p, BURST_TOKENS) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
 
 

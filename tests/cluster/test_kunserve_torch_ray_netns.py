@@ -27,7 +27,7 @@ import time
 import pytest
 
 from tests.cluster.netns import netns_hosts  # noqa: F401 (fixture)
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS
+from tests.cluster.test_kunserve_torch_cluster import BURST_TOKENS, LONG_TOKENS
 from tests.reference import assert_matches, greedy_reference
 
 RAY_PORT = 6379
@@ -97,5 +97,5 @@ async def test_ray_places_instances_on_two_hosts_and_a_group_forms_across_them(
         assert not [c for c in out["links"][i] if c[0].startswith("127.")
                     and c[2] in (a, b)], out["links"][i]
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(out["longs"])),
-                            *((f"B{i}", p, 8) for i, p in enumerate(out["burst"]))]:
+                            *((f"B{i}", p, BURST_TOKENS) for i, p in enumerate(out["burst"]))]:
         assert_matches(out["got"][name], greedy_reference(kunserve_model, prompt, n), name)

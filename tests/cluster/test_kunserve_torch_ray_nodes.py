@@ -20,7 +20,8 @@ import anyio
 import pytest
 
 from shunter.cluster.cluster import Cluster
-from tests.cluster.test_kunserve_torch_cluster import LONG_TOKENS, _long_then_burst, _prompt
+from tests.cluster.test_kunserve_torch_cluster import (BURST_TOKENS, LONG_TOKENS, _long_then_burst,
+                                                    _prompt)
 from tests.reference import assert_matches, greedy_reference
 
 
@@ -56,5 +57,5 @@ async def test_a_group_forms_across_ray_nodes_with_transformers_outputs(
     assert report["groups_formed"] >= 1 and report["kv_exchanged_bytes"] > 0, report
     assert report["restores"] >= 1, report
     for name, prompt, n in [*((f"L{i}", p, LONG_TOKENS) for i, p in enumerate(longs)),
-                            *((f"B{i}", p, 8) for i, p in enumerate(burst))]:
+                            *((f"B{i}", p, BURST_TOKENS) for i, p in enumerate(burst))]:
         assert_matches(got[name], greedy_reference(kunserve_model, prompt, n), name)
