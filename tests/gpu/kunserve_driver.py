@@ -231,3 +231,21 @@ def form_group(model_dir, head: Host, sched: Scheduler, ranks, adopted, solo: ra
     for rid in arrived:
         sched.reqs[rid].ready = True
     return pool
+
+
+def adopt_live(head: Scheduler, member: Scheduler, owner: int = 1):
+    """The member's live requests as the head adopts them (new ids: 100 + the old one, no KV
+    yet): added to the head's scheduler. Returns (the (member's, head's) pairs, their
+    `Adopted` entries for `form_group`)."""
+    from gpu.group_stage import Adopted
+
+    moved, adopted = [], []
+    for r in member.live():
+        new = Req(r.name, r.prompt, r.max_tokens, rid=100 + r.rid, out=list(r.out),
+                  computed=r.computed, ready=False)
+        adopted.append(Adopted(request_id=new.rid, owner=owner, old_request_id=r.rid,
+                               kv_tokens=r.computed))
+        moved.append((r, new))
+    for _, new in moved:
+        head.add(new)
+    return moved, adopted

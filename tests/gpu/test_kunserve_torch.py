@@ -21,6 +21,7 @@ from engine.params import SamplingParams
 from gpu.group_stage import Adopted
 from tests.gpu.kunserve_driver import (
     Req,
+    adopt_live,
     Scheduler,
     form_group,
     group_steps,
@@ -75,16 +76,7 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     # drop: instance 1 joins instance 0's group; its live requests move to the head, whose
     # pool grows by the freed weights; their KV is exchanged while the group serves
     h1.conn.send(("member", 0))
-    moved = []
-    adopted = []
-    for r in s1.live():
-        new = Req(r.name, r.prompt, r.max_tokens, rid=100 + r.rid, out=list(r.out),
-                  computed=r.computed, ready=False)
-        adopted.append(Adopted(request_id=new.rid, owner=1, old_request_id=r.rid,
-                               kv_tokens=r.computed))
-        moved.append((r, new))
-    for _, new in moved:
-        s0.add(new)
+    moved, adopted = adopt_live(s0, s1)
     group = form_group(model_dir, h0, s0, (0, 1), adopted, solo0, LAYERS)
     assert group.start == solo0.start and len(group) > 3 * len(solo0), (group, solo0)
     for r in burst:

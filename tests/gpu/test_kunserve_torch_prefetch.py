@@ -25,9 +25,9 @@ import pytest
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import BlockUpdate, ExecuteStep
 from gpu.data_plane import FAULT_ENV
-from gpu.group_stage import Adopted
 from tests.gpu.kunserve_driver import (
     Req,
+    adopt_live,
     Scheduler,
     form_group,
     group_steps,
@@ -83,14 +83,7 @@ def _grouped(model_dir, h0, h1, solo0, solo1, seed: int):
         s1.add(r)
     solo_steps([(h0, s0), (h1, s1)], 3)
     h1.conn.send(("member", 0))
-    moved, adopted = [], []
-    for r in s1.live():
-        new = Req(r.name, r.prompt, r.max_tokens, rid=100 + r.rid, out=list(r.out),
-                  computed=r.computed, ready=False)
-        adopted.append(Adopted(request_id=new.rid, owner=1, old_request_id=r.rid,
-                               kv_tokens=r.computed))
-        moved.append((r, new))
-        s0.add(new)
+    moved, adopted = adopt_live(s0, s1)
     form_group(model_dir, h0, s0, (0, 1), adopted, solo0, LAYERS)
     burst = [Req(f"C{i}", random_prompt(rng, 8 + i), 6, rid=20 + i) for i in range(4)]
     for r in burst:
