@@ -79,8 +79,9 @@ async def _live(eng) -> int:
 async def _prefetched(groups, group) -> str:
     """Wait until every member's weights are in: 'ready'; 'refused' (the prefetch could not
     start: the boundary moves them), 'idle' (every request ended before a step carried the
-    shrink: the runner restores at once), 'late' (`LIMIT_S`), 'lost' (this wait found a member gone: recovered, the
-    scheduler told) or 'gone' (a step found it: the engine recomputes already)."""
+    shrink: the runner restores at once), 'late' (`LIMIT_S`), 'lost' (this wait found a
+    member gone: recovered, the scheduler told) or 'gone' (a step found it: the engine
+    recomputes already)."""
     from shunter.cluster.instance_groups import _ask
 
     runner, began = groups.runner, time.monotonic()
