@@ -44,6 +44,7 @@ from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.benchmark.driver import Driver
+from shunter.benchmark.run import replay_task_order_exactly
 from shunter.cluster.cluster import Cluster
 from sim.group import GroupNetwork, SimGroup
 from sim.network import LINKS
@@ -132,13 +133,11 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
 
 def run(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
     began = time.perf_counter()
-    rng = getattr(getattr(getattr(trio, "_core", None), "_run", None), "_r", None)
-    if rng is not None:
-        rng.seed(0)  # replay exactly (shunter/benchmark/run.py does the same)
-    result, cluster, demand = anyio.run(serve, label, policy_file, workload, base, instances,
-                                backend="trio",
-                                backend_options={"clock": trio.testing.MockClock(
-                                    autojump_threshold=0)})
+    with replay_task_order_exactly():  # the same order in a script and under pytest
+        result, cluster, demand = anyio.run(serve, label, policy_file, workload, base,
+                                            instances, backend="trio",
+                                            backend_options={"clock": trio.testing.MockClock(
+                                                autojump_threshold=0)})
     return result, cluster, demand, time.perf_counter() - began
 
 

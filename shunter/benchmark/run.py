@@ -69,7 +69,7 @@ async def _serve_all(config: EngineConfig, choice: PolicyChoice, workload: Workl
 
 
 @contextlib.contextmanager
-def _replay_task_order_exactly() -> Iterator[None]:
+def replay_task_order_exactly() -> Iterator[None]:
     """Trio orders the tasks that are ready at the same instant at random, on purpose: two sim
     runs of one workload then differed by up to 8% in a policy's throughput. A simulator run must
     replay exactly, so each starts trio's tie-breaking generator from the same seed, and with the
@@ -106,7 +106,7 @@ def run_one(choice: PolicyChoice, workload: Workload, base: EngineConfig, *,
     try:
         if config.backend == "sim":
             clock = trio.testing.MockClock(autojump_threshold=0)
-            with _replay_task_order_exactly():
+            with replay_task_order_exactly():
                 drive, log = anyio.run(_serve, config, choice, workload, progress, clock_limit_s,
                                        cluster, backend="trio", backend_options={"clock": clock})
         else:

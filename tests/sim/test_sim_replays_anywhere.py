@@ -1,6 +1,6 @@
 """A sim run gives the same numbers for the same inputs in any process: a script, pytest (where
 pytest-trio switches trio's same-instant task order to sort-and-shuffle), after hypothesis is
-imported, or with another PYTHONHASHSEED. Before `run._replay_task_order_exactly` pinned trio's
+imported, or with another PYTHONHASHSEED. Before `run.replay_task_order_exactly` pinned trio's
 algorithm, fcfs served 1.114 BE req/s from a script and 1.103 under pytest on the same arrivals
 (A10 profile, rtbe at 5 RT/s, seed 1, 120 s); on 30 s the two differ too."""
 
