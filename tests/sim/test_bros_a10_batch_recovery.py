@@ -15,10 +15,10 @@ from shunter.benchmark.run import run_one
 from shunter.workloads import load_workload
 
 MIN_BE_SHARE = 0.72
-"""bros's BE requests/s over fcfs's on these arrivals: 0.821-0.828 with +8, 0.590-0.599 with +1
-(the two figures: run by a script and under pytest; the simulator's figures move a little with
-the process, see the results file). 60 s runs do not tell the two apart (1.13 and 1.18 x fcfs
-under pytest): the first resets come late, so the test runs the full 120 s (~6 s)."""
+"""bros's BE requests/s over fcfs's on these arrivals: 0.82 with +8, about 0.59-0.60 with +1
+(a script and pytest gave 0.821-0.828 and 0.590-0.599 until f157d75 pinned trio's order of
+same-instant tasks in every sim run; both give the script's now). 60 s runs do not tell the two
+apart (1.13 and 1.18 x fcfs): the first resets come late, so the test runs the full 120 s."""
 
 
 def test_bros_batch_size_recovers_from_a_reset_before_be_starves() -> None:
