@@ -39,6 +39,7 @@ import shunter  # noqa: E402
 from engine.cluster.plan import pipeline_timing  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.metrics import summarize  # noqa: E402
+from shunter.benchmark.run import replay_task_order_exactly  # noqa: E402
 from shunter.cluster.cluster import Cluster  # noqa: E402
 
 
@@ -144,7 +145,8 @@ def bench_sim(args) -> dict:
                 return row
 
         began = time.perf_counter()
-        out[name] = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
+        with replay_task_order_exactly():  # the same order in a script and under pytest
+            out[name] = trio.run(run, clock=trio.testing.MockClock(autojump_threshold=0))
         out[name]["wall_s"] = time.perf_counter() - began
     return {"backend": "sim", "profile": "llama3-8b-a100", "link": "a100-internode",
             "rate": args.rate, "requests": args.requests, "max_tokens": args.max_tokens,
