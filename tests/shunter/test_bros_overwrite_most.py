@@ -11,7 +11,10 @@ that for about 36 iterations both grow through BE blocks, each new RT token over
 BE slot (lazily checkpointed to a poisoned host space first, copies slowed). The BE requests
 whose slots went are displaced and swapped back once the RT requests leave, and finish.
 Greedy outputs must equal transformers' (near-tie rule) under asyncio and trio; with one
-checkpoint copy skipped, or one reversed slot read forwards, a BE output must go wrong.
+checkpoint copy skipped a BE output must go wrong. (A reversed slot read forwards is planted
+on tests/shunter/test_bidirectional_engine.py's runs: here it bit only where a BE request
+decoded with a partly filled reversed last block, which timing decides, and a fresh-clone CI
+run on an idle host saw it in none of four runs.)
 In probe runs (seeds 0-3, both backends, load ~8): RT overwrote BE slots in 32-35 of 49-54
 iterations (65-69%), 64-70 slots checkpointed, 4-6 swap-backs, 0.2-0.5 s per engine run; with
 40 RT tokens the planner sometimes recomputed the displaced BE request whose checkpoint the
@@ -20,17 +23,14 @@ plant below skips (RT held 22 of the 24 blocks), with 36 it never did. The file 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
-from collections.abc import Iterator
 
 import anyio
 import attrs
 import pytest
 
 from engine.bidirectional_step import BidirectionalMemory
-from gpu import attention
 from policies import policy_dir
 from policy_lang import compile_policy
 from shunter import Engine, EngineConfig, SamplingParams, SchedulingParams
@@ -151,34 +151,3 @@ async def test_a_skipped_checkpoint_copy_shows_in_the_outputs(tiny_llama_dir):
             f"{run.labels[read[0]]} read noise back and kept it: {bad}")
         return
     pytest.fail("in six runs no request kept the skipped checkpoint it read back")
-
-
-@contextlib.contextmanager
-def one_reversed_slot_read_forwards() -> Iterator[None]:
-    """A planted bug in the torch read path: in a block filled right to left, logical offset 1
-    is read from slot 1 instead of `block_size - 2` (the write path stays right)."""
-    physical = attention._physical
-
-    def planted(entries, offsets, block_size):
-        blocks, slots = physical(entries, offsets, block_size)
-        forwards = (entries < 0) & (offsets == 1)
-        return blocks, forwards * 1 + ~forwards * slots
-
-    attention._physical = planted
-    try:
-        yield
-    finally:
-        attention._physical = physical
-
-
-@pytest.mark.parametrize("anyio_backend", ["trio"])
-async def test_one_reversed_slot_read_forwards_shows_in_the_outputs(tiny_llama_dir):
-    """It only shows where a BE request decodes with a partly filled last block whose offset 1
-    is written (a full block reads the same set of slots either way): the seed changes until a
-    run shows it, up to four (in probe runs seeds 0 and 3 did, under both backends)."""
-    for seed in range(4):
-        with one_reversed_slot_read_forwards():
-            run = await serve(tiny_llama_dir, seed=seed)
-        if any(m.startswith("be ") for m in wrong(tiny_llama_dir, run.outputs)):
-            return
-    pytest.fail("in four runs reading one reversed slot forwards changed no BE output")
