@@ -34,12 +34,8 @@ def restore_transfers(seqs: Mapping[int, object], layers: Sequence[range],
                       skip: Mapping[int, int] = {}) -> list[KvTransfer]:
     """Each member's layers of every live request's blocks after its first `skip[rid]` (those
     moved before), back to the head; `blocks` counts from there."""
-    out = []
-    for rid, s in sorted(seqs.items()):
-        n = len(s.table) - min(skip.get(rid, 0), len(s.table))
-        out += [KvTransfer(request_id=rid, src=k, dst=0, layers=layers[k], blocks=n)
-                for k in range(1, len(layers)) if n]
-    return out
+    return prefetch_transfers({rid: len(s.table) - min(skip.get(rid, 0), len(s.table))
+                               for rid, s in seqs.items()}, layers)
 
 
 def prefetch_transfers(blocks: Mapping[int, int], layers: Sequence[range]) -> list[KvTransfer]:
@@ -144,14 +140,9 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
         n = min(len(new), len(s.table))
         k = min(skip.get(rid, 0), n)
         if rid in skip:  # the first blocks: moved while the group served
-            idx = torch.tensor(new[:k], dtype=torch.long, device=arena.device)
-            full[idx, keep.start:keep.stop] = kv.own[rid][:k].to(arena.device)
-            for t, data in kv.receiver.wait(rid):
-                full[idx, t.layers.start:t.layers.stop] = data[:k].to(arena.device)
-        idx = torch.tensor(new[k:n], dtype=torch.long, device=arena.device)
-        full[idx, keep.start:keep.stop] = own[rid][:n - k].to(arena.device)
-        for t, data in receiver.wait(rid) if receiver.expects(rid) else ():
-            full[idx, t.layers.start:t.layers.stop] = data[:n - k].to(arena.device)
+            _write(full, keep, new[:k], kv.own[rid], kv.receiver.wait(rid))
+        _write(full, keep, new[k:n], own[rid],
+               receiver.wait(rid) if receiver.expects(rid) else ())
         runner.solo._seqs[rid] = gr._solo_seq(runner.solo, s, new)
     for rank in runner.ranks[1:]:
         reply: MemberReply = gr.recv_obj(rank, REPLY_TAG, "its layers were restored")
@@ -170,3 +161,14 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             "weight_bytes_at": float(weights_at), **prefetch_report(stage)}
     stage.end_exchange()
     runner.stage = None
+
+
+def _write(full: torch.Tensor, keep: range, blocks: Sequence[int], own: torch.Tensor,
+           arrivals) -> None:
+    """Into `blocks` of the full view: the head's kept layers (`own`, read before) and each
+    member's layers as they arrive ((transfer, data) pairs), their first len(blocks) blocks."""
+    n = len(blocks)
+    idx = torch.tensor(blocks, dtype=torch.long, device=full.device)
+    full[idx, keep.start:keep.stop] = own[:n].to(full.device)
+    for t, data in arrivals:
+        full[idx, t.layers.start:t.layers.stop] = data[:n].to(full.device)
