@@ -66,6 +66,12 @@ class EngineConfig:
     """Torch backend: a profile JSON fitted on this machine (`shunter profile fit`) whose cost
     model the policies predict iterations with (BROS §4.1: profiled offline); None: the engine
     fits one online from its own iterations."""
+    cost_correction: int = 16
+    """Torch backend: the policies predict with that model times a running median of measured /
+    predicted time over the latest this-many steps of the same phase (with prefill tokens, or
+    decode only), so predictions follow the host's speed as it drifts (a busier machine, heat,
+    another clock; engine/cost_model_correction.py); 0: the model alone. The simulator never
+    corrects: its steps take its model's time."""
     record_iterations: bool = False
     """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
     charge_scheduler_time: bool = False
@@ -91,6 +97,8 @@ class EngineConfig:
                      "threads", "inbox_size", "pipeline_stages", "pipeline_microbatches"):
             _positive(name, getattr(self, name))
         _positive("scheduler_time_scale", self.scheduler_time_scale)
+        if self.cost_correction < 0:
+            raise ConfigError(f"cost_correction must be >= 0 (0: off), got {self.cost_correction}")
         if self.charge_scheduler_time and self.backend != "sim":
             raise ConfigError("charge_scheduler_time is for the sim backend (a real backend's "
                               f"clock already includes the scheduler), got backend {self.backend!r}")

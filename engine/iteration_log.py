@@ -100,6 +100,9 @@ class IterationLog:
     swap: SwapCounters = attrs.field(factory=SwapCounters)
     predictions: list[tuple[float, float]] = attrs.field(factory=list)
     """(predicted, measured) ms of iterations the policy had a cost-model prediction for."""
+    raw_predictions: array = attrs.field(factory=lambda: array("d"))
+    """The base model's own prediction (ms) of each `predictions` entry: its first item unless
+    the online correction is on (`EngineConfig.cost_correction`)."""
     prefix: PrefixCacheCounters = attrs.field(factory=PrefixCacheCounters)
 
     def add(self, *, now: float, scheduler_s: float, batch_seqs: int, batch_tokens: int,

@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from engine.cost_model_error import prediction_error
 from engine.iteration_log import IterationLog, PrefixCacheCounters, SwapCounters
 from engine.timeline import RequestTimeline
 
@@ -352,16 +353,3 @@ def scheduler_share(log: IterationLog | None) -> float | None:
             busy += gap
             sched += log.scheduler_s[i]
     return sched / busy if busy else None
-
-
-def prediction_error(log: IterationLog | None) -> dict[str, float] | None:
-    """|predicted - measured| / measured over the iterations with both (median, p90, mean)."""
-    pairs = getattr(log, "predictions", None)
-    if not pairs:
-        return None
-    errors = [abs(p - m) / m for p, m in pairs if m > 0]
-    if not errors:
-        return None
-    a = np.asarray(errors)
-    return {"median": float(np.median(a)), "p90": float(np.percentile(a, 90)),
-            "mean": float(a.mean()), "iterations": len(errors)}

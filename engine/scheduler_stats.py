@@ -22,9 +22,9 @@ log = structlog.get_logger(actor="scheduler")
 
 class SchedulerStats:
     def __init__(self, *, total_blocks: int, record_iterations: bool, block_size: int = 16,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, correction_window: int = 0) -> None:
         self.total_blocks = total_blocks
-        self.predictor = IterationPredictor(cost)
+        self.predictor = IterationPredictor(cost, correction_window=correction_window)
         """Iteration-time predictions for the policy (BROS §4.1) and their errors."""
         self.last_scheduler_s = 0.0
         """CPU seconds the scheduler spent planning the last iteration."""
@@ -71,6 +71,7 @@ class SchedulerStats:
         pair = self.predictor.finished(measured_ms)
         if pair is not None and self._log is not None:
             self._log.predictions.append(pair)
+            self._log.raw_predictions.append(self.predictor.last_raw_ms or 0.0)
         return measured_ms
 
     def record_iteration(self, *, now: float, scheduler_s: float, batch_seqs: int,

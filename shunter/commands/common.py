@@ -62,6 +62,10 @@ def add_step_options(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--cost-profile", type=Path, default=None, metavar="FILE",
                    help="torch backend: a profile from `shunter profile fit` on this machine, "
                         "whose cost model the policies predict with (default: fitted online)")
+    g.add_argument("--cost-correction", type=int, default=None, metavar="N",
+                   help="torch backend: scale the cost model's predictions by the median "
+                        "measured/predicted ratio of the last N steps per phase (default 16; "
+                        "0: off)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads, fixed (default on CPU: chosen while serving from "
                         "the steps' own times, one per core or fewer when other work takes a "
@@ -81,6 +85,8 @@ def engine_config(args: argparse.Namespace, **overrides: object) -> EngineConfig
     )
     if getattr(args, "cost_profile", None) is not None:
         fields["cost_profile"] = str(args.cost_profile)
+    if getattr(args, "cost_correction", None) is not None:
+        fields["cost_correction"] = args.cost_correction
     if args.model is not None:
         if not args.model.is_dir():
             raise ConfigError(f"--model {args.model}: no such directory")
