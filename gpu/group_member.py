@@ -25,15 +25,15 @@ from gpu.data_plane import (
     send_obj,
 )
 from gpu.group_grow import await_abandon, regrow_member, take_generators
-from gpu.group_stage import (
+from gpu.group_messages import (
     GroupAbandon,
     GroupGo,
     GroupRestore,
-    GroupStage,
     GroupStart,
     MemberReply,
     generator_state,
 )
+from gpu.group_stage import GroupStage
 from gpu.kv_exchange import send_transfers
 from gpu.pipeline_stage import StageStep
 from gpu.restore_kv import restore_transfers, send_kv_prefetch
@@ -157,7 +157,7 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
                 "sent_before_bytes": getattr(stage, "sent_before", 0),
                 "copied_blocks": stage.map.copied_blocks,
                 "weights_sent": getattr(stage, "weights_sent", 0),
-                "prefetch": stage.prefetch.report() if getattr(stage, "prefetch", None) else None,
+                "prefetch": stage.prefetch.report() if stage.prefetch is not None else None,
                 "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None,
                 "merged": attrs.asdict(stage.merged) if hasattr(stage, "merged") else None}
 

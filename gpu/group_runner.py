@@ -36,11 +36,10 @@ from gpu.data_plane import (
     recv_obj,
     send_obj,
 )
-from gpu.group_stage import (
+from gpu.group_messages import (
     Adopted,
     GroupAbandon,
     GroupGo,
-    GroupStage,
     GroupStart,
     GroupStep,
     MemberReply,
@@ -48,6 +47,7 @@ from gpu.group_stage import (
     generator_state,
     start_transfers,
 )
+from gpu.group_stage import GroupStage
 from gpu.kv_exchange import known_lost, lost_error
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
@@ -255,7 +255,7 @@ class GroupRunner:
         """Start writing every member's dropped layers back while the group serves (gpu/
         restore_prefetch.py); `pool`: the group ids the engine's pool holds now (shrunk back:
         the rest of the dropped memory is vacated). `restore` later waits for what is left."""
-        if getattr(self.stage, "prefetch", None) is not None:
+        if self.stage.prefetch is not None:
             raise RuntimeError("the restore is being prefetched already")
         if len(pool) > (room := room_outside(self.stage.model, self.layers)):
             raise ValueError(f"a restore prefetch needs the pool shrunk to at most {room} "
@@ -273,7 +273,7 @@ class GroupRunner:
     def restore_ready(self) -> bool | None:
         """Whether every member's prefetched weights are in (per the last step's answers);
         None: no prefetch runs. Raises the loss of a member the head's prefetch saw."""
-        prefetch = getattr(self.stage, "prefetch", None)
+        prefetch = self.stage.prefetch
         if prefetch is None:
             return None
         return (prefetch.check() and len(self._prefetched) == len(self.ranks) - 1

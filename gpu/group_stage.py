@@ -8,23 +8,41 @@ members' layers: from the old full-layout blocks, before anything overwrites the
 layers, maps the blocks that already hold its layers of a request's KV, and starts receiving.
 A request whose KV is still arriving is placed into its blocks the first time a step includes
 it, after waiting for exactly its own chunks.
+
+The messages the head and members exchange, and the transfers a start implies, are in
+gpu/group_messages.py. A restore prefetched while the group serves (gpu/restore_prefetch.py,
+gpu/restore_kv.py) keeps its state on the stage (`prefetch`, `kv_prefetch`,
+`prefetch_failed`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import torch
 
 from engine.cluster.plan import split_microbatches
-from engine.cluster.stage_fits import Cut, pieces
+from engine.cluster.stage_fits import pieces
 from engine.messages import ExecuteStep, SampledToken, SeqWork
 from engine.params import SamplingParams
 from gpu.block_map import BlockMap
 from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
 from gpu.group_gens import hand_generators
+from gpu.group_messages import (  # noqa: F401 (the others: re-exported, see below)
+    Adopted,
+    GroupAbandon,
+    GroupGo,
+    GroupStart,
+    GroupStep,
+    MemberReply,
+    SeqState,
+    generator_state,
+    restored_generator,
+    start_transfers,
+)
 from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, WatchedRecv, send_transfers
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
@@ -33,135 +51,13 @@ from gpu.restore_prefetch import prefetch_state
 from gpu.sampler import make_generator
 from gpu.stage_view import drop_layers, send_gained
 
+if TYPE_CHECKING:
+    from gpu.restore_kv import KvPrefetch
+    from gpu.restore_prefetch import WeightPrefetch
 
-@attrs.frozen(kw_only=True)
-class SeqState:
-    """A request of the head as the group starts: its tokens and table (group block ids)."""
-
-    request_id: int
-    tokens: tuple[int, ...]
-    table: tuple[int, ...]
-    sampling: SamplingParams
-    generator_state: bytes | None = None
-    """Its sampling generator's state (seeded sampling goes on where it was, on the member
-    that samples)."""
-
-
-def generator_state(gen: torch.Generator | None) -> bytes | None:
-    return None if gen is None else gen.get_state().numpy().tobytes()
-
-
-def restored_generator(sampling: SamplingParams, request_id: int, device,
-                       state: bytes | None) -> torch.Generator | None:
-    gen = make_generator(sampling, fallback_seed=request_id, device=device)
-    if gen is not None and state is not None:
-        gen.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
-    return gen
-
-
-@attrs.frozen(kw_only=True)
-class Adopted:
-    """A request that moved to the head from member `owner`, whose KV lies there."""
-
-    request_id: int
-    """Its id on the head."""
-    owner: int
-    """Member index (pipeline order)."""
-    old_request_id: int
-    """Its id on the owner's runner."""
-    kv_tokens: int
-    """Tokens whose KV the owner holds."""
-    parts: tuple[tuple[int, range], ...] = ()
-    """A running group merging into this one hands its requests over from its members
-    (gpu/group_merge.py): (member index here, the layers it holds); (): the owner holds all."""
-
-
-@attrs.frozen(kw_only=True)
-class GroupStart:
-    ranks: tuple[int, ...]
-    """Data-plane rank of each member, pipeline order; ranks[0] is the head."""
-    layers: tuple[range, ...]
-    group: range
-    """The group's block ids."""
-    seqs: tuple[SeqState, ...]
-    adopted: tuple[Adopted, ...]
-    chunk_blocks: int
-    microbatches: int
-    kv_exchange: str = "coordinated"
-    """The policy's `kv_exchange`: `fifo` sends every member's KV chunks and activations in
-    one queue, in order (gpu/transfer.py `TransferQueue.fifo`), for the group's life."""
-    held: tuple[range, ...] = ()
-    """A running group grows (gpu/group_grow.py): the layers whose KV of every request in
-    `seqs` member k holds now (empty for a member joining); () when a group forms: the head
-    holds all of its requests' layers."""
-    gain_from: int = -1
-    """A growth: the new member (it holds every layer) that sends each old member the layers
-    it gains before it drops its own (`send_gained`); -1: each from its host copy."""
-    epoch: int = 0
-    """The exchange's tag epoch (gpu/kv_exchange.py): 0 forming, 1 restoring, 2+ growing."""
-    channel: str = ""
-    """The key of the group's own channel (gpu/data_plane.py `open_channel`; the head makes it
-    with `new_channel_key`): every tensor of the group goes over it, never over the world."""
-
-
-@attrs.frozen(kw_only=True)
-class GroupStep(StageStep):
-    """A group's step with the head's cut of it into microbatches (engine/cluster/stage_fits.py:
-    by tokens, or lookahead's cost-balanced pieces); every member runs exactly this cut."""
-
-    micro: Cut
-
-
-@attrs.frozen(kw_only=True)
-class GroupRestore:  # the head to every member: solo again (gpu/restore_kv.py)
-    tables: Mapping[int, tuple[int, ...]]
-    """Each live request's solo table on the head."""
-    source: str
-    """'peer' (dropped weights from the members keeping them) or 'host' (each one's copy)."""
-    release: tuple[int, ...] = ()
-    """Requests that ended since the last step (dropped before anything moves)."""
-    skip: Mapping[int, int] = attrs.field(factory=dict)
-    """Request -> its first blocks, whose KV moved before (gpu/restore_kv.py)."""
-
-
-@attrs.frozen(kw_only=True)
-class MemberReply:
-    step_id: int
-    sampled: tuple[SampledToken, ...] = ()
-    compute_s: tuple[float, ...] = ()
-    cpu_s: tuple[float, ...] = ()
-    """Per microbatch: the stage thread's CPU seconds in its layers, when it computes on the
-    CPU with one thread (what it would take with a core of its own: the processes of a group
-    on one host share its cores); empty otherwise."""
-    wait_s: tuple[float, ...] = ()
-    arrived: tuple[int, ...] = ()
-    error: str | None = None
-    lost: int | None = None
-    """The rank of a member this one lost contact with while running the step."""
-    generator_states: Mapping[int, bytes] | None = None
-    """At restore, from the last member (which sampled): each seeded request's generator."""
-    prefetched: bool | None = None
-    """Whether its prefetched weights are in (gpu/restore_prefetch.py); None: no prefetch."""
-
-
-@attrs.frozen(kw_only=True)
-class GroupGo:
-    """Every member got its `GroupStart`: start (drop layers, exchange KV). Sent only once all
-    did, so a member that cannot be reached leaves none of the others started (a started one
-    would have queued its exchange with the head, which the head then never takes)."""
-
-    generator_states: Mapping[int, bytes] | None = None
-    """A growth (gpu/group_grow.py): the last stage's seeded generators, for the new one."""
-
-
-@attrs.frozen(kw_only=True)
-class GroupAbandon:
-    """A member was lost, or the group could not be formed: every survivor restores its
-    dropped layers from its host copy (a member still waiting for `GroupStart` has dropped
-    nothing) and serves alone, empty (the head recomputes the requests)."""
-
-    lost: int  # the lost member's rank; -1: none was (the head gave up forming the group)
-    why: str = ""
+# The messages moved to gpu/group_messages.py; gpu/group_grow.py, gpu/group_merge.py,
+# shunter/cluster/instance_groups.py and two tests still import some of them from here
+# (/work/notes/s30/ask-kun-restore2.md asks for their imports to move).
 
 
 @attrs.define(slots=True, eq=False)
@@ -172,34 +68,16 @@ class _Seq:
     generator: torch.Generator | None
 
 
-def start_transfers(start: GroupStart, block_size: int) -> list[KvTransfer]:
-    """Every KV transfer forming the group needs: each request's KV for every other member's
-    layers, from the member holding it."""
-    out, n = [], len(start.ranks)
-    for s in start.seqs:  # the head's own requests: all of their table (if any)
-        if start.held:  # a group grows: each member's new layers from those that hold them
-            out += [KvTransfer(request_id=s.request_id, src=j, dst=k, layers=part,
-                               blocks=len(s.table)) for k in range(n)
-                    for j, h in enumerate(start.held) if j != k and s.table
-                    and len(part := overlap(h, start.layers[k]))]
-            continue
-        out += [KvTransfer(request_id=s.request_id, src=0, dst=k, layers=start.layers[k],
-                           blocks=len(s.table)) for k in range(1, n) if s.table]
-    for a in start.adopted:  # from the owner (every layer), or from each member of `parts`
-        blocks = -(-a.kv_tokens // block_size)
-        held = a.parts or ((a.owner, range(start.layers[0].start, start.layers[-1].stop)),)
-        out += [KvTransfer(request_id=a.request_id, src=j, dst=k, layers=part, blocks=blocks)
-                for k in range(n) for j, h in held
-                if j != k and blocks and len(part := overlap(h, start.layers[k]))]
-    return out
-
-
-def overlap(a: range, b: range) -> range:
-    """The layers both contiguous ranges hold."""
-    return range(max(a.start, b.start), max(max(a.start, b.start), min(a.stop, b.stop)))
-
-
 class GroupStage:
+    prefetch: WeightPrefetch | None = None
+    """This member's dropped weights being written back while the group serves (gpu/
+    restore_prefetch.py), once the head started the restore's prefetch."""
+    kv_prefetch: KvPrefetch | None = None
+    """The head's: the full blocks' KV coming back from the members before the restore's step
+    (gpu/restore_kv.py)."""
+    prefetch_failed: BaseException | None = None
+    """A member's: why its prefetch could not start (its next step's reply raises it)."""
+
     def __init__(self, model, plane: DataPlane, start: GroupStart, me: int,
                  owned: Mapping[int, object], generators: Mapping[int, torch.Generator | None]
                  = {}) -> None:

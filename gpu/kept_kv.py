@@ -31,7 +31,7 @@ from collections.abc import Sequence
 
 import torch
 
-from gpu.group_stage import overlap
+from gpu.group_messages import overlap
 from gpu.stage_view import view_for
 
 IN_PLACE = True

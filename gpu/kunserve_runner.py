@@ -26,7 +26,7 @@ from engine.cost_model import BatchShape
 from engine.messages import ExecuteStep, StepFinished
 from gpu.data_plane import GroupMemberLost
 from gpu.group_runner import GroupRunner
-from gpu.group_stage import Adopted
+from gpu.group_messages import Adopted
 from gpu.runner import TorchRunner
 
 
@@ -140,7 +140,7 @@ class KunServeTorchRunner(TorchRunner):
         return True
 
     def _restoring(self, what: str) -> None:
-        if self.group is not None and getattr(self.group.stage, "prefetch", None) is not None:
+        if self.group is not None and self.group.stage.prefetch is not None:
             raise RuntimeError(f"the group this instance leads is restoring (its dropped layers "
                                f"are being prefetched): it cannot {what}")
 

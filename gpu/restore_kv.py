@@ -21,6 +21,7 @@ import torch
 
 from engine.messages import ExecuteStep
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG
+from gpu.group_messages import GroupRestore, MemberReply, restored_generator
 from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
@@ -49,7 +50,7 @@ def note_step(computed: dict[int, int], stage, step: ExecuteStep) -> None:
     a prefetch's requests whose blocks changed (reset) since it took them."""
     for w in step.seqs:
         computed[w.request_id] = w.start + w.num_tokens
-    kv = getattr(stage, "kv_prefetch", None)
+    kv = stage.kv_prefetch
     for u in step.blocks:
         if u.reset and kv is not None:
             kv.stale.add(u.request_id)
@@ -105,7 +106,6 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     """`GroupRunner.restore` (gpu/group_runner.py): solo again, each live request with its
     table in `tables`."""
     import gpu.group_runner as gr  # (its send_obj/recv_obj: stand-ins replace them there)
-    from gpu.group_stage import GroupRestore, MemberReply, restored_generator
 
     began, stage = time.perf_counter(), runner.stage
     received = stage.stats.received_bytes
@@ -118,7 +118,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     if missing:
         raise ValueError(f"restore needs a solo table for every live request; missing "
                          f"{sorted(missing)}")
-    kv = getattr(stage, "kv_prefetch", None)
+    kv = stage.kv_prefetch
     skip = kv.usable(stage.seqs) if kv is not None else {}
     msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
                        release=tuple(release), skip=skip)

@@ -219,17 +219,17 @@ def _held(host: dict, blocks: range) -> tuple[int, torch.Tensor]:
 def prefetch_state(stage) -> bool | None:
     """For a step's reply: whether `stage`'s prefetched weights are all in (None: no prefetch
     runs); raises what ended its prefetch (a member lost: `GroupMemberLost`)."""
-    if isinstance(failed := getattr(stage, "prefetch_failed", None), GroupMemberLost):
+    if isinstance(failed := stage.prefetch_failed, GroupMemberLost):
         raise failed
     if failed is not None:
         raise RuntimeError(f"its restore prefetch could not start: {failed}")
-    prefetch = getattr(stage, "prefetch", None)
+    prefetch = stage.prefetch
     return None if prefetch is None else prefetch.check()
 
 
 def stop_prefetch(stage) -> None:
     """Stop `stage`'s prefetch, if one runs (a broken group, its channel closed)."""
-    prefetch = getattr(stage, "prefetch", None)
+    prefetch = stage.prefetch
     if prefetch is not None:
         prefetch.stop()
 
@@ -243,7 +243,7 @@ def restore_weights(stage, ranks: Sequence[int], layers: Sequence[range], source
     per = arena.layout.block_elems * arena.buffer.element_size()
     dropped = sum(len(b) for _, b in dropped_ranges(arena.layout, model.config.num_layers,
                                                      stage.keep)) * per
-    prefetch = getattr(stage, "prefetch", None)
+    prefetch = stage.prefetch
     if prefetch is not None:  # in place already, or arriving: wait for the rest
         before = prefetch.bytes
         prefetch.finish()
@@ -277,7 +277,7 @@ def restore_weights(stage, ranks: Sequence[int], layers: Sequence[range], source
 
 def prefetch_report(stage) -> dict:
     """A restore's prefetch counters for its stats ({} when it had none)."""
-    prefetch = getattr(stage, "prefetch", None)
+    prefetch = stage.prefetch
     if prefetch is None:
         return {"prefetched": False}
     r = prefetch.report()

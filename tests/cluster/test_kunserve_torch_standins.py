@@ -156,6 +156,8 @@ def test_a_later_members_start_failing_leaves_the_earlier_member_serving_alone(
             self.closed.append(broken)
 
     class Stage:  # member 1's: built once it may start (its layers dropped, KV queued)
+        prefetch = kv_prefetch = prefetch_failed = None  # (GroupStage's: no restore prefetch)
+
         def __init__(self, model, plane, start, me, seqs):
             self.model, self.me, self.seqs, self.plane = model, me, dict(seqs), plane
             built.append(me)

@@ -237,7 +237,7 @@ def adopt_live(head: Scheduler, member: Scheduler, owner: int = 1):
     """The member's live requests as the head adopts them (new ids: 100 + the old one, no KV
     yet): added to the head's scheduler. Returns (the (member's, head's) pairs, their
     `Adopted` entries for `form_group`)."""
-    from gpu.group_stage import Adopted
+    from gpu.group_messages import Adopted
 
     moved, adopted = [], []
     for r in member.live():

@@ -18,7 +18,7 @@ import pytest
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.params import SamplingParams
-from gpu.group_stage import Adopted
+from gpu.group_messages import Adopted
 from tests.gpu.kunserve_driver import (
     Req,
     adopt_live,
