@@ -9,8 +9,9 @@ prediction by their median (taken on the log ratios): one step slowed by a neigh
 move it, and a lasting change in speed takes over once it holds more than half the window
 (`window // 2 + 1` steps). A phase with fewer than `min_samples` ratios borrows the other
 phase's factor (drift from the host moves both), else predicts with the model unchanged. The
-factor stays within [1 / `bound`, `bound`]: a run of stalls cannot make the policy believe a
-step takes minutes.
+factor stays within [1 / `bound`, `bound`] (8: a profile fitted on this 2-core host when quiet
+ran 4x slower in median at load 5, bench/results/bros_cost_round11.md): a run of stalls cannot
+make the policy believe a step takes minutes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import attrs
 
 from engine.cost_model import CostModel
 
-DEFAULT_WINDOW = 16
+DEFAULT_WINDOW = 8
 """`EngineConfig.cost_correction`'s default: steps per phase the running median covers."""
 
 
@@ -49,7 +50,7 @@ class Correction:
     """Running median ratios of measured to predicted step time, per phase."""
 
     def __init__(self, window: int = DEFAULT_WINDOW, *, min_samples: int = 4,
-                 bound: float = 4.0) -> None:
+                 bound: float = 8.0) -> None:
         if window < 1:
             raise ValueError(f"Correction: window must be >= 1, got {window}")
         if bound < 1.0:

@@ -55,6 +55,9 @@ def test_the_factor_is_bounded():
     assert corr.factor(prefill=False) == pytest.approx(4.0)
     feed(corr, [1e-3] * 16)
     assert corr.factor(prefill=False) == pytest.approx(0.25)
+    default = Correction()
+    feed(default, [100.0] * 8)
+    assert default.window == 8 and default.factor(prefill=False) == pytest.approx(8.0)
 
 
 def test_phases_are_corrected_apart_and_a_phase_without_samples_borrows_the_other():
