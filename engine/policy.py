@@ -17,6 +17,7 @@ from typing import Literal, NamedTuple, Protocol
 
 import attrs
 
+from engine.cluster.group_settings import group_unsupported
 from engine.cost_model import CostModel
 from engine.errors import PolicyError
 
@@ -213,6 +214,11 @@ class MemorySettings:
     microbatch: Literal["tokens", "lookahead"] = "tokens"
     """KunServe §4.3, how a group's step is cut into microbatches: by token count, or by the
     attention-aware cost model over the whole lookahead window (engine/cluster/lookahead.py)."""
+    restore_prefetch: bool = True
+    """KunServe §4.4: a group's restore brings dropped weights and full KV blocks back while it
+    serves (gpu/restore_prefetch.py); off: all at the restore's step, no step meanwhile."""
+    restore_from: Literal["peer", "host"] = "peer"
+    """Where a restore takes dropped weights from: the members keeping them, or host copies."""
 
 
 @attrs.frozen(kw_only=True)
@@ -281,7 +287,7 @@ class EngineCapabilities:
     """The bidirectional table has a copy space for whole requests preempted by swap, once
     chosen (the policy the engine starts with has bidirectional on and preempt swap)."""
     group_modes: frozenset[str] = frozenset()
-    """KunServe group settings its runner honours (`kv_exchange`, `microbatch` values)."""
+    """KunServe group settings its runner honours (engine/cluster/group_settings.py)."""
     no_overload: str | None = None
     """Why this engine (or cluster) cannot act on `overload` triggers; None when it can or
     when nothing acts on them anyway (a lone engine counts them)."""
@@ -328,14 +334,7 @@ class EngineCapabilities:
                         f"change it)"))
         if self.no_overload is not None and "overload" in written:
             out.append(("overload", f"overload triggers cannot act here: {self.no_overload}"))
-        for name in ("kv_exchange", "microbatch"):
-            value = getattr(m, name)
-            if (name in written or value != getattr(default, name)) and (
-                    value not in self.group_modes):
-                modes = ", ".join(sorted(self.group_modes))
-                why = (f"its runner runs KunServe groups with: {modes}" if modes else
-                       "its runner cannot run KunServe pipeline groups; the simulator's can")
-                out.append((name, f"{name} {value} is not supported by this engine ({why})"))
+        out += group_unsupported(m, self.group_modes, written)
         if m.prefix_cache and self.allocator == "groups":
             out.append(("prefix_cache", "prefix_cache on does not work with this engine's device "
                         "allocator, which runs block groups (it follows the policy the engine "

@@ -97,7 +97,7 @@ class GroupRunner:
         self._ready: list[int] = []  # arrived on every member, not yet taken by `arrived()`
         self.records: list[StepRecord] | None = None
         self.exchange = None  # the head's exchange counters (set at `open`)
-        self.restore_stats: dict[str, float] = {}
+        self.restore_stats: dict[str, object] = {}
         self._prefetched: set[int] = set()  # members whose prefetched weights are in
         self._computed: dict[int, int] = {}  # request -> tokens whose KV is written
         self.set_up: set[int] = set()

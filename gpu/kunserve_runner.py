@@ -31,13 +31,16 @@ from gpu.runner import TorchRunner
 
 
 class KunServeTorchRunner(TorchRunner):
-    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead")
+    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead", "restore_prefetch on",
+                   "restore_prefetch off", "restore_from peer", "restore_from host")
     """KunServe group settings it honours: the exchanged KV goes in chunks behind activations
     (gpu/transfer.py's two lanes: `kv_exchange coordinated`) or in one queue with them, in
     order (`fifo`, the ablation without coordination); microbatches are cut by tokens or by
     lookahead (the head cuts each step with Eq. 1-3 fitted per stage on the microbatches the
-    group ran: engine/cluster/stage_fits.py). Groups form on clusters of instance processes
-    (shunter/cluster/remote_groups.py)."""
+    group ran: engine/cluster/stage_fits.py); a restore is prefetched while the group serves
+    or done at one step, its weights from peers or each member's host copy (the policy's
+    `restore_prefetch`, `restore_from`: shunter/cluster/instance_restore.py). Groups form on
+    clusters of instance processes (shunter/cluster/remote_groups.py)."""
 
     def __init__(self, *args, chunk_blocks: int = 4, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -70,7 +73,11 @@ class KunServeTorchRunner(TorchRunner):
         `serve_group` takes them."""
         self.restore_prefetch = True
         """An instance process's restore writes the dropped layers back while the group serves
-        (shunter/cluster/instance_restore.py); False: all at the restore's step, as before."""
+        (shunter/cluster/instance_restore.py); False: all at the restore's step. The policy's
+        `restore_prefetch`, set at each restore (`LeaveGroup`)."""
+        self.restore_source = "peer"
+        """Where a restore of the group this instance leads takes the dropped layers from
+        ('peer' or 'host': the policy's `restore_from`, set at each restore)."""
         self._prefetch_after: tuple[str, int | None] | None = None
         self.prefetch_refused: str | None = None
         """Why the last restore prefetch waiting for a shrink could not start, if it could
@@ -214,7 +221,7 @@ class KunServeTorchRunner(TorchRunner):
         group, self.group = self.group, None
         if group is None:
             return False
-        group.restore({}, release=tuple(group.stage.seqs))
+        group.restore({}, self.restore_source, release=tuple(group.stage.seqs))
         self.last_group = group
         return True
 
@@ -254,7 +261,7 @@ class KunServeTorchRunner(TorchRunner):
             tables = {rid: [moved.get(b, b) for b in s.table]
                       for rid, s in self.group.stage.seqs.items() if rid not in step.release}
             try:
-                self.group.restore(tables, release=step.release)
+                self.group.restore(tables, self.restore_source, release=step.release)
             except GroupMemberLost as exc:
                 self._group_lost(exc)
             group, self.group = self.group, None

@@ -155,7 +155,8 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     at = stage.stats.received_bytes - received
     before = received - kv.began_bytes if kv is not None else 0
     count_moved(runner.solo, at + before)
-    runner.restore_stats = {"seconds": time.perf_counter() - began, "weights_s": weights_s,
+    runner.restore_stats = {"source": source, "seconds": time.perf_counter() - began,
+                            "weights_s": weights_s,
                             "kv_bytes": float(before + at), "kv_bytes_before": float(before),
                             "kv_bytes_at": float(at),
                             "weight_bytes_at": float(weights_at), **prefetch_report(stage)}

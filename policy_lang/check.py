@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from engine.cluster.dispatch import DISPATCH_RULES
+from engine.cluster.group_settings import GROUP_SETTINGS
 from policy_lang import ast
 from policy_lang.diagnostics import Diagnostic, did_you_mean, one_of
 from policy_lang.exprs import ExprChecker, Where, constant, fmt, names_in, unit_example
@@ -36,8 +37,7 @@ ADAPTIVE = {"start": Param(kind="whole", default=8, minimum=1), "grow": Param(ki
             "reset_on": Param(kind="symbol", default="violation",
                               symbols=("violation", "predicted", "observed"))}
 MEMORY = {"swap_granularity": ("per-block", "groups"), "swap_in": ("sync", "async", "adaptive"),
-          "kv_reuse": ("on", "off"), "turn_copies": ("on", "off"), "prefix_cache": ("on", "off"), "bidirectional": ("on", "off"),
-          "kv_exchange": ("fifo", "coordinated"), "microbatch": ("tokens", "lookahead")}
+          "kv_reuse": ("on", "off"), "turn_copies": ("on", "off"), "prefix_cache": ("on", "off"), "bidirectional": ("on", "off"), **GROUP_SETTINGS}
 PREEMPT_MODES = ("swap", "recompute", "never")
 OVERLOAD_ACTIONS = ("drop", "restore")
 

@@ -238,7 +238,9 @@ def _memory(rules: RuleSet) -> MemorySettings:
                           prefix_cache=values.get("prefix_cache", "off") == "on",
                           bidirectional=values.get("bidirectional", "off") == "on",
                           kv_exchange=values.get("kv_exchange", default.kv_exchange),
-                          microbatch=values.get("microbatch", default.microbatch))
+                          microbatch=values.get("microbatch", default.microbatch),
+                          restore_prefetch=values.get("restore_prefetch", "on") == "on",
+                          restore_from=values.get("restore_from", default.restore_from))
 
 
 def _rerank(rules: RuleSet) -> Rerank | None:

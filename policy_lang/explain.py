@@ -50,6 +50,12 @@ _MEMORY = {
     ("microbatch", "tokens"): "a pipeline group cuts its steps into microbatches by tokens",
     ("microbatch", "lookahead"): "a pipeline group forms cost-balanced microbatches over the "
                                  "lookahead window (KunServe §4.3)",
+    ("restore_prefetch", "on"): "a restoring group's dropped weights and full KV blocks come "
+                                "back while it keeps serving; the restore's step moves the rest",
+    ("restore_prefetch", "off"): "a group restores all at once, at one step (no step runs "
+                                 "meanwhile)",
+    ("restore_from", "peer"): "a restore takes the dropped layers from the members keeping them",
+    ("restore_from", "host"): "a restore takes the dropped layers from each member's host copy",
 }
 
 

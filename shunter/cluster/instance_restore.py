@@ -19,7 +19,9 @@ found by this wait's own empty step, the runner recovers the same way and the sc
 to recompute (`Regroup(recompute)`). Either way the group is over and the answer is the error
 (`RestoreLost`): the front door's round ends the group as for any member lost while grouped. A
 runner whose prefetch cannot start (`prefetch_refused`) restores everything at the boundary, as
-one with `restore_prefetch` off does (the one-step restore of before).
+one does under a policy with `restore_prefetch off` (the one-step restore). The policy's
+`restore_from` says where the weights come from (peers, or each member's host copy); both are
+read from the instance's policy at each `LeaveGroup`.
 """
 
 from __future__ import annotations
@@ -49,7 +51,9 @@ async def leave_here(groups) -> dict:
         raise RuntimeError("this instance leads no group")
     solo = GroupPlan(group_id=-1, members=(group.ranks[0],), layers=(
         range(runner._model_config.num_layers),))
-    prefetch = getattr(runner, "restore_prefetch", False)
+    m = eng.policy.settings.memory  # (the policy now: a replaced one applies to this restore)
+    runner.restore_prefetch, runner.restore_source = m.restore_prefetch, m.restore_from
+    prefetch = runner.restore_prefetch
     await _ask(eng._scheduler_send, lambda r: Regroup(
         pool_blocks=runner.num_blocks, group=None if prefetch else solo, reply=r))
     live = await _live(eng)
@@ -85,7 +89,7 @@ async def _prefetched(groups, group) -> str:
     from shunter.cluster.instance_groups import _ask
 
     runner, began = groups.runner, time.monotonic()
-    await runner._thread.run(runner.prefetch_restore, "peer", runner.num_blocks)
+    await runner._thread.run(runner.prefetch_restore, runner.restore_source, runner.num_blocks)
     while True:
         state = await runner._thread.run(_state, runner, group)
         if state == "lost":

@@ -203,8 +203,10 @@ async def test_burst_drops_groups_and_restores_with_transformers_outputs(
 
 def test_torch_engines_run_every_kunserve_policy(kunserve_config):
     """The torch runner claims every group setting (`kv_exchange fifo` and `coordinated`,
-    `microbatch tokens` and `lookahead`): the whole ablation ladder loads, each with its own
-    settings (the FIFO exchange runs in tests/cluster/test_kunserve_torch_faults.py)."""
+    `microbatch tokens` and `lookahead`, `restore_prefetch on` and `off`, `restore_from peer`
+    and `host`): the whole ablation ladder loads, each with its own settings (the FIFO exchange
+    runs in tests/cluster/test_kunserve_torch_faults.py, the restore's settings in
+    test_kunserve_torch_cluster_restore.py)."""
     from policies import policy_path
     from shunter.backends import build_backend
     from shunter.policy_source import engine_capabilities, initial_policy
@@ -212,7 +214,9 @@ def test_torch_engines_run_every_kunserve_policy(kunserve_config):
     backend = build_backend(kunserve_config)
     caps = engine_capabilities(kunserve_config, backend)
     backend.runner.close()
-    assert caps.group_modes == {"fifo", "coordinated", "tokens", "lookahead"}
+    assert caps.group_modes == {"fifo", "coordinated", "tokens", "lookahead",
+                                "restore_prefetch on", "restore_prefetch off",
+                                "restore_from peer", "restore_from host"}
     for name in ("kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"):
         loaded = initial_policy(attrs.evolve(kunserve_config, policy=policy_path(name)), None,
                                 caps).settings.memory

@@ -10,6 +10,10 @@ A member lost while the prefetch runs (`SHUNTER_TEST_FAULT=restore-prefetch@1`: 
 SIGKILLs itself as the prefetch reaches it): the head serves alone from its host copy and
 recomputes every request (they all stream from it: the member handed its own over when the
 group formed), which still give transformers' tokens; nothing is left held.
+
+A policy with `memory { restore_prefetch off; restore_from host }`: the same restore happens
+at one step (nothing before it), the weights from each member's host copy, and the tokens still
+equal transformers'.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import random
 
 import anyio
+import attrs
 import pytest
 
 from engine.cluster.drop_plan import GroupPlan
@@ -96,6 +101,29 @@ async def test_a_group_restores_while_its_requests_stream(anyio_backend, grow_co
     assert event["prefetched"] and not event["restored_at_once"], event
     assert restore["prefetched"] and restore["weight_bytes_at"] == 0, restore
     assert restore["weight_bytes_before"] > 0 and restore["kv_bytes_before"] > 0, restore
+    assert restore["source"] == "peer", restore
+    _check(out, grow_model, alive=(0, 1))
+
+
+@pytest.mark.anyio
+async def test_a_policy_without_the_prefetch_restores_at_one_step(anyio_backend, grow_config,
+                                                                 grow_model, monkeypatch,
+                                                                 tmp_path):
+    if anyio_backend != "asyncio":
+        pytest.skip("one event loop is enough: the instance processes are the expensive part")
+    policy = tmp_path / "kunserve_at_step.policy"
+    policy.write_text(f'policy kunserve_at_step extends "{grow_config.policy}" {{\n'
+                      f'  memory {{ restore_prefetch off; restore_from host }}\n}}\n')
+    out = await _restore_while_streaming(attrs.evolve(grow_config, policy=policy), monkeypatch,
+                                         None)
+    assert out["restored"]
+    (event,) = [e for e in out["report"]["events"] if e["event"] == "restore"]
+    restore = out["head"]["restore"]
+    print(f"\nrestore at one step: {event}; head {restore}")
+    assert not event["prefetched"] and not event["restored_at_once"], event
+    assert not restore["prefetched"] and restore["source"] == "host", restore
+    assert restore["weight_bytes_at"] > 0 and restore["kv_bytes_before"] == 0, restore
+    assert restore["kv_bytes_at"] > 0, restore
     _check(out, grow_model, alive=(0, 1))
 
 

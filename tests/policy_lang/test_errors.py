@@ -148,8 +148,8 @@ CHECK = {
         "    memory { swap_granularity group; swap_inn sync }\n"
         "                              ^~~~~\n"
         "t.policy:2:36: unknown memory setting 'swap_inn'; did you mean 'swap_in'? (settings: "
-        "bidirectional, kv_exchange, kv_reuse, microbatch, prefix_cache, swap_granularity, "
-        "swap_in, turn_copies)\n"
+        "bidirectional, kv_exchange, kv_reuse, microbatch, prefix_cache, restore_from, "
+        "restore_prefetch, swap_granularity, swap_in, turn_copies)\n"
         "    memory { swap_granularity group; swap_inn sync }\n"
         "                                     ^~~~~~~~"),
     "classes without a precedence": (

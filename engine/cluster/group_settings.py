@@ -1,0 +1,50 @@
+"""KunServe's pipeline-group settings in a policy's `memory { }` block: their values (the
+checker's, policy_lang/check.py) and which of them an engine's runner honours (its
+`GROUP_MODES`, engine/policy.py `EngineCapabilities.group_modes`).
+
+`kv_exchange` and `microbatch` (§4.2-4.3): a runner names each value it runs. The restore's
+(§4.4): `restore_prefetch on` (the dropped weights and full KV blocks come back while the group
+serves) and `restore_from peer` (from the members keeping them) are what every runner that runs
+groups does; a runner that also restores at one step, or from each member's host copy, names
+`restore_prefetch off` / `restore_from host` (the torch runner does; the simulator models a
+restore only as copies over the pipeline links while the group serves: shunter/cluster/groups.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+GROUP_SETTINGS = {"kv_exchange": ("fifo", "coordinated"), "microbatch": ("tokens", "lookahead"),
+                  "restore_prefetch": ("on", "off"), "restore_from": ("peer", "host")}
+"""Each setting's values, its default first where the policy language has one."""
+
+
+def group_unsupported(memory, group_modes: frozenset[str],
+                      written: Collection[str]) -> list[tuple[str, str]]:
+    """(setting, why) for each group setting of `memory` (a MemorySettings) that a runner with
+    `group_modes` cannot honour; one counts when the policy writes it or it is not the
+    default."""
+    from engine.policy import MemorySettings
+
+    default, out = MemorySettings(), []
+    modes = ", ".join(sorted(m for m in group_modes if " " not in m))
+    for name in ("kv_exchange", "microbatch"):
+        value = getattr(memory, name)
+        if (name in written or value != getattr(default, name)) and value not in group_modes:
+            why = (f"its runner runs KunServe groups with: {modes}" if modes else
+                   "its runner cannot run KunServe pipeline groups; the simulator's can")
+            out.append((name, f"{name} {value} is not supported by this engine ({why})"))
+    for name, value, usual in (
+            ("restore_prefetch", _on(memory.restore_prefetch), _on(default.restore_prefetch)),
+            ("restore_from", memory.restore_from, default.restore_from)):
+        honoured = f"{name} {value}" in group_modes or (value == usual and bool(group_modes))
+        if (name in written or value != usual) and not honoured:
+            why = ("its runner restores a KunServe group only prefetched from peers while the "
+                   "group serves" if group_modes else
+                   "its runner cannot run KunServe pipeline groups")
+            out.append((name, f"{name} {value} is not supported by this engine ({why})"))
+    return out
+
+
+def _on(flag: bool) -> str:
+    return "on" if flag else "off"
