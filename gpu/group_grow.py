@@ -52,19 +52,18 @@ from gpu.data_plane import (
     recv_obj,
     send_obj,
 )
-from gpu.group_stage import (
+from gpu.group_messages import (
     Adopted,
     GroupAbandon,
     GroupGo,
-    GroupStage,
     GroupStart,
     MemberReply,
     SeqState,
-    _Seq,
     generator_state,
     restored_generator,
     start_transfers,
 )
+from gpu.group_stage import GroupStage, _Seq
 from gpu.kv_exchange import send_transfers
 from gpu.kept_kv import KeptKV
 from gpu.kv_moved import count_moved, transfer_bytes

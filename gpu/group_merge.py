@@ -36,14 +36,8 @@ from gpu.data_plane import (
 )
 from gpu.group_gens import hand_generators
 from gpu.group_grow import await_abandon, take_generators
-from gpu.group_stage import (
-    GroupAbandon,
-    GroupGo,
-    GroupStage,
-    GroupStart,
-    _Seq,
-    start_transfers,
-)
+from gpu.group_messages import GroupAbandon, GroupGo, GroupStart, start_transfers
+from gpu.group_stage import GroupStage, _Seq
 from gpu.kept_kv import KeptKV
 from gpu.kv_exchange import ExchangeStats, send_transfers
 from gpu.stage_view import redrop_layers, restore_layers

@@ -40,7 +40,7 @@ from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.reply import Reply
-from gpu.group_stage import Adopted
+from gpu.group_messages import Adopted
 from shunter.cluster.instance_grow import HandOverGroup, hand_over_here
 from shunter.cluster.instance_restore import RestoreLost, leave_here
 from shunter.cluster.group_wire import (

@@ -1,4 +1,4 @@
-"""The KV transfers of a direct merge (gpu/group_stage.py `start_transfers` with
+"""The KV transfers of a direct merge (gpu/group_messages.py `start_transfers` with
 `Adopted.parts`): each merged member gets exactly the layers it keeps of a handed-over request
 from the joining member that holds them, and nothing it holds already."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from engine.cluster.plan import stage_layers
 from engine.params import SamplingParams
-from gpu.group_stage import Adopted, GroupStart, SeqState, start_transfers
+from gpu.group_messages import Adopted, GroupStart, SeqState, start_transfers
 
 
 def _start(adopted, seqs=(), held=()) -> GroupStart:

@@ -25,7 +25,7 @@ from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.plan import stage_layers
 from engine.params import SamplingParams
 from gpu.config import ModelConfig
-from gpu.group_stage import Adopted
+from gpu.group_messages import Adopted
 from gpu.stage_view import group_pool_blocks
 from tests.conftest import slow_scale
 from tests.gpu.kunserve_driver import Req, Scheduler, random_prompt, running_hosts, solo_steps
