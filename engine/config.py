@@ -66,7 +66,7 @@ class EngineConfig:
     """Torch backend: a profile JSON fitted on this machine (`shunter profile fit`) whose cost
     model the policies predict iterations with (BROS §4.1: profiled offline); None: the engine
     fits one online from its own iterations."""
-    cost_correction: int = 16
+    cost_correction: int = 8
     """Torch backend: the policies predict with that model times a running median of measured /
     predicted time over the latest this-many steps of the same phase (with prefill tokens, or
     decode only), so predictions follow the host's speed as it drifts (a busier machine, heat,

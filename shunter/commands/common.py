@@ -64,7 +64,7 @@ def add_step_options(g: argparse._ArgumentGroup) -> None:
                         "whose cost model the policies predict with (default: fitted online)")
     g.add_argument("--cost-correction", type=int, default=None, metavar="N",
                    help="torch backend: scale the cost model's predictions by the median "
-                        "measured/predicted ratio of the last N steps per phase (default 16; "
+                        "measured/predicted ratio of the last N steps per phase (default 8; "
                         "0: off)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads, fixed (default on CPU: chosen while serving from "
