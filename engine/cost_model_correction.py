@@ -10,7 +10,7 @@ move it, and a lasting change in speed takes over once it holds more than half t
 (`window // 2 + 1` steps). A phase with fewer than `min_samples` ratios borrows the other
 phase's factor (drift from the host moves both), else predicts with the model unchanged. The
 factor stays within [1 / `bound`, `bound`] (8: a profile fitted on this 2-core host when quiet
-ran 4x slower in median at load 5, bench/results/bros_cost_round11.md): a run of stalls cannot
+ran 4x slower in median at load 4-5, bench/results/bros_cost_round11.md): a run of stalls cannot
 make the policy believe a step takes minutes.
 """
 
