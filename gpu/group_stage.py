@@ -77,6 +77,9 @@ class GroupStage:
     (gpu/restore_kv.py)."""
     prefetch_failed: BaseException | None = None
     """A member's: why its prefetch could not start (its next step's reply raises it)."""
+    host_bytes: int = 0
+    """KV bytes of its own layers it read to host memory (`read_layers`: to send them, or to
+    stage them); the head's restore reads none (gpu/restore_kv.py)."""
 
     def __init__(self, model, plane: DataPlane, start: GroupStart, me: int,
                  owned: Mapping[int, object], generators: Mapping[int, torch.Generator | None]
@@ -245,9 +248,16 @@ class GroupStage:
 
     def read_layers(self, table: Sequence[int]) -> torch.Tensor:
         """This member's layers of blocks `table`: [blocks, kept layers, 2, bs, H, D] on host."""
-        idx = torch.tensor(self.map.locals(table), dtype=torch.long)
+        out = self.gather_layers(self.map.locals(table)).to("cpu")
+        self.host_bytes += out.numel() * out.element_size()
+        return out
+
+    def gather_layers(self, locals_: Sequence[int]) -> torch.Tensor:
+        """This member's layers of stage blocks `locals_`, copied on its device: [blocks, kept
+        layers, 2, bs, H, D]."""
+        idx = torch.tensor(locals_, dtype=torch.long, device=self.model.arena.device)
         return torch.stack([torch.stack((k[idx], v[idx]), dim=1) for k, v in self.model._kv],
-                           dim=1).to("cpu")
+                           dim=1)
 
     @torch.inference_mode()
     def _microbatch(self, step_id: int, m: int,

@@ -1,6 +1,10 @@
 """The head's side of a pipeline group's restore (KunServe §4.4) and the KV it moves: every live
-request's KV of the members' layers comes to the head, and the head's own kept KV, and both are
-written into the solo tables its engine chose (those are not the blocks the KV lies in).
+request's KV of the members' layers comes to the head and is written into the solo tables its
+engine chose. The head's own kept layers of a block already lie in that block's solo place when
+its stage block's base is the solo block's (a block the head held before the group formed and
+whose id did not move: gpu/stage_view.py `StageView.base`); every other block's are copied on
+the device (gathered before the weights come back over the dropped memory, then written into the
+solo blocks): none goes through host memory (`own_kv_host_bytes`).
 
 With a restore prefetch (gpu/restore_prefetch.py) the KV of every *full* block moves before the
 restore's step too: a block whose tokens are all computed never changes again while its request
@@ -9,7 +13,7 @@ reset) or ended since is not taken from what was prefetched). The head names, pe
 many leading blocks are full (`GroupPrefetch.kv_blocks`, from the tokens its steps computed),
 reads its own kept layers of them to the host, and receives the members' over the channel
 (chunks on the KV lane behind activations, tag epoch `KV_EPOCH`); the restore's step then moves
-only the blocks after them (`GroupRestore.skip`) and writes the prefetched ones from the host.
+only the blocks after them (`GroupRestore.skip`) and writes the prefetched ones as received.
 """
 
 from __future__ import annotations
@@ -70,15 +74,14 @@ def full_blocks(stage, computed: Mapping[int, int]) -> dict[int, int]:
 
 
 class KvPrefetch:
-    """The head's prefetched KV of full blocks: its own kept layers (read now) and the members'
-    (arriving)."""
+    """The head's prefetched KV of full blocks: the members' layers, arriving (its own stay on
+    its device until the restore's step)."""
 
     def __init__(self, stage, ranks: Sequence[int], layers: Sequence[range], chunk_blocks: int,
                  blocks: Mapping[int, int]) -> None:
         self.blocks = dict(blocks)
         """Request -> its leading full blocks taken now (`full_blocks`)."""
-        self.own = {rid: stage.read_layers(stage.seqs[rid].table[:n])
-                    for rid, n in self.blocks.items()}  # [n, kept layers, 2, bs, H, D]
+        self.began_host = stage.host_bytes  # (the head's own KV read to host since: none)
         self.stale: set[int] = set()
         """Requests whose table was reset since: their prefetched KV is not used."""
         self.began_bytes = stage.stats.received_bytes
@@ -109,6 +112,8 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
 
     began, stage = time.perf_counter(), runner.stage
     received = stage.stats.received_bytes
+    kv = stage.kv_prefetch
+    host = stage.host_bytes if kv is None else kv.began_host
     for rid in release:
         stage.seqs.pop(rid, None)
     for t in runner._fed_back:  # the head is not the last stage: tokens it has not appended
@@ -118,7 +123,6 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     if missing:
         raise ValueError(f"restore needs a solo table for every live request; missing "
                          f"{sorted(missing)}")
-    kv = stage.kv_prefetch
     skip = kv.usable(stage.seqs) if kv is not None else {}
     msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
                        release=tuple(release), skip=skip)
@@ -127,12 +131,14 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     receiver = KvReceiver(runner.ranks, 0, restore_transfers(stage.seqs, runner.layers, skip),
                           runner.chunk_blocks, 1, _block_shape(stage), stage.model.arena.dtype,
                           stage.stats, link=stage.plane)
-    own = {rid: stage.read_layers(s.table[skip.get(rid, 0):]) for rid, s in stage.seqs.items()}
+    src, dst, in_place = own_moves(stage, tables)
+    own = stage.gather_layers(src)  # on the device, before the weights come back over any
     w_began = time.perf_counter()
     weights_at = restore_weights(stage, runner.ranks, runner.layers, source)
     weights_s = time.perf_counter() - w_began
     arena = stage.model.arena
     full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
+    full[torch.tensor(dst, dtype=torch.long, device=full.device), keep.start:keep.stop] = own
     if kv is not None:
         kv.receiver.join()  # every prefetched chunk in (a stale one's too: the tags go on)
     for rid, s in stage.seqs.items():
@@ -140,9 +146,8 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
         n = min(len(new), len(s.table))
         k = min(skip.get(rid, 0), n)
         if rid in skip:  # the first blocks: moved while the group served
-            _write(full, keep, new[:k], kv.own[rid], kv.receiver.wait(rid))
-        _write(full, keep, new[k:n], own[rid],
-               receiver.wait(rid) if receiver.expects(rid) else ())
+            _write(full, new[:k], kv.receiver.wait(rid))
+        _write(full, new[k:n], receiver.wait(rid) if receiver.expects(rid) else ())
         runner.solo._seqs[rid] = gr._solo_seq(runner.solo, s, new)
     for rank in runner.ranks[1:]:
         reply: MemberReply = gr.recv_obj(rank, REPLY_TAG, "its layers were restored")
@@ -159,17 +164,36 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             "weights_s": weights_s,
                             "kv_bytes": float(before + at), "kv_bytes_before": float(before),
                             "kv_bytes_at": float(at),
-                            "weight_bytes_at": float(weights_at), **prefetch_report(stage)}
+                            "weight_bytes_at": float(weights_at),
+                            "own_kv_host_bytes": float(stage.host_bytes - host),
+                            "own_kv_device_bytes": float(own.numel() * own.element_size()),
+                            "own_kv_in_place_blocks": float(in_place),
+                            **prefetch_report(stage)}
     stage.end_exchange()
     runner.stage = None
 
 
-def _write(full: torch.Tensor, keep: range, blocks: Sequence[int], own: torch.Tensor,
-           arrivals) -> None:
-    """Into `blocks` of the full view: the head's kept layers (`own`, read before) and each
-    member's layers as they arrive ((transfer, data) pairs), their first len(blocks) blocks."""
+def own_moves(stage, tables: Mapping[int, Sequence[int]]) -> tuple[list[int], list[int], int]:
+    """The head's kept layers at the restore: (stage blocks to copy from, solo blocks to copy
+    into, blocks already in place). A block is in place when its stage block's layers lie where
+    its solo block's do (`base` = solo block x layers)."""
+    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
+    src, dst, in_place = [], [], 0
+    for rid, s in stage.seqs.items():
+        new = tables[rid]
+        for local, block in zip(stage.map.locals(s.table[:len(new)]), new):
+            if view.base(local) == block * layers:
+                in_place += 1
+            else:
+                src.append(local)
+                dst.append(block)
+    return src, dst, in_place
+
+
+def _write(full: torch.Tensor, blocks: Sequence[int], arrivals) -> None:
+    """Into `blocks` of the full view: each member's layers as they arrive ((transfer, data)
+    pairs), their first len(blocks) blocks."""
     n = len(blocks)
     idx = torch.tensor(blocks, dtype=torch.long, device=full.device)
-    full[idx, keep.start:keep.stop] = own[:n].to(full.device)
     for t, data in arrivals:
         full[idx, t.layers.start:t.layers.stop] = data[:n].to(full.device)

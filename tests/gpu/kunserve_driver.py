@@ -249,3 +249,23 @@ def adopt_live(head: Scheduler, member: Scheduler, owner: int = 1):
     for _, new in moved:
         head.add(new)
     return moved, adopted
+
+
+def restored_kv_is_a_prefill(h0, h1, s0: Scheduler, solo1: range) -> None:
+    """Every live request's KV on the head after the restore equals a prefill of its computed
+    tokens on instance 1 (alone again): a block restored stale (prefetched, then changed) or
+    not at all differs by far more than the float order of pipelined decoding."""
+    import torch
+
+    s1 = Scheduler(solo1, s0.block_size)
+    for r in s0.live():
+        got = h0.call("kv", r.rid, r.computed)
+        ref = Req(f"{r.name} prefill", r.tokens[:r.computed], 1, rid=900 + r.rid)
+        s1.add(ref)
+        solo_steps([(h1, s1)], 1)
+        want = h1.call("kv", ref.rid, r.computed)
+        diff = (got - want).abs().amax(dim=(1, 2, 3, 4))  # per token
+        assert torch.allclose(got, want, atol=1e-4), \
+            f"{r.name}: restored KV differs from a prefill at tokens " \
+            f"{torch.nonzero(diff > 1e-4).flatten().tolist()} of {r.computed}"
+    solo_steps([(h1, s1)], 1)  # hands the runner the releases

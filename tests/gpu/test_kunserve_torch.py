@@ -6,7 +6,10 @@ from its host copy, its requests recomputed.
 The runners are driven directly by a stand-in scheduler (tests/gpu/kunserve_driver.py), not
 through Engine/Cluster (README, "KunServe ... On the torch backend", says what is missing).
 Planted bug checked by hand: a receiver that drops one exchanged KV chunk makes the first test
-fail (`step 3: engine 221, reference 206`).
+fail (`step 3: engine 221, reference 206`). The head's own KV at the restore (in place, or
+copied on its device: never through the host) is checked against a prefill on instance 1 too:
+one block copied into the wrong solo block flipped no greedy token but fails that check
+(`A0: restored KV differs from a prefill at tokens [...]`).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tests.gpu.kunserve_driver import (
     form_group,
     group_steps,
     random_prompt,
+    restored_kv_is_a_prefill,
     running_hosts,
     solo_steps,
 )
@@ -99,14 +103,21 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     s0.finish(step, done.sampled)
     member = h1.answer()
     restored, exchange = h0.call("group_stats")
+    restored_kv_is_a_prefill(h0, h1, s0, solo1)  # (a stale block may flip no greedy token)
     assert member["copied_blocks"] == 0, "the kept KV of moved requests was copied"
     print(f"\nkunserve torch: solo pool {len(solo0)} blocks, group pool {len(group)}; "
           f"exchange head received {exchange['received_bytes']} B in "
           f"{exchange['chunks_received']} chunks, member sent {member['sent_bytes']} B; "
           f"ready after {sorted(round(v * 1e3, 1) for v in exchange['ready_s'].values())} ms; "
           f"restore {restored['seconds'] * 1e3:.1f} ms (weights {restored['weights_s'] * 1e3:.1f}"
-          f" ms); {n} pipelined steps")
+          f" ms); {n} pipelined steps; the head's own KV: {restored['own_kv_host_bytes']:.0f} B "
+          f"via the host, {restored['own_kv_device_bytes']:.0f} B copied on the device, "
+          f"{restored['own_kv_in_place_blocks']:.0f} blocks in place")
     assert exchange["received_bytes"] > 0 and member["sent_bytes"] > 0
+    # the head's own KV: in place where its block did not move, else copied on the device
+    assert restored["own_kv_host_bytes"] == 0, restored
+    assert restored["own_kv_device_bytes"] > 0 and restored["own_kv_in_place_blocks"] > 0, \
+        restored
     s1b = Scheduler(solo1, BLOCK)
     d = Req("D0", random_prompt(rng, 10), 5, rid=50)
     alone = Req("S0 alone", seeded.prompt, seeded.max_tokens, rid=51, sampling=SEEDED)
