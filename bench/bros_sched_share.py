@@ -96,8 +96,13 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
-    points = POINTS if not args.points else tuple(
-        (float(p.split(":")[0]), int(p.split(":")[1])) for p in args.points.split(","))
+    try:
+        points = POINTS if not args.points else tuple(
+            (float(rate), int(blocks))
+            for rate, blocks in (p.split(":") for p in args.points.split(",")))
+    except ValueError:  # (before: an IndexError for "4", a bare ValueError for "4:x")
+        ap.error(f"--points: RATE:BLOCKS pairs, comma-separated (e.g. 12:3500,5:1200), "
+                 f"got {args.points!r}")
     rows = []
     for rate, blocks in points:
         rows.append(measure(rate, blocks, args.policy, args.max_num_seqs))

@@ -57,6 +57,7 @@ BASELINE_POLICIES = {
     "pipeline2": "policy pipeline2 extends \"fcfs.policy\" {\n  dispatch least_load\n}\n",
 }
 LADDER = ["kunserve_drop", "kunserve_exchange", "kunserve_lookahead", "kunserve"]
+RUN_LABELS = [*BASELINE_POLICIES, *LADDER, "memory_oracle"]  # in the order they run
 CHAIN = False
 """--chain: a prompt cut across microbatches holds its group's step until its last piece is
 through (sim/group.py `GroupNetwork.chain`; the bound on pipelines' first tokens)."""
@@ -195,6 +196,10 @@ def main() -> None:
     ap.add_argument("--table-only", action="store_true",
                     help="rewrite the .md table and the plot from the .json of --out")
     args = ap.parse_args()
+    unknown = [x for x in args.only.split(",") if x and x not in RUN_LABELS] if args.only else []
+    if unknown:  # (before: nothing ran, then the table failed on an empty report)
+        ap.error(f"--only: no run named {', '.join(map(repr, unknown))} "
+                 f"(runs: {', '.join(RUN_LABELS)})")
     if args.table_only:
         out = Path(args.out)
         report = json.loads(out.with_suffix(".json").read_text())

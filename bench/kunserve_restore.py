@@ -55,6 +55,7 @@ def shipped_rule() -> str:
                 if line.strip().startswith("overload restore when"))
 
 
+NEVER = "never (kunserve_lookahead)"  # the variant without a restore rule
 VARIANTS = {(f"{k} (kunserve)" if v == shipped_rule() else k): v for k, v in RULES.items()}
 
 
@@ -66,11 +67,16 @@ def main() -> None:
     ap.add_argument("--intervals", default="50", help="monitor intervals, ms, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_restore"))
     args = ap.parse_args()
+    names = [NEVER, *(k.removesuffix(" (kunserve)") for k in VARIANTS)]
+    unknown = [x for x in args.only.split(",") if x and x not in names] if args.only else []
+    if unknown:  # (before: nothing ran and an empty report was written)
+        ap.error(f"--only: no variant named {', '.join(map(repr, unknown))} "
+                 f"(variants: {', '.join(map(repr, names))})")
     spec, workload = trace_workload(args)
     base = sim_instance()
     out = Path(args.out)
     policies = policy_dir(out)
-    runs = [("never (kunserve_lookahead)", Path(policy_path("kunserve_lookahead")))]
+    runs = [(NEVER, Path(policy_path("kunserve_lookahead")))]
     keep = set(args.only.split(",")) if args.only else None
     intervals = [int(ms) for ms in args.intervals.split(",")]
     for k, (name, rule) in enumerate(VARIANTS.items()):
