@@ -67,6 +67,9 @@ def _member(model_dir: str, init: str, blocks: int) -> None:
     from gpu.group_member import serve_member
 
     serve_member(_load(model_dir, 1, init, blocks), 0)
+    os._exit(0)  # its work is done; a normal exit aborted in torch's teardown (signal 6,
+    # "terminate called without an active exception" on the bench's stderr), as did the
+    # bench's own (exit code 134 after writing its results)
 
 
 def start_pair(args, prefix: str, member):
@@ -278,6 +281,10 @@ def main() -> None:
     for mode in rows:
         print(report_line(mode, result[mode]))
     print(f"load average {result['load_average']}, {result['seconds']:.1f} s, wrote {args.out}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # as the member: gloo's threads of the group's channel (never destroyed:
+    # gloo cannot shut a process group down) aborted the teardown, exit code 134
 
 
 if __name__ == "__main__":
