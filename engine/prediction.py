@@ -47,6 +47,12 @@ class IterationPredictor:
         return base if base is None or self._correction is None else (
             self._correction.applied_to(base))
 
+    def correction_factors(self) -> tuple[float, float] | None:
+        """(decode, prefill): what the base model's predictions are multiplied by now; None
+        with the correction off."""
+        c = self._correction
+        return None if c is None else (c.factor(prefill=False), c.factor(prefill=True))
+
     def started(self, seqs: Iterable[_Seq]) -> None:
         shape = BatchShape.of((w.start, w.num_tokens) for w in seqs)
         base = self.base_model

@@ -116,6 +116,7 @@ class SchedulerStats:
             cpu_copies=copies.num_copies if copies else 0,
             cpu_kept_blocks=copies.kept_blocks if copies else 0,
             prefix_cache=self.prefixes.snapshot(),
+            cost_correction=self.predictor.correction_factors(),
             cancelled_by_state=tuple(sorted(self.cancelled_by_state.items())),
             queued_tokens=sum(r.context_tokens for r in live if r.state in ("waiting", "swapped")),
             head_tokens=min(((r.arrival, r.context_tokens) for r in live

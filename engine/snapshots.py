@@ -46,6 +46,9 @@ class SchedulerSnapshot:
     """Of the host blocks in use, those holding conversations' ended turns kept for reuse: once
     idle, every other host block is free (the soak's leak check)."""
     prefix_cache: PrefixCacheCounters | None = None
+    cost_correction: tuple[float, float] | None = None
+    """(decode, prefill): the factors the online correction multiplies the cost model's
+    predictions by now (engine/cost_model_correction.py); None with it off (the simulator)."""
     cancelled_by_state: tuple[tuple[str, int], ...] = ()
     """Requests cancelled (by their client or a deadline) since the engine started, by the
     state they were in: waiting, running, swapped, swapping_in."""

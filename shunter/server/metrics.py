@@ -2,8 +2,9 @@
 
 Two sources. Per-request histograms and counters are fed when a request ends, from its
 `RequestTimeline` (the server core calls `ServerMetrics.on_finished`). Gauges and engine-side
-totals (queues, KV usage, preemptions, swap traffic, overload triggers, the running policy) are
-read from `engine.inspect()` at scrape time: nothing in the engine is reset by a scrape.
+totals (queues, KV usage, preemptions, swap traffic, overload triggers, the cost model's online
+correction, the running policy) are read from `engine.inspect()` at scrape time: nothing in the
+engine is reset by a scrape.
 Each server has its own `CollectorRegistry`, so two servers in one process never share counts.
 """
 
@@ -186,6 +187,14 @@ class _EngineCollector(Collector):
             fired.add_metric([self.model_name, name], count)
         yield trigger
         yield fired
+        if s.cost_correction is not None:
+            factor = GaugeMetricFamily(
+                "shunter:cost_model_correction", "What the online correction multiplies the "
+                "cost model's iteration predictions by, per phase (1: the model is right; 2: "
+                "steps take twice what it says).", labels=["model_name", "phase"])
+            for phase, f in zip(("decode", "prefill"), s.cost_correction):
+                factor.add_metric([self.model_name, phase], f)
+            yield factor
 
     def _prefix_cache(self, snap: EngineSnapshot) -> Iterator[Any]:
         """Device prefix cache lookups and hits since the start, in tokens as vLLM counts them

@@ -156,3 +156,52 @@ async def test_a_real_server_counts_what_it_served():
     assert value(samples, "shunter:inter_token_latency_seconds_count", request_class="rt") == 3 + 5
     assert value(samples, "shunter:time_to_first_token_seconds_count", request_class="be") == 1
     assert samples[("shunter:policy_info", (("name", "round_robin_rtbe"), ("version", "1")))] == 1
+
+
+def test_the_cost_models_correction_is_a_gauge_per_phase():
+    """The scheduler's snapshot carries the online correction's factors (decode, prefill) and
+    `/metrics` shows each under its phase; with the correction off there is no such gauge."""
+    from types import SimpleNamespace
+
+    from engine.cost_model import BatchShape, CostModel
+    from engine.scheduler_stats import SchedulerStats
+
+    cost = CostModel(a_ms=1.0, b_ms_per_prefill_token=0.1, c_ms_per_prefill_token_sq=0.0,
+                     d_ms_per_decode_seq=0.1, e_ms_per_decode_context_token=0.0)
+    stats = SchedulerStats(total_blocks=8, record_iterations=False, cost=cost,
+                           correction_window=8)
+    prefill, decode = [SimpleNamespace(start=0, num_tokens=10)], [
+        SimpleNamespace(start=10, num_tokens=1)]
+    for seqs, slower in ((prefill, 3.0),) * 4 + ((decode, 0.5),) * 4:
+        stats.record_iteration(now=0.0, scheduler_s=0.0, batch_seqs=1, batch_tokens=1,
+                               queued=0, used_blocks=0, seqs=seqs)
+        shape = BatchShape.of((w.start, w.num_tokens) for w in seqs)
+        stats.step_done(slower * cost.predict_ms(shape))
+
+    def scheduler_snapshot(s: SchedulerStats):
+        return s.snapshot(iteration=8, policy="fcfs", policy_version=1, requests=(),
+                          free_blocks=8, iteration_ms=1.0, copies=None)
+
+    snap = scheduler_snapshot(stats)
+    assert snap.cost_correction == pytest.approx((0.5, 3.0))
+    off = SchedulerStats(total_blocks=8, record_iterations=False, cost=cost)
+    assert scheduler_snapshot(off).cost_correction is None
+
+    class Stub:
+        policy = SimpleNamespace(settings=SimpleNamespace(name="fcfs"))
+        policy_version = 1
+
+        def __init__(self, scheduler):
+            self.scheduler = scheduler
+
+        async def inspect(self):
+            from engine.snapshots import AllocatorSnapshot, EngineSnapshot
+
+            return EngineSnapshot(scheduler=self.scheduler, allocator=AllocatorSnapshot(
+                free_blocks=8, allocated_blocks=0, total_blocks=8, tables={}))
+
+    samples = trio.run(scrape, ServerMetrics(Stub(snap), model_name="m"))
+    assert value(samples, "shunter:cost_model_correction", phase="decode") == pytest.approx(0.5)
+    assert value(samples, "shunter:cost_model_correction", phase="prefill") == pytest.approx(3.0)
+    samples = trio.run(scrape, ServerMetrics(Stub(scheduler_snapshot(off)), model_name="m"))
+    assert not any(name == "shunter:cost_model_correction" for name, _ in samples)
