@@ -31,15 +31,10 @@ from engine.params import SamplingParams
 from gpu.block_map import BlockMap
 from gpu.data_plane import Channel, DataPlane, GroupMemberLost, open_channel
 from gpu.group_gens import hand_generators
-from gpu.group_messages import (  # noqa: F401 (the others: re-exported, see below)
-    Adopted,
-    GroupAbandon,
-    GroupGo,
+from gpu.group_messages import (
     GroupStart,
     GroupStep,
     MemberReply,
-    SeqState,
-    generator_state,
     restored_generator,
     start_transfers,
 )
@@ -54,10 +49,6 @@ from gpu.stage_view import drop_layers, send_gained
 if TYPE_CHECKING:
     from gpu.restore_kv import KvPrefetch
     from gpu.restore_prefetch import WeightPrefetch
-
-# The messages moved to gpu/group_messages.py; gpu/group_grow.py, gpu/group_merge.py,
-# shunter/cluster/instance_groups.py and two tests still import some of them from here
-# (/work/notes/s30/ask-kun-restore2.md asks for their imports to move).
 
 
 @attrs.define(slots=True, eq=False)

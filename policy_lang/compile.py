@@ -14,10 +14,6 @@ from typing import Any
 from engine.policy import ClassSpec, MemorySettings, PolicySettings
 from policy_lang import ast
 from policy_lang.check import (
-    ADAPTIVE,
-    CLASS_SETTINGS,
-    FAIR_SETTINGS,
-    PATTERNS,
     class_names,
     default_class,
     read_args,
@@ -38,6 +34,7 @@ from policy_lang.runtime import (
     PrecedenceOrder,
     sorter,
 )
+from policy_lang.settings import ADAPTIVE, CLASS_SETTINGS, FAIR_SETTINGS, PATTERNS
 from policy_lang.state import AdaptiveBatch, FairCounters, FixedBatch, OverloadTriggers, Rerank
 
 Fn = Callable[[Any], Any]

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 from policy_lang import ast
 from policy_lang.check import (
-    ADAPTIVE,
-    CLASS_SETTINGS,
-    FAIR_SETTINGS,
-    PATTERNS,
     class_names,
     default_class,
     read_args,
@@ -17,6 +13,7 @@ from policy_lang.exprs import constant, fmt
 from policy_lang.fields import FIELDS, Type
 from policy_lang.loader import RuleSet
 from policy_lang.prefill import explain_prefill
+from policy_lang.settings import ADAPTIVE, CLASS_SETTINGS, FAIR_SETTINGS, PATTERNS
 
 _PREEMPT = {
     "recompute": "by recompute: a preempted request drops its KV cache and computes it again "

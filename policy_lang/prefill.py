@@ -17,9 +17,10 @@ with check.py's `check` (policy_lang/api.py); read by compile.py and explain.py.
 from __future__ import annotations
 
 from policy_lang import ast
-from policy_lang.check import Checker, Param, read_args
+from policy_lang.check import Checker, read_args
 from policy_lang.diagnostics import Diagnostic, did_you_mean, one_of
 from policy_lang.loader import RuleSet
+from policy_lang.settings import Param
 
 MODES = ("mixed", "separate")
 ARGS = {"budget": Param(kind="tokens", minimum=1), "watermark": Param(kind="share", default=0.0)}
