@@ -11,6 +11,16 @@ ships is marked "(kunserve)". `--intervals 40,50,60` runs each variant at each m
 
 Writes the P50/P99 TTFT, P50/P99 TPOT and the group/restore events of each variant to
 <out>.json and a table to <out>.md.
+
+`--modes` runs the shipped `kunserve` policy with each of its restore settings instead
+(`memory { restore_prefetch on|off; restore_from peer|host }`, shunter/cluster/sim_restore.py),
+on the same arrivals, and adds each run's restore stall (virtual seconds the heads' first steps
+alone waited for a one-step restore's copies) and restores' bytes and durations;
+`--link-scale` / `--host-scale` multiply the pipeline link's and the host link's bandwidth (the
+sensitivity to a link speed off by 2x: 0.5):
+
+    python bench/kunserve_restore.py --trace azure-conv --start 1560 --duration 90 --rate 0.95x \
+        --modes --link-scale 0.5 --host-scale 0.5 --out bench/results/kunserve_restore_round11_x
 """
 
 from __future__ import annotations
@@ -66,7 +76,13 @@ def main() -> None:
                     "'(kunserve)' mark (default: all)")
     ap.add_argument("--intervals", default="50", help="monitor intervals, ms, comma-separated")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "kunserve_restore"))
+    ap.add_argument("--modes", action="store_true", help="the shipped policy under each restore "
+                    "setting (prefetch on/off x from peer/host), not the restore rules")
+    ap.add_argument("--link-scale", type=float, default=1.0, help="pipeline link bandwidth x")
+    ap.add_argument("--host-scale", type=float, default=1.0, help="host link bandwidth x")
     args = ap.parse_args()
+    if args.modes:
+        return run_modes(args)
     names = [NEVER, *(k.removesuffix(" (kunserve)") for k in VARIANTS)]
     unknown = [x for x in args.only.split(",") if x and x not in names] if args.only else []
     if unknown:  # (before: nothing ran and an empty report was written)
@@ -108,6 +124,64 @@ def main() -> None:
         ev = ", ".join(f"{t}{e[0]}" for t, e, _ in r["events"])
         lines.append(f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
                      f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {ev} |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+MODES = {"prefetch on, from peers (kunserve)": ("on", "peer"),
+         "prefetch off, from peers": ("off", "peer"),
+         "prefetch on, from the host": ("on", "host"),
+         "prefetch off, from the host": ("off", "host")}
+
+
+def run_modes(args) -> None:
+    """The shipped policy under each restore setting, on the same arrivals (`--modes`)."""
+    import attrs
+
+    import bench.kunserve as bench
+    from shunter.cluster.groups import SimGroups
+    from sim.network import LINKS
+
+    spec, workload = trace_workload(args)
+    base = sim_instance()
+    link = LINKS[base.pipeline_link]
+    LINKS[base.pipeline_link] = attrs.evolve(link, bytes_per_s=link.bytes_per_s * args.link_scale)
+    host_link = SimGroups.host_link  # this process only: every run sees the same host link
+    SimGroups.host_link = lambda self: attrs.evolve(
+        host_link(self), bytes_per_s=self.host_bytes_per_s * args.host_scale)
+    out = Path(args.out)
+    report = {"workload": spec, "pipeline_link_gb_per_s": LINKS[base.pipeline_link].bytes_per_s
+              / 1e9, "link_scale": args.link_scale, "host_scale": args.host_scale, "runs": {}}
+    for name, (prefetch, source) in MODES.items():
+        path = policy_dir(out) / f"restore_{prefetch}_{source}.policy"
+        text = (f'policy restore_{prefetch}_{source} extends "{policy_path("kunserve")}" {{\n'
+                f'  memory {{ restore_prefetch {prefetch}; restore_from {source} }}\n}}\n')
+        if not path.exists() or path.read_text() != text:
+            path.write_text(text)
+        result, cluster, _, wall = bench.run("kunserve", path, workload, base, 4)
+        s = bench.summarize(result, None)
+        restores = [e for e in cluster["events"] if e["event"] == "restore"]
+        report["runs"][name] = {k: s[k] for k in (
+            "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms", "requests", "failed",
+            "finish_reasons")} | {
+            "restore_stall_s": cluster["restore_stall_s"], "restores": len(restores),
+            "groups": cluster["groups_formed"], "restore_retries": cluster["restore_retries"],
+            "restore_s": [round(e["restore_s"], 4) for e in restores],
+            "modelled_stall_s": [round(e["stall_s"], 4) for e in restores],
+            "restored_gb": [round(e["copied_bytes"] / 1e9, 3) for e in restores],
+            "events": [[round(e["t"], 1), e["event"], e["members"]] for e in cluster["events"]],
+            "wall_s": wall, "code": bench.code_version()}
+        r = report["runs"][name]
+        print(f"{name}: P99 TTFT {r['ttft_p99_s']:.3f} s, P99 TPOT {r['tpot_p99_ms']:.1f} ms, "
+              f"stall {r['restore_stall_s']:.3f} s, restores {r['restores']}", flush=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    lines = [f"# KunServe restore settings: {spec}, 4 x llama3-8b-a10, links x"
+             f"{args.link_scale:g} (pipeline) x{args.host_scale:g} (host)", "",
+             "| restore | P50 TTFT s | P99 TTFT s | P50 TPOT ms | P99 TPOT ms | restores | "
+             "stall s (sum) | restore s (each) |", "|---|---|---|---|---|---|---|---|"]
+    for name, r in report["runs"].items():
+        lines.append(f"| {name} | {r['ttft_p50_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                     f"{r['tpot_p50_ms']:.1f} | {r['tpot_p99_ms']:.1f} | {r['restores']} | "
+                     f"{r['restore_stall_s']:.3f} | {', '.join(map(str, r['restore_s']))} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

@@ -97,6 +97,20 @@ class GroupNetwork:
     """Steps whose time that wait set (longer than the steady-state period)."""
     chain_extra_s: float = 0.0
     """The time it added over those steps."""
+    stepped_until: float = 0.0
+    """When the group's last step ends: where a one-step restore's copies can begin."""
+    hold_until: float = 0.0
+    """A `restore_prefetch off` restore (shunter/cluster/sim_restore.py): the head's first step
+    alone starts no earlier, its copies over every link landing first."""
+    restore_stalls: list[float] = attrs.field(factory=list)
+    """Virtual seconds the head's first step alone waited for them, one per such restore."""
+
+    async def hold(self) -> None:
+        """Called by the runner at its first step alone again: waits out `hold_until`."""
+        wait = self.hold_until - anyio.current_time()
+        if wait > 0:
+            self.restore_stalls.append(wait)
+            await anyio.sleep(wait)
 
 
 @attrs.frozen
@@ -231,6 +245,7 @@ class SimGroup:
                 f.stage_s += k * period
             if self.fit is not None:
                 self._note_errors(micro, costs)
+            self.net.stepped_until = now + period
             await anyio.sleep(period)
         sampled = tuple(SampledToken(request_id=w.request_id, token_id=self.token_id)
                         for w in step.seqs if w.sample)

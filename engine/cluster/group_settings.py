@@ -6,8 +6,10 @@ checker's, policy_lang/check.py) and which of them an engine's runner honours (i
 (§4.4): `restore_prefetch on` (the dropped weights and full KV blocks come back while the group
 serves) and `restore_from peer` (from the members keeping them) are what every runner that runs
 groups does; a runner that also restores at one step, or from each member's host copy, names
-`restore_prefetch off` / `restore_from host` (the torch runner does; the simulator models a
-restore only as copies over the pipeline links while the group serves: shunter/cluster/groups.py).
+`restore_prefetch off` / `restore_from host` (the torch runner does, gpu/kunserve_runner.py, and
+so does the simulator's, shunter/cluster/sim_restore.py: at one step, the group stalled for the
+copies, and the weights over the host link); a runner that runs groups but names neither is
+held to the defaults.
 """
 
 from __future__ import annotations

@@ -9,8 +9,10 @@ and from its next step runs as a pipeline over the group (sim/group.py). The KV 
 in flight for the layers another member now keeps is exchanged over each source's link
 (sim/exchange.py); each request waits for its own bytes. New requests for a member go to the
 head. Restoring (§4.4): the members pull their dropped layers back and the head the KV of the
-layers it had dropped, while the group goes on serving; then the head's pool shrinks back (only
-once its requests fit) and every member serves alone again, the non-head ones with empty pools.
+layers it had dropped, while the group goes on serving or at one step, from peers or each
+member's host copy, as the policy's `restore_prefetch` / `restore_from` say (sim_restore.py);
+then the head's pool shrinks back (only once its requests fit) and every member serves alone
+again, the non-head ones with empty pools.
 The torch instances do the same through K2's wire commands (see the engine API note).
 """
 
@@ -19,7 +21,6 @@ from __future__ import annotations
 import anyio
 import structlog
 
-from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.counters import ClusterCounters
 from engine.cluster.drop_plan import GroupPlan, group_pool, queue_moves
 from engine.cluster.messages import GroupsChanged
@@ -28,6 +29,7 @@ from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
+from shunter.cluster.sim_restore import restore
 from sim.exchange import SimExchange
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
@@ -44,6 +46,8 @@ class SimGroups:
         self.model = model
         self.link = link
         self.coordinated = memory.kv_exchange == "coordinated"
+        self.restore_prefetch = memory.restore_prefetch
+        self.restore_from = memory.restore_from
         self.coordinator = coordinator
         self.base_pools = [i.engine.backend.runner.num_blocks for i in instances]
         copy = getattr(instances[0].engine.backend.runner._link, "bandwidth_gb_per_s", 32.0)
@@ -68,8 +72,10 @@ class SimGroups:
 
     def follow(self, settings) -> None:
         """A replaced policy's memory settings: exchanges and groups formed from now on use
-        its `kv_exchange` and `microbatch`."""
+        its `kv_exchange`, `microbatch`, `restore_prefetch` and `restore_from`."""
         self.coordinated = settings.memory.kv_exchange == "coordinated"
+        self.restore_prefetch = settings.memory.restore_prefetch
+        self.restore_from = settings.memory.restore_from
         for net in self.networks():
             net.microbatch = settings.memory.microbatch
 
@@ -270,44 +276,14 @@ class SimGroups:
             self.busy = False
 
     async def _restore(self, g: GroupPlan) -> None:
-        """Layers and KV come back while the group serves; then it dissolves."""
-        layers = self.model.num_layers
-        head = self.instances[g.head].engine
-        used = (await head.inspect()).scheduler.total_blocks - (
-            await head.inspect()).scheduler.free_blocks
-        per_layer = self.model.weight_bytes / layers
-        copies = []  # (bytes) per member link: its dropped weights, and the head's KV it held
-        for m, r in zip(g.members, g.layers):
-            weights = int(per_layer * (layers - len(r))) if m != g.head else 0
-            kv = int(used * self.block_bytes * len(r) / layers) if m != g.head else 0
-            copies.append(weights + kv)
-        copies[0] = int(per_layer * (layers - len(g.layers[0])))  # the head's own weights
-        net = head.backend.runner.network
-        net.exchanges = [SimExchange(self.link, coordinated=self.coordinated) for _ in copies]
+        """Layers and KV come back as the policy's `restore_prefetch` and `restore_from` say
+        (sim_restore.py); then the group dissolves."""
+        await restore(self, g, _ask)
 
-        async def nothing(_: int) -> None:
-            return None
-
-        async with anyio.create_task_group() as tg:
-            for x, nbytes in zip(net.exchanges, copies):
-                tg.start_soon(x.run, [(-1, nbytes)], nothing)
-        if self.groups.get(g.head) is not g:
-            return  # a member was lost meanwhile: sim_faults.py dissolves the group
-        solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(layers),))
-        try:
-            await _ask(head._scheduler_send, lambda r: Regroup(
-                pool_blocks=self.base_pools[g.head], group=solo, reply=r))
-        except PoolTooSmall as exc:
-            self.counters.restore_retries += 1
-            log.info("restore postponed", head=g.head, why=str(exc))
-            await self.coordinator.send(GroupsChanged())  # keep the restore trigger armed
-            return
-        del self.groups[g.head]
-        await self.coordinator.send(GroupsChanged(restored=g.head))
-        self.counters.restores += 1
-        self.counters.events.append({"t": anyio.current_time(), "event": "restore",
-                                     "members": list(g.members), "copied_bytes": sum(copies)})
-        log.info("group restored", members=g.members, copied_bytes=sum(copies))
+    def host_link(self) -> NetworkLink:
+        """A member's host <-> device link: where its dropped layers come back from after a
+        fault (sim_faults.py) or under `restore_from host` (sim_restore.py)."""
+        return NetworkLink(name="host copy", latency_s=0.0, bytes_per_s=self.host_bytes_per_s)
 
     def bubble_ratio(self) -> float:
         busy = sum(n.totals.busy_s for n in self.networks())
@@ -346,6 +322,7 @@ class SimGroups:
         return {
             **c.block(t0), "bubble_ratio": self.bubble_ratio(), **self.pipeline_report(),
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
+            "restore_stall_s": sum(s for n in self.networks() for s in n.restore_stalls),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,
             "token_model_error": (sum(f.tokens_model_error for f in fits) / len(fits))
             if fits else None,

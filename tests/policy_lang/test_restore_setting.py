@@ -1,10 +1,11 @@
 """KunServe's restore settings in the policy language (`memory { restore_prefetch on|off;
 restore_from peer|host }`, §4.4): their defaults keep a restore prefetched from peers, a bad
 value is an error at its place in the file, and an engine whose runner cannot honour a value
-refuses it at load with the setting's file:line:col: the simulator models a restore only as
-copies over the pipeline links while the group serves (shunter/cluster/groups.py), an engine
-that runs no groups takes none of them. The torch runner honours all four (its test:
-tests/cluster/test_kunserve_torch_cluster_restore.py)."""
+refuses it at load with the setting's file:line:col: a runner that runs groups but names no
+restore mode takes only the defaults, an engine that runs no groups takes none of them. The
+torch runner honours all four (its test: tests/cluster/test_kunserve_torch_cluster_restore.py),
+and so does the simulator (shunter/cluster/sim_restore.py; its test:
+tests/sim/test_kunserve_restore_modes.py)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,14 @@ def test_a_bad_value_names_its_place():
         "                              ^~")
 
 
-def test_the_simulator_refuses_what_it_does_not_model():
+def test_the_simulator_runs_all_four_and_a_runner_that_does_not_refuses_them():
+    p = compile_policy(OFF, filename="k.policy", base_dir=policy_dir(),
+                       capabilities=_caps(SimRunner))  # shunter/cluster/sim_restore.py
+    assert (p.settings.memory.restore_prefetch, p.settings.memory.restore_from) == (False, "host")
+    groups_only = EngineCapabilities(group_modes=frozenset(
+        {"fifo", "coordinated", "tokens", "lookahead"}))  # runs groups, names no restore mode
     with pytest.raises(PolicyCheckError) as info:
-        compile_policy(OFF, filename="k.policy", base_dir=policy_dir(),
-                       capabilities=_caps(SimRunner))
+        compile_policy(OFF, filename="k.policy", base_dir=policy_dir(), capabilities=groups_only)
     why = ("is not supported by this engine (its runner restores a KunServe group only "
            "prefetched from peers while the group serves)")
     assert str(info.value) == (
@@ -66,7 +71,7 @@ def test_the_simulator_refuses_what_it_does_not_model():
         "    memory { restore_prefetch off; restore_from host }\n"
         "                                   ^~~~~~~~~~~~~~~~~")
     written = 'policy k {\n  memory { restore_prefetch on; restore_from peer }\n}\n'
-    compile_policy(written, filename="k.policy", capabilities=_caps(SimRunner))
+    compile_policy(written, filename="k.policy", capabilities=groups_only)
 
 
 def test_an_engine_without_groups_refuses_any_restore_setting_written():
