@@ -17,8 +17,10 @@ SIM_TOKEN_ID = 1
 
 
 class SimRunner:
-    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead")
-    """KunServe group settings it honours (sim/group.py, sim/exchange.py)."""
+    GROUP_MODES = ("fifo", "coordinated", "tokens", "lookahead", "restore_prefetch on",
+                   "restore_prefetch off", "restore_from peer", "restore_from host")
+    """KunServe group settings it honours (sim/group.py, sim/exchange.py; the restore's:
+    shunter/cluster/sim_restore.py)."""
 
     def __init__(self, cost: CostModel, num_blocks: int, *, token_id: int = SIM_TOKEN_ID,
                  link: CopyLink | None = None, model: ModelShape | None = None,
@@ -69,6 +71,8 @@ class SimRunner:
     async def step(self, step: ExecuteStep) -> StepFinished:
         if step.group is not None:  # KunServe: a pipeline group from this step (or alone again)
             self.group = enter_group(step.group, self.cost, self.network, self.token_id)
+            if self.group is None and self.network is not None:  # a one-step restore's copies
+                await self.network.hold()
         if self.group is not None:
             done = await self.group.step(step)
             self.steps, self.busy_s = self.steps + 1, self.busy_s + done.compute_s
