@@ -125,3 +125,16 @@ def test_prefetched_from_peers_the_pipeline_link_carries_weights_and_kv(tmp_path
     assert sum(x.sent_bytes for x in net.exchanges) == event["copied_bytes"]
     assert event["copied_bytes"] == event["weight_bytes"] + event["kv_bytes"]
     assert net.restore_stalls == [] and event["stall_s"] == 0.0
+
+
+def test_a_replaced_policy_s_restore_settings_apply_to_the_next_restore():
+    from types import SimpleNamespace
+
+    from engine.policy import MemorySettings
+    from shunter.cluster.groups import SimGroups
+
+    groups = object.__new__(SimGroups)  # (no instances: only the settings are read)
+    groups.instances = []
+    groups.follow(SimpleNamespace(memory=MemorySettings(restore_prefetch=False,
+                                                        restore_from="host")))
+    assert (groups.restore_prefetch, groups.restore_from) == (False, "host")
