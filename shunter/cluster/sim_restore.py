@@ -64,8 +64,8 @@ async def restore(groups, g: GroupPlan, ask) -> None:
     round, when the head's requests do not fit its own pool)."""
     began = anyio.current_time()
     head = groups.instances[g.head].engine
-    used = (await head.inspect()).scheduler.total_blocks - (
-        await head.inspect()).scheduler.free_blocks
+    pool = (await head.inspect()).scheduler
+    used = pool.total_blocks - pool.free_blocks
     weights, kv = restore_bytes(groups, g, used)
     host = groups.host_link() if groups.restore_from == "host" else None
     net = head.backend.runner.network
