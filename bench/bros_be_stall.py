@@ -21,7 +21,6 @@ are deterministic), counting per iteration, averaged:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import Counter
 from pathlib import Path
@@ -32,13 +31,10 @@ sys.path.insert(0, str(ROOT))
 import anyio
 
 import actors.scheduler as scheduler
+from bench.bros_probe import probe_parser, run_policy
 from engine import bidirectional_step, planner
 from engine.bidirectional_step import best_effort
 from policy_lang import pack_batch, packing, state
-from shunter import EngineConfig
-from shunter.benchmark.policies import parse_policy
-from shunter.benchmark.run import run_one
-from shunter.workloads import load_workload
 from sim import runner
 
 C: Counter[str] = Counter()
@@ -130,26 +126,13 @@ def install() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-blocks", type=int, default=700)
-    ap.add_argument("--rate", type=float, default=2.0)
-    ap.add_argument("--duration", type=float, default=60.0)
-    ap.add_argument("--seed", type=int, default=9)
-    ap.add_argument("--policies", default="bros,bros_no_bicache")
-    ap.add_argument("--profile", default="llama3-8b-a100")
-    ap.add_argument("--max-batched-tokens", type=int, default=512)
-    ap.add_argument("--max-num-seqs", type=int, default=64)
-    args = ap.parse_args()
+    args = probe_parser(__doc__, num_blocks=700, rate=2.0, duration=60.0,
+                        policies="bros,bros_no_bicache", profile="llama3-8b-a100",
+                        max_batched_tokens=512, max_num_seqs=64).parse_args()
     install()
     for policy in args.policies.split(","):
         C.clear()
-        config = EngineConfig(backend="sim", profile=args.profile, num_blocks=args.num_blocks,
-                              max_batched_tokens=args.max_batched_tokens,
-                              max_num_seqs=args.max_num_seqs, max_queued_requests=100_000)
-        w = load_workload(f"rtbe:rate={args.rate},duration={args.duration:g},seed={args.seed}")
-        m = run_one(parse_policy(policy), w, config, progress=False,
-                    clock_limit_s=20 * w.duration_s).metrics
+        m = run_policy(policy, args)
         n, skips = max(C["iterations"], 1), max(C["be_skips"], 1)
         stops = max(C["be_fill_stops"], 1)
         per_it = {k: round(v / n, 2) for k, v in C.items()

@@ -21,7 +21,6 @@ are deterministic). After each fit (`BidirectionalMemory.fit`):
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 from collections import Counter
@@ -30,13 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.bros_probe import probe_parser, run_policy
 from engine import bidirectional_step
 from engine.bidirectional_step import best_effort
 from engine.memory.slot_runs import decode
-from shunter import EngineConfig
-from shunter.benchmark.policies import parse_policy
-from shunter.benchmark.run import run_one
-from shunter.workloads import load_workload
 
 C: Counter[str] = Counter()
 SHORT: list[int] = []  # wholly free blocks each refused swap-back lacked
@@ -109,27 +105,14 @@ def install() -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--num-blocks", type=int, default=2300)
-    ap.add_argument("--rate", type=float, default=5.0)
-    ap.add_argument("--duration", type=float, default=120.0)
-    ap.add_argument("--seed", type=int, default=9)
-    ap.add_argument("--policies", default="bros")
-    ap.add_argument("--profile", default="llama3-8b-a10")
-    ap.add_argument("--max-batched-tokens", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
-    args = ap.parse_args()
+    args = probe_parser(__doc__, num_blocks=2300, rate=5.0, duration=120.0, policies="bros",
+                        profile="llama3-8b-a10", max_batched_tokens=2048,
+                        max_num_seqs=256).parse_args()
     install()
     for policy in args.policies.split(","):
         C.clear()
         SHORT.clear()
-        config = EngineConfig(backend="sim", profile=args.profile, num_blocks=args.num_blocks,
-                              max_batched_tokens=args.max_batched_tokens,
-                              max_num_seqs=args.max_num_seqs, max_queued_requests=100_000)
-        w = load_workload(f"rtbe:rate={args.rate},duration={args.duration:g},seed={args.seed}")
-        m = run_one(parse_policy(policy), w, config, progress=False,
-                    clock_limit_s=20 * w.duration_s).metrics
+        m = run_policy(policy, args)
         line = (f"{policy}: BE {m.by_class['be']['requests_per_s']:.3f} req/s, RT TTFT ok "
                 f"{m.by_class['rt']['slo_attainment']['ttft']:.3f}")
         if not C["iterations"]:
