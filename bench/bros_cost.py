@@ -99,6 +99,7 @@ def one_run(policy: str, rate: float, args: argparse.Namespace) -> dict[str, Any
     finally:
         if timer:
             timer.cancel()
+            timer.join()  # (a loop it is starting now is in `busy` once this returns)
         if "proc" in busy:
             busy["proc"].kill()
             busy["proc"].wait()

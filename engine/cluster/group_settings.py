@@ -15,30 +15,37 @@ held to the defaults.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Protocol
 
 GROUP_SETTINGS = {"kv_exchange": ("fifo", "coordinated"), "microbatch": ("tokens", "lookahead"),
                   "restore_prefetch": ("on", "off"), "restore_from": ("peer", "host")}
 """Each setting's values, its default first where the policy language has one."""
 
 
-def group_unsupported(memory, group_modes: frozenset[str],
-                      written: Collection[str]) -> list[tuple[str, str]]:
-    """(setting, why) for each group setting of `memory` (a MemorySettings) that a runner with
-    `group_modes` cannot honour; one counts when the policy writes it or it is not the
-    default."""
-    from engine.policy import MemorySettings
+class GroupMemory(Protocol):
+    """The group settings of a policy's `memory { }` (engine/policy.py `MemorySettings`)."""
 
-    default, out = MemorySettings(), []
+    kv_exchange: str
+    microbatch: str
+    restore_prefetch: bool
+    restore_from: str
+
+
+def group_unsupported(memory: GroupMemory, group_modes: frozenset[str],
+                      written: Collection[str]) -> list[tuple[str, str]]:
+    """(setting, why) for each group setting of `memory` that a runner with `group_modes` cannot
+    honour; one counts when the policy writes it or it is not the default (`GROUP_SETTINGS`'s
+    first value)."""
+    out = []
     modes = ", ".join(sorted(m for m in group_modes if " " not in m))
-    for name in ("kv_exchange", "microbatch"):
-        value = getattr(memory, name)
-        if (name in written or value != getattr(default, name)) and value not in group_modes:
+    for name, value in (("kv_exchange", memory.kv_exchange), ("microbatch", memory.microbatch)):
+        if (name in written or value != GROUP_SETTINGS[name][0]) and value not in group_modes:
             why = (f"its runner runs KunServe groups with: {modes}" if modes else
                    "its runner cannot run KunServe pipeline groups; the simulator's can")
             out.append((name, f"{name} {value} is not supported by this engine ({why})"))
-    for name, value, usual in (
-            ("restore_prefetch", _on(memory.restore_prefetch), _on(default.restore_prefetch)),
-            ("restore_from", memory.restore_from, default.restore_from)):
+    for name, value in (("restore_prefetch", _on(memory.restore_prefetch)),
+                        ("restore_from", memory.restore_from)):
+        usual = GROUP_SETTINGS[name][0]
         honoured = f"{name} {value}" in group_modes or (value == usual and bool(group_modes))
         if (name in written or value != usual) and not honoured:
             why = ("its runner restores a KunServe group only prefetched from peers while the "

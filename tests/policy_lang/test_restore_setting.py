@@ -81,3 +81,16 @@ def test_an_engine_without_groups_refuses_any_restore_setting_written():
                                                r"run KunServe pipeline groups\)"):
         compile_policy(text, filename="k.policy", capabilities=EngineCapabilities())
     compile_policy('policy k { }\n', filename="k.policy", capabilities=EngineCapabilities())
+
+
+def test_the_settings_defaults_are_the_checkers_first_values():
+    """engine/cluster/group_settings.py judges "not the default" by GROUP_SETTINGS' first value:
+    it must be MemorySettings' default."""
+    from engine.cluster.group_settings import GROUP_SETTINGS
+    from engine.policy import MemorySettings
+
+    m = MemorySettings()
+    for name, values in GROUP_SETTINGS.items():
+        default = getattr(m, name)
+        assert ({True: "on", False: "off"}.get(default, default) if isinstance(default, bool)
+                else default) == values[0], name
