@@ -66,8 +66,7 @@ class Scheduler(AdoptionMixin):
         self._last_iteration_ms = 0.0
         self._stats = SchedulerStats(total_blocks=num_blocks, block_size=config.block_size,
                                      record_iterations=config.record_iterations, cost=cost,
-                                     correction_window=config.cost_correction
-                                     if config.backend == "torch" else 0)
+                                     correction_window=config.correction_window)
         self._prefixes = self._stats.prefixes  # the device prefix cache (vLLM's APC)
         self._copies = HostCopies(cpu_blocks, config.block_size) if cpu_blocks else None
         self._profiler = SwapInProfiler()

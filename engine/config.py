@@ -7,6 +7,7 @@ from typing import Literal
 
 import attrs
 
+from engine.cost_model_correction import DEFAULT_WINDOW
 from engine.errors import ConfigError
 
 Backend = Literal["torch", "sim"]
@@ -66,12 +67,12 @@ class EngineConfig:
     """Torch backend: a profile JSON fitted on this machine (`shunter profile fit`) whose cost
     model the policies predict iterations with (BROS §4.1: profiled offline); None: the engine
     fits one online from its own iterations."""
-    cost_correction: int = 8
+    cost_correction: int | None = None
     """Torch backend: the policies predict with that model times a running median of measured /
     predicted time over the latest this-many steps of the same phase (with prefill tokens, or
     decode only), so predictions follow the host's speed as it drifts (a busier machine, heat,
-    another clock; engine/cost_model_correction.py); 0: the model alone. The simulator never
-    corrects: its steps take its model's time."""
+    another clock; engine/cost_model_correction.py); 0: the model alone; None: 8 steps. The
+    simulator never corrects (its steps take its model's time): a window there is refused."""
     record_iterations: bool = False
     """Keep a per-iteration log in the scheduler (`Engine.take_iteration_log`; for benchmarks)."""
     charge_scheduler_time: bool = False
@@ -89,6 +90,13 @@ class EngineConfig:
     pipeline_link: str = "a100-internode"
     """Sim backend: the link between pipeline stages (a name in sim/network.py's LINKS)."""
 
+    @property
+    def correction_window(self) -> int:
+        """The online cost-model correction's window this engine runs with (0: none)."""
+        if self.backend != "torch":
+            return 0
+        return DEFAULT_WINDOW if self.cost_correction is None else self.cost_correction
+
     def __attrs_post_init__(self) -> None:
         if self.cpu_swap_blocks is not None and self.cpu_swap_blocks < 0:
             raise ConfigError(f"cpu_swap_blocks must be >= 0, got {self.cpu_swap_blocks}")
@@ -97,8 +105,12 @@ class EngineConfig:
                      "threads", "inbox_size", "pipeline_stages", "pipeline_microbatches"):
             _positive(name, getattr(self, name))
         _positive("scheduler_time_scale", self.scheduler_time_scale)
-        if self.cost_correction < 0:
+        if self.cost_correction is not None and self.cost_correction < 0:
             raise ConfigError(f"cost_correction must be >= 0 (0: off), got {self.cost_correction}")
+        if self.cost_correction and self.backend != "torch":
+            raise ConfigError(f"cost_correction is for the torch backend (the simulator's steps "
+                              f"take its model's time: nothing to correct), got backend "
+                              f"{self.backend!r}")
         if self.charge_scheduler_time and self.backend != "sim":
             raise ConfigError("charge_scheduler_time is for the sim backend (a real backend's "
                               f"clock already includes the scheduler), got backend {self.backend!r}")

@@ -75,12 +75,15 @@ def test_the_simulator_never_corrects():
                            output_tokens=20, ttft_ms=400.0, tpot_ms=200.0) for i in range(20))
     workload = Workload(name="rt", description="", params={}, requests=rt, duration_s=0.4)
     base = EngineConfig(backend="sim", num_blocks=400)
-    on, off = (run_one(BROS, workload, attrs.evolve(base, cost_correction=w), progress=False)
-               for w in (16, 0))
-    assert on.error is None and off.error is None
-    assert list(on.log.predictions) == list(off.log.predictions)
+    with pytest.raises(ConfigError, match="cost_correction is for the torch backend"):
+        attrs.evolve(base, cost_correction=16)  # a window there would be ignored: refused
+    assert base.correction_window == 0
+    default, off = (run_one(BROS, workload, c, progress=False)
+                    for c in (base, attrs.evolve(base, cost_correction=0)))
+    assert default.error is None and off.error is None
+    assert list(default.log.predictions) == list(off.log.predictions)
     measured = ("scheduler_ms_per_iteration", "scheduler_share")  # this CPU's time
-    assert ({k: v for k, v in on.metrics.as_dict().items() if k not in measured}
+    assert ({k: v for k, v in default.metrics.as_dict().items() if k not in measured}
             == {k: v for k, v in off.metrics.as_dict().items() if k not in measured})
     # charged, every step takes longer than the model by the scheduler's CPU time: a
     # correction would follow it; the sim's predictions stay its model's
@@ -90,6 +93,8 @@ def test_the_simulator_never_corrects():
     assert list(charged.log.raw_predictions) == [p for p, _ in charged.log.predictions]
 
 
-def test_a_negative_window_is_refused():
+def test_a_negative_window_is_refused_and_the_default_is_8_steps_on_torch():
     with pytest.raises(ConfigError, match="cost_correction must be >= 0"):
         EngineConfig(cost_correction=-1)
+    assert EngineConfig().correction_window == 8
+    assert EngineConfig(cost_correction=0).correction_window == 0
