@@ -127,7 +127,9 @@ def test_prefetched_from_peers_the_pipeline_link_carries_weights_and_kv(tmp_path
     assert net.restore_stalls == [] and event["stall_s"] == 0.0
 
 
-def test_a_replaced_policy_s_restore_settings_apply_to_the_next_restore():
+def test_a_replaced_policy_s_restore_settings_reach_the_groups_follow():
+    """What the next restore reads: `SimGroups.follow` takes a replaced policy's settings (the
+    restore itself reads `groups.restore_prefetch`/`restore_from`, as the tests above show)."""
     from types import SimpleNamespace
 
     from engine.policy import MemorySettings
