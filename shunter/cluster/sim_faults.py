@@ -26,20 +26,18 @@ import anyio
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.messages import Regroup
+from shunter.cluster.sim_restore import restore_bytes
 from sim.exchange import SimExchange
-from sim.network import NetworkLink
 
 
 async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
     """Dissolve `g` after `lost` members went down (see the module docstring). `groups` is
     the cluster's `SimGroups`, which no longer lists `g`; `ask(send, make)` sends a message
     made with a reply and waits for the answer."""
-    layers = groups.model.num_layers
-    per_layer = groups.model.weight_bytes / layers
     survivors = [m for m in g.members if m not in lost]
-    reload = {m: int(per_layer * (layers - len(r)))
-              for m, r in zip(g.members, g.layers) if m in survivors}
-    host = NetworkLink(name="host copy", latency_s=0.0, bytes_per_s=groups.host_bytes_per_s)
+    weights, _ = restore_bytes(groups, g, used=0)
+    reload = {m: w for m, w in zip(g.members, weights) if m in survivors}
+    host = groups.host_link()
     recomputed = ()
     began = anyio.current_time()
     if g.head in survivors:
@@ -53,7 +51,7 @@ async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
             return None
 
         await stall.run([(-1, reload[g.head])], nothing)
-        solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(layers),))
+        solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(groups.model.num_layers),))
         await ask(head._scheduler_send, lambda r: Regroup(group=solo, reply=r))
     else:
         await anyio.sleep(max((host.send_s(b) for b in reload.values()), default=0.0))

@@ -72,11 +72,9 @@ async def restore(groups, g: GroupPlan, ask) -> None:
     stall = 0.0
     if groups.restore_prefetch:
         await _while_serving(groups, net, weights, kv, host)
-        if groups.groups.get(g.head) is not g:
-            return  # a member was lost meanwhile: sim_faults.py dissolves the group
-    elif groups.groups.get(g.head) is not g:
-        return
-    else:
+    if groups.groups.get(g.head) is not g:
+        return  # a member was lost (meanwhile): sim_faults.py dissolves the group
+    if not groups.restore_prefetch:
         stall = one_step_s(groups.link, host, weights, kv)
         net.hold_until = max(anyio.current_time(), net.stepped_until) + stall
     solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(groups.model.num_layers),))
