@@ -114,7 +114,16 @@ class CostModel:
         """`predict_iteration_ms` of a shape given as its five numbers (`predict_ms` without
         `copy_blocks`): packing tries a shape per candidate request, and building each as a
         BatchShape cost more than the prediction."""
-        model = 0.0 if prefill_tokens == 0 and decode_seqs == 0 else (
+        model = self.model_ms(prefill_tokens, prefill_sq, prefill_prefix, decode_seqs,
+                              decode_context)
+        if not copy_blocks or self.copy is None:
+            return model
+        return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
+
+    def model_ms(self, prefill_tokens: int, prefill_sq: int, prefill_prefix: int,
+                 decode_seqs: int, decode_context: int) -> float:
+        """The model's time alone, no copies (0 for an empty step)."""
+        return 0.0 if prefill_tokens == 0 and decode_seqs == 0 else (
             self.a_ms
             + self.b_ms_per_prefill_token * prefill_tokens
             + self.c_ms_per_prefill_token_sq * prefill_sq
@@ -122,9 +131,6 @@ class CostModel:
             + self.d_ms_per_decode_seq * decode_seqs
             + self.e_ms_per_decode_context_token * decode_context
             + (self.g_ms_multi_row if prefill_tokens + decode_seqs > 1 else 0.0))
-        if not copy_blocks or self.copy is None:
-            return model
-        return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
 
 
 LLAMA3_8B_A100 = CostModel(

@@ -36,14 +36,11 @@ class CorrectedCostModel(CostModel):
     decode_factor: float = 1.0
     prefill_factor: float = 1.0
 
-    def iteration_of(self, prefill_tokens: int, prefill_sq: int, prefill_prefix: int,
-                     decode_seqs: int, decode_context: int, copy_blocks: int = 0) -> float:
-        model = CostModel.iteration_of(self, prefill_tokens, prefill_sq, prefill_prefix,
-                                       decode_seqs, decode_context) * (
+    def model_ms(self, prefill_tokens: int, prefill_sq: int, prefill_prefix: int,
+                 decode_seqs: int, decode_context: int) -> float:
+        return super().model_ms(prefill_tokens, prefill_sq, prefill_prefix, decode_seqs,
+                                decode_context) * (
             self.prefill_factor if prefill_tokens else self.decode_factor)
-        if not copy_blocks or self.copy is None:
-            return model
-        return max(model, self.copy.copy_ms(copy_blocks, copy_blocks * self.block_bytes))
 
 
 class Correction:
