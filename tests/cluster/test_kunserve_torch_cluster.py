@@ -79,8 +79,8 @@ class FaultBurst:
                 if started is not None and len(self.got[i]) >= 2:
                     started.set()
 
-    async def until_grouped(self, cluster: Cluster, tg, count: int):
-        """Start requests 0 .. count-1 in `tg`; return the group the monitor forms."""
+    async def start(self, cluster: Cluster, tg, count: int) -> None:
+        """Start requests 0 and 1 in `tg`, and once each streamed 2 tokens, 2 .. count-1."""
         started = [anyio.Event() for _ in range(2)]
         for i in range(2):
             tg.start_soon(self.one, cluster, i, started[i])
@@ -88,6 +88,10 @@ class FaultBurst:
             await ev.wait()
         for i in range(2, count):
             tg.start_soon(self.one, cluster, i)
+
+    async def until_grouped(self, cluster: Cluster, tg, count: int):
+        """`start` them; return the group the monitor forms."""
+        await self.start(cluster, tg, count)
         while not cluster.groups.groups:
             await anyio.sleep(0.002)
         (group,) = cluster.groups.groups.values()

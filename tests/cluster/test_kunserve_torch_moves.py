@@ -189,13 +189,7 @@ async def test_head_lost_while_grouped_streamed_requests_end_clearly_the_rest_go
             try:
                 with anyio.fail_after(180):
                     async with anyio.create_task_group() as tg:
-                        started = [anyio.Event() for _ in range(2)]
-                        for i in range(2):
-                            tg.start_soon(run.one, cluster, i, started[i])
-                        for ev in started:
-                            await ev.wait()
-                        for i in range(2, burst):
-                            tg.start_soon(run.one, cluster, i)
+                        await run.start(cluster, tg, burst)
                         await _admitted(streams, range(2, burst))
                         await cluster.groups.form(GroupPlan(
                             group_id=1, members=(0, 1), layers=(range(2), range(2, 4))))
