@@ -128,6 +128,10 @@ class BidirectionalMemory:
                 plan.work[rid], plan.block_targets[rid] = n, 0
                 if requests[rid].state == "swapped":
                     plan.swapped_in.append(requests[rid].view())
+        for rid, _ in left:  # left out holding no KV: out of the table, which only learns of
+            # an end the executor knew of or that held blocks (actors/scheduler.py `_finish`)
+            if rid not in plan.work and rid in t and not t.tokens(rid):
+                t.free(rid)
         self.overwriting_steps += t.checkpointed_slots_total > checkpointed
         blocks, sent = [], self._sent
         for rid in plan.work:
