@@ -101,16 +101,38 @@ class GroupNetwork:
     """When the group's last step ends: where a one-step restore's copies can begin."""
     hold_until: float = 0.0
     """A `restore_prefetch off` restore (shunter/cluster/sim_restore.py): the head's first step
-    alone starts no earlier, its copies over every link landing first."""
+    alone starts no earlier, its copies over every link landing first; moved by `hold_to` (a
+    member lost before they landed: the head's own reload from its host copy instead,
+    shunter/cluster/sim_faults.py)."""
+    hold_why: str = "restore"
     restore_stalls: list[float] = attrs.field(factory=list)
     """Virtual seconds the head's first step alone waited for them, one per such restore."""
+    fault_holds: list[float] = attrs.field(factory=list)
+    """The same for a hold a fault moved (its reload, not a restore's copies)."""
+    _moved: anyio.Event | None = None
+
+    def hold_to(self, until: float, why: str) -> None:
+        """The head's first step alone waits until `until` (a waiter already holding follows)."""
+        self.hold_until, self.hold_why = until, why
+        if self._moved is not None:
+            self._moved.set()
+            self._moved = None
+
+    async def held(self) -> float:
+        """Until `hold_until`, following any `hold_to` meanwhile; the seconds waited."""
+        began = anyio.current_time()
+        while (wait := self.hold_until - anyio.current_time()) > 0:
+            if self._moved is None:
+                self._moved = anyio.Event()
+            with anyio.move_on_after(wait):
+                await self._moved.wait()
+        return anyio.current_time() - began
 
     async def hold(self) -> None:
         """Called by the runner at its first step alone again: waits out `hold_until`."""
-        wait = self.hold_until - anyio.current_time()
-        if wait > 0:
-            self.restore_stalls.append(wait)
-            await anyio.sleep(wait)
+        waited = await self.held()
+        if waited > 0:
+            (self.restore_stalls if self.hold_why == "restore" else self.fault_holds).append(waited)
 
 
 @attrs.frozen

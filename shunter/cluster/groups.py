@@ -63,6 +63,8 @@ class SimGroups:
         """The coordinator's monitor (read for its plan counts in the report)."""
         self.reloading: set[int] = set()
         """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
+        self.one_step: dict = {}
+        """Heads in a one-step restore, until its copies land (sim_restore.py `OneStep`)."""
         self.counters = ClusterCounters()
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None

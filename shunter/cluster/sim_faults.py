@@ -13,6 +13,10 @@ a member of a group marked down):
   client sees a pause, not an error). The head's pool shrinks back to its own at once (nothing
   is held after the recompute) and its pipeline waits behind the reload: no step runs until
   its layers are back;
+- a member lost while a one-step restore's copies are under way (`restore_prefetch off`,
+  sim_restore.py), the head told to serve alone already: the same, without a second switch;
+  the head's first step alone waits for its layers from its host copy from the loss (not for
+  the copies, which never land), and the restore is not counted (`_solo_already`);
 - a lost head took the group's requests (the head's engine held them all): each ends with the
   head engine's error, and the members, which hold none, reload and serve alone.
 New requests for the group's members go to its head until the reload is done, then to each
@@ -28,6 +32,7 @@ from engine.cluster.messages import GroupsChanged
 from engine.messages import Regroup
 from shunter.cluster.sim_restore import restore_bytes
 from sim.exchange import SimExchange
+from sim.network import NetworkLink
 
 
 async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
@@ -40,8 +45,13 @@ async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
     host = groups.host_link()
     recomputed = ()
     began = anyio.current_time()
-    if g.head in survivors:
-        head = groups.instances[g.head].engine
+    window = groups.one_step.pop(g.head, None)
+    if window is not None:  # a one-step restore's copies were under way: was it switched yet?
+        await window.decided.wait()
+    head = groups.instances[g.head].engine
+    if g.head in survivors and window is not None and window.solo:
+        recomputed = await _solo_already(groups, g.head, reload[g.head], host, ask)
+    elif g.head in survivors:
         stall = SimExchange(host, coordinated=False)  # the pipeline waits for its layers
         head.backend.runner.network.exchanges.append(stall)
         recomputed = await ask(head._scheduler_send, lambda r: Regroup(
@@ -62,4 +72,22 @@ async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
     c.recomputed_requests += len(recomputed)
     c.events.append({"t": anyio.current_time(), "event": "fault", "members": list(g.members),
                      "lost": lost, "recomputed": len(recomputed),
+                     "in_restore": window is not None and window.solo,
                      "reload_s": anyio.current_time() - began})
+
+
+async def _solo_already(groups, index: int, weight_bytes: int, host: NetworkLink,
+                        ask) -> tuple:
+    """A member lost while a one-step restore's copies were under way, after the head's switch
+    to serving alone: what it was to receive from the lost member never lands (the torch head's
+    restore step fails the same way, gpu/restore_kv.py). Its requests are recomputed, as for any
+    loss while grouped, and its first step alone waits for its dropped layers from its host copy
+    from now instead of for the copies (`GroupNetwork.hold_to`); it is solo already."""
+    head = groups.instances[index].engine
+    net = head.backend.runner.network
+    until = anyio.current_time() + host.send_s(weight_bytes)
+    net.hold_to(until, "fault")
+    recomputed = await ask(head._scheduler_send, lambda r: Regroup(
+        recompute=True, pool_blocks=groups.base_pools[index], reply=r))
+    await anyio.sleep(max(0.0, until - anyio.current_time()))
+    return recomputed

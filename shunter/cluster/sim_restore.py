@@ -21,12 +21,14 @@ the last lands; `off`, the restore happens at one step boundary: the group stops
 step in flight, or now if it is idle), every link copies at once, and the head's first step
 alone starts when the slowest has landed (`GroupNetwork.hold`, sim/group.py); the members
 serve alone from then too. The stall is `max_m copy_m`, copy_m = link(w_m + kv_m) from peers,
-max(host(w_m), link(kv_m)) from the host.
+max(host(w_m), link(kv_m)) from the host. A member lost before they land: sim_faults.py (one
+fault: the head recomputes and reloads from its host copy; no restore).
 """
 
 from __future__ import annotations
 
 import anyio
+import attrs
 import structlog
 
 from engine.cluster.adoption import PoolTooSmall
@@ -59,6 +61,20 @@ def one_step_s(link: NetworkLink, host: NetworkLink | None, weights: list[int],
                 for w, k in zip(weights, kv)), default=0.0)
 
 
+@attrs.define
+class OneStep:
+    """A one-step restore under way at a group's head (`SimGroups.one_step`): whether its
+    `Regroup(solo)` took (`solo`, once `decided`). A member lost before the copies land finds
+    the head solo already (sim_faults.py `recover`: no second switch, its hold moved)."""
+
+    decided: anyio.Event = attrs.field(factory=anyio.Event)
+    solo: bool = False
+
+    def decide(self, solo: bool) -> None:
+        self.solo = solo
+        self.decided.set()
+
+
 async def restore(groups, g: GroupPlan, ask) -> None:
     """`g`'s layers and KV back as the policy says; then it dissolves (or waits for the next
     round, when the head's requests do not fit its own pool)."""
@@ -74,21 +90,29 @@ async def restore(groups, g: GroupPlan, ask) -> None:
         await _while_serving(groups, net, weights, kv, host)
     if groups.groups.get(g.head) is not g:
         return  # a member was lost (meanwhile): sim_faults.py dissolves the group
+    window = None
     if not groups.restore_prefetch:
         stall = one_step_s(groups.link, host, weights, kv)
-        net.hold_until = max(anyio.current_time(), net.stepped_until) + stall
+        net.hold_to(max(anyio.current_time(), net.stepped_until) + stall, "restore")
+        window = groups.one_step[g.head] = OneStep()
     solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(groups.model.num_layers),))
     try:
         await ask(head._scheduler_send, lambda r: Regroup(
             pool_blocks=groups.base_pools[g.head], group=solo, reply=r))
     except PoolTooSmall as exc:
-        net.hold_until = 0.0  # nothing stopped: the restore is tried again next round
+        net.hold_to(0.0, "restore")  # nothing stopped: the restore is tried again next round
+        if window is not None:
+            groups.one_step.pop(g.head, None)
+            window.decide(False)
         groups.counters.restore_retries += 1
         log.info("restore postponed", head=g.head, why=str(exc))
         await groups.coordinator.send(GroupsChanged())  # keep the restore trigger armed
         return
-    if not groups.restore_prefetch:  # the members' copies land with the head's
-        await anyio.sleep(max(0.0, net.hold_until - anyio.current_time()))
+    if window is not None:  # the members' copies land with the head's
+        window.decide(True)
+        await net.held()  # (a member lost meanwhile moves it: its reload instead)
+        if groups.one_step.get(g.head) is window:
+            del groups.one_step[g.head]
         if groups.groups.get(g.head) is not g:
             return
     del groups.groups[g.head]

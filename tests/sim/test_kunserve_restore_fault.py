@@ -1,0 +1,93 @@
+"""A group member lost while a one-step restore's copies are under way (`restore_prefetch off`,
+shunter/cluster/sim_restore.py and sim_faults.py, §4.4). The head has been told to serve alone
+(or is about to be, its last grouped step in flight) and waits for the copies; what the lost
+member was to send never lands. As for any loss while grouped, and as the torch head's
+restore step fails (gpu/restore_kv.py): its requests are recomputed, once each, and it serves
+alone once its dropped layers are back from its host copy, counted from the loss, not when the
+copies would have landed; the restore is not counted, the fault is, once."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+import trio
+import trio.testing
+
+import shunter
+from engine.config import EngineConfig
+from policies import policy_path
+from shunter.cluster.cluster import Cluster
+
+
+async def _lose_in_the_window(policy: str, switched: bool):
+    config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300, policy=policy)
+    async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
+        ends, long, seen = [], [], {}
+
+        async def one(i: int, max_tokens: int, out: list) -> None:
+            await anyio.sleep(i * 0.005)
+            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True))
+            out.append((done.finish_reason, len(done.token_ids), done.timeline))
+
+        with anyio.fail_after(300):  # virtual seconds: a request left without an end hangs
+            async with anyio.create_task_group() as tg:
+                for i in range(40):
+                    tg.start_soon(one, i, 200, ends)
+                for i in range(2):  # across the restore (4 calm seconds after the burst)
+                    tg.start_soon(one, i, 1500, long)
+                while not cluster.groups.groups:
+                    await anyio.sleep(0.01)
+                (head, g), = cluster.groups.groups.items()
+                runner = cluster.instances[head].engine.backend.runner
+                # the window: the copies are timed (hold_until ahead) and the head has switched
+                # (its runner alone, held) or not yet (its last grouped step in flight)
+                while not (runner.network.hold_until > anyio.current_time()
+                           and (runner.group is None) == switched):
+                    await anyio.sleep(0.01)
+                seen.update(t=anyio.current_time(), stale=runner.network.hold_until,
+                            stepped=runner.network.stepped_until,
+                            live=(await cluster.instances[head].engine.inspect()
+                                  ).scheduler.live_requests)
+                await cluster.instances[g.members[1]].engine._scheduler_send.send("not a message")
+            snap = await cluster.wait_idle()
+            after = await cluster.complete(list(range(1, 9)), shunter.SamplingParams(
+                max_tokens=4, ignore_eos=True))
+        return ends, long, seen, snap, after, cluster, head, g
+
+
+@pytest.mark.parametrize("switched", [True, False], ids=["held_alone", "last_step"])
+def test_a_member_lost_before_a_one_step_restore_lands_is_one_fault(tmp_path, switched):
+    policy = tmp_path / "off.policy"
+    policy.write_text(f'policy k extends "{policy_path("kunserve")}" {{\n'
+                      f'  memory {{ restore_prefetch off; restore_from peer }}\n}}\n')
+    ends, long, seen, snap, after, cluster, head, g = trio.run(
+        _lose_in_the_window, str(policy), switched,
+        clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted({(r, k) for r, k, _ in ends}) == [("length", 200)] and len(ends) == 40
+    assert sorted((r, k) for r, k, _ in long) == [("length", 1500)] * 2
+    groups = cluster.groups
+    c = groups.counters
+    assert (c.groups_formed, c.restores, c.faults) == (1, 0, 1)
+    (fault,) = [e for e in c.events if e["event"] == "fault"]
+    assert fault["lost"] == [g.members[1]]
+    # every request live at the loss recomputed once (the lost member's KV never landed)
+    assert len(seen["live"]) == 2 and fault["recomputed"] == c.recomputed_requests == 2
+    # the head serves alone once its own dropped layers are back from the host, counted from
+    # the loss (seen by the monitor's next round), not when the copies would have landed
+    layers = groups.model.num_layers
+    reload_s = groups.host_link().send_s(
+        int(groups.model.weight_bytes / layers * (layers - len(g.layers[0]))))
+    assert seen["stale"] - seen["t"] > reload_s + 0.3  # the window is wide enough to tell
+    assert reload_s <= fault["reload_s"] < reload_s + 0.1
+    assert fault["t"] < seen["stale"]
+    for _, _, t in long:  # (the last grouped step's token, when it was in flight, came before)
+        first = next(x for x in t.token_times if x > max(seen["t"], seen["stepped"]) + 1e-6)
+        assert seen["t"] + reload_s <= first < seen["stale"]
+    assert fault["in_restore"]
+    net = groups.instances[head].engine.backend.runner.network
+    assert net.restore_stalls == [] and len(net.fault_holds) == 1
+    assert net.fault_holds[0] <= reload_s + 0.1
+    s = snap.snapshots[head]
+    assert s.scheduler.total_blocks == 300 and s.allocator.allocated_blocks == 0
+    assert not cluster.table.redirect and after.finish_reason == "length"
