@@ -13,7 +13,7 @@ schedules) and tests/shunter/test_chaos_bros_torch.py (the torch backend, output
   must still hold its request's KV;
 - after each fit, requests in an awkward state are cancelled by their client with a seeded
   probability: those whose checkpoints or whole KV come back in that very step (the copies in
-  flight), displaced ones, swapped-out ones, owners of a shared block, RT requests that just
+  flight), displaced ones, swapped-out ones (BE and RT), owners of a shared block, RT requests that just
   overwrote BE slots;
 - the scheduler's admissions and endings are recorded, so that every admitted request is seen
   to end exactly once and with the reason its client saw.
@@ -38,19 +38,28 @@ from engine.memory.slot_runs import physical_slot
 from shunter import SamplingParams, SchedulingParams
 from tests.engine.memory.test_bidirectional import SlotModel
 
-AWKWARD = ("swap_back", "displaced", "swapped", "shared", "overwriting")
+AWKWARD = ("swap_back", "displaced", "swapped_be", "swapped_rt", "shared", "overwriting")
 """The states `Watch` cancels requests in (counted in `Watch.hits`)."""
+
+
+class _Slots(dict):
+    def __missing__(self, slot: int) -> None:  # a slot never written holds no one's KV
+        return None
 
 
 class TagModel(SlotModel):
     """SlotModel over a whole engine step: the step's copies in order, each batch a gather (all
     its reads before its writes), then every request of the step writes its new positions."""
 
+    def __init__(self, t) -> None:
+        super().__init__(t)
+        self.device, self.host = _Slots(), _Slots()
+
     def step(self, transfers, work: dict[int, int], computed: dict[int, int]) -> None:
         for t in transfers:
             src = self.device if t.direction in ("out", "move") else self.host
             dst = self.host if t.direction == "out" else self.device
-            read = [(d, src.get(s)) for s, d in t.pairs]
+            read = [(d, src[s]) for s, d in t.pairs]
             for d, tag in read:
                 dst[d] = tag
         bs = self.t.block_size
@@ -78,6 +87,14 @@ class Watch:
     seen: Counter = attrs.field(factory=Counter)
     """Fits in which some request was in each awkward state."""
     fits: int = 0
+    broken: list[str] = attrs.field(factory=list)
+    """The first invariant check that failed after a fit (at most one)."""
+    aborted_live: set[int] = attrs.field(factory=set)
+    """Requests whose cancel reached the scheduler while they were live: they end cancelled."""
+    idle: bool = True
+    """The engine went idle once the clients were done (False: something never ended)."""
+    errors: list[str] = attrs.field(factory=list)
+    """Clients' errors (`client_errors`)."""
     client: dict[int, str | None] = attrs.field(factory=dict)
     """Request id -> the finish reason its client read (None: it cancelled first)."""
 
@@ -85,14 +102,19 @@ class Watch:
         t = mem.table
         model = self.models.setdefault(id(mem), TagModel(t))
         computed = {rid: requests[rid].computed_tokens for rid in plan.work}
-        model.step(orders.transfers, dict(plan.work), computed)
-        model.check()
         self.fits += 1
+        if self.broken:  # the model has diverged from the table: checked no further
+            return
+        model.step(orders.transfers, dict(plan.work), computed)
+        try:
+            model.check()
+        except AssertionError as exc:  # not raised inside the scheduler: it would stop it
+            self.broken.append(f"fit {self.fits}: {type(exc).__name__}: {exc}".splitlines()[0])
         states: dict[str, set[int]] = {k: set() for k in AWKWARD}
         states["swap_back"] = {x.request_id for x in orders.transfers if x.direction == "in"}
         for rid in t.requests():
-            if t.swapped(rid):
-                states["swapped"].add(rid)
+            if t.swapped(rid):  # §5.2's extreme case drops BE first, then RT
+                states["swapped_be" if t.is_reversed(rid) else "swapped_rt"].add(rid)
             elif t.displaced(rid):
                 states["displaced"].add(rid)
         for b in range(t.num_total):
@@ -109,7 +131,9 @@ class Watch:
 
     def leftovers(self) -> list[str]:
         """What is not back once the engine is idle (empty when nothing leaked)."""
-        out = []
+        out = list(self.broken)
+        if not self.idle:
+            out.append("the engine never went idle")
         for mem in self.memories:
             t = mem.table
             if t.requests():
@@ -154,11 +178,12 @@ class Watch:
             reason, error = ends[0]
             if reason == "error":
                 out.append(f"request {rid} failed: {error}")
+            elif rid in self.aborted_live and reason != "cancelled":
+                out.append(f"request {rid} was cancelled while live but ended {reason}")
             elif rid in client and client[rid] is not None and client[rid] != reason:
                 out.append(f"request {rid}: the client read {client[rid]}, it ended {reason}")
-            elif rid in client and client[rid] is None and reason not in (
-                    "cancelled", "stop", "length"):
-                out.append(f"request {rid} was cancelled but ended {reason}")
+            elif rid not in self.aborted_live and reason not in ("stop", "length"):
+                out.append(f"request {rid} was not cancelled while live but ended {reason}")
         return out
 
 
@@ -167,7 +192,7 @@ def watching(watch: Watch) -> Iterator[Watch]:
     """Wrap the engine's classes for `watch` while the block runs."""
     fit, mem_init = BidirectionalMemory.fit, BidirectionalMemory.__init__
     pool_init, sched_init = SwapPool.__init__, Scheduler.__init__
-    add, finish = Scheduler._add, Scheduler._finish
+    add, finish, abort = Scheduler._add, Scheduler._finish, Scheduler._abort
 
     def fit_watched(self, plan, requests, release):
         orders = fit(self, plan, requests, release)
@@ -190,19 +215,24 @@ def watching(watch: Watch) -> Iterator[Watch]:
         watch.admitted.append(msg.request_id)
         add(self, msg)
 
+    def aborted(self, rid, reason):
+        if rid in self._live and reason == "cancelled":
+            watch.aborted_live.add(rid)
+        abort(self, rid, reason)
+
     def finished(self, req, reason, error=None):
         watch.ended.setdefault(req.id, []).append((reason, error))
         finish(self, req, reason, error)
 
     BidirectionalMemory.fit, BidirectionalMemory.__init__ = fit_watched, mem_made
     SwapPool.__init__, Scheduler.__init__ = pool_made, sched_made
-    Scheduler._add, Scheduler._finish = added, finished
+    Scheduler._add, Scheduler._finish, Scheduler._abort = added, finished, aborted
     try:
         yield watch
     finally:
         BidirectionalMemory.fit, BidirectionalMemory.__init__ = fit, mem_init
         SwapPool.__init__, Scheduler.__init__ = pool_init, sched_init
-        Scheduler._add, Scheduler._finish = add, finish
+        Scheduler._add, Scheduler._finish, Scheduler._abort = add, finish, abort
 
 
 @attrs.define
@@ -223,7 +253,16 @@ class Client:
     scope: object = None
     stream: object = None
 
+    error: str | None = None
+    """What the client's stream raised (a failed request, a dead engine)."""
+
     async def run(self, engine) -> None:
+        try:
+            await self._run(engine)
+        except Exception as exc:  # noqa: BLE001 - reported by `client_errors`
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    async def _run(self, engine) -> None:
         await anyio.sleep(self.start_s)
         with anyio.CancelScope() as self.scope:
             if self.cancel_after_s is not None:
@@ -261,3 +300,7 @@ async def drive(engine, clients: list[Client]) -> dict[int, str | None]:
             tg.start_soon(c.run, engine)
     return {c.stream.request_id: c.finish for c in clients
             if c.stream is not None and c.stream.request_id is not None}
+
+
+def client_errors(clients: list[Client]) -> list[str]:
+    return [f"{c.label}: {c.error}" for c in clients if c.error is not None]
