@@ -171,6 +171,9 @@ def run_modes(args) -> None:
             "restore_s": [round(e["restore_s"], 4) for e in restores],
             "modelled_stall_s": [round(e["stall_s"], 4) for e in restores],
             "restored_gb": [round(e["copied_bytes"] / 1e9, 3) for e in restores],
+            "kv_mb_before": [round(e.get("kv_bytes_before", 0) / 1e6, 1) for e in restores],
+            "kv_mb_at": [round(e.get("kv_bytes_at", e["kv_bytes"]) / 1e6, 1) for e in restores],
+            "weight_gb_at": [round(e.get("weight_bytes_at", 0) / 1e9, 3) for e in restores],
             "events": [[round(e["t"], 1), e["event"], e["members"]] for e in cluster["events"]],
             "wall_s": wall, "code": bench.code_version()}
         r = report["runs"][name]

@@ -13,6 +13,7 @@ last byte lands: requests wait only for their own chunks, in the order they are 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
@@ -41,6 +42,7 @@ class SimExchange:
         """Link time activations took while KV was queued (coordinated)."""
         self.stalled_s = 0.0
         """Time activations waited behind KV."""
+        self._queue: deque[tuple[int, int]] | None = None
 
     def _send_s(self, nbytes: int) -> float:
         if not self.coordinated:
@@ -68,10 +70,13 @@ class SimExchange:
 
     async def run(self, queue: Sequence[tuple[int, int]],
                   arrived: Callable[[int], Awaitable[None]]) -> None:
-        """Send (request id, bytes) in order; `arrived(id)` once each request's last byte lands."""
+        """Send (request id, bytes) in order; `arrived(id)` once each request's last byte lands.
+        `add` queues more behind them while this runs."""
         self.start = anyio.current_time()
+        self._queue = deque(queue)
         self.busy_until = self.start + sum(self._send_s(b) for _, b in queue)
-        for rid, nbytes in queue:
+        while self._queue:
+            rid, nbytes = self._queue.popleft()
             stolen = self.stolen_s
             await anyio.sleep(self._send_s(nbytes))
             while self.stolen_s > stolen:  # activations went first: the chunks come later
@@ -79,7 +84,16 @@ class SimExchange:
                 await anyio.sleep(extra)
             self.sent_bytes += nbytes
             await arrived(rid)
+        self._queue = None
         self.busy_until = min(self.busy_until, anyio.current_time())
+
+    def add(self, rid: int, nbytes: int) -> bool:
+        """Queue (rid, bytes) behind what `run` still sends; False when it has ended."""
+        if self._queue is None:
+            return False
+        self._queue.append((rid, nbytes))
+        self.busy_until = max(self.busy_until, anyio.current_time()) + self._send_s(nbytes)
+        return True
 
 
 def group_wait(exchanges: Sequence[SimExchange], now: float) -> float:

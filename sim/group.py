@@ -23,6 +23,7 @@ sim/exchange.py says.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import anyio
 import attrs
@@ -97,6 +98,17 @@ class GroupNetwork:
     """Steps whose time that wait set (longer than the steady-state period)."""
     chain_extra_s: float = 0.0
     """The time it added over those steps."""
+    block_size: int = 16
+    computed: dict[int, int] = attrs.field(factory=dict)
+    """The head's record of each live request's tokens whose KV every member wrote, from the
+    grouped steps it sent (as the torch head keeps it, gpu/restore_kv.py `note_step`): what a
+    restore moves is counted from it (shunter/cluster/sim_restore.py)."""
+    named: dict[int, int] | None = None
+    """While a restore prefetch runs: request -> its leading full blocks sent to the head so
+    far (a request reset or released since is forgotten)."""
+    on_fill: Callable[[int], None] | None = None
+    """While a restore prefetch runs: told the blocks each grouped step fills beyond `named`
+    (they go to the head behind the step's activations)."""
     stepped_until: float = 0.0
     """When the group's last step ends: where a one-step restore's copies can begin."""
     hold_until: float = 0.0
@@ -127,6 +139,28 @@ class GroupNetwork:
             with anyio.move_on_after(wait):
                 await self._moved.wait()
         return anyio.current_time() - began
+
+    def note_step(self, step: ExecuteStep) -> None:
+        """A grouped step as the head sends it: its requests' tokens computed once it ran;
+        with a restore prefetch, the blocks it fills (`on_fill`)."""
+        named = self.named
+        for u in step.blocks:
+            if u.reset:
+                self.computed.pop(u.request_id, None)
+                if named is not None:
+                    named.pop(u.request_id, None)
+        for rid in step.release:
+            self.computed.pop(rid, None)
+            if named is not None:
+                named.pop(rid, None)
+        filled = 0
+        for w in step.seqs:
+            c = self.computed[w.request_id] = w.start + w.num_tokens
+            if named is not None and (hi := c // self.block_size) > named.get(w.request_id, 0):
+                filled += hi - named.get(w.request_id, 0)
+                named[w.request_id] = hi
+        if filled and self.on_fill is not None:
+            self.on_fill(filled)
 
     async def hold(self) -> None:
         """Called by the runner at its first step alone again: waits out `hold_until`."""
@@ -234,6 +268,7 @@ class SimGroup:
 
     async def step(self, step: ExecuteStep) -> StepFinished:
         now = anyio.current_time()
+        self.net.note_step(step)
         keyed = self._microbatches(step) if step.seqs else []
         micro = [[(s, n) for _, s, n in mb] for mb in keyed]
         k = len(self.shares)
@@ -291,4 +326,5 @@ def enter_group(plan: GroupPlan, cost: CostModel, net: GroupNetwork | None,
     if net is None:
         raise RuntimeError("this simulated instance was asked to head a pipeline group but its "
                            "cluster gave it no network (sim/group.py GroupNetwork)")
+    net.computed.clear()  # (the torch head's record is its group runner's)
     return SimGroup(plan, cost, net, token_id)

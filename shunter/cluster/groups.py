@@ -54,6 +54,7 @@ class SimGroups:
         self.host_bytes_per_s = copy * 1e9
         """Where a member's dropped layers come back from after a fault: its host copy, over
         the profile's host link (32 GB/s, PCIe 4.0 x16, when the profile names none)."""
+        self.block_size = block_size
         self.block_bytes = model.block_bytes(block_size)
         self.weight_blocks = model.weight_bytes // self.block_bytes
         self.groups: dict[int, GroupPlan] = {}
@@ -70,7 +71,7 @@ class SimGroups:
         self._tg: anyio.abc.TaskGroup | None = None
         for inst in instances:
             inst.engine.backend.runner.network = GroupNetwork(
-                link=link, model=model, microbatch=memory.microbatch)
+                link=link, model=model, microbatch=memory.microbatch, block_size=block_size)
 
     def follow(self, settings) -> None:
         """A replaced policy's memory settings: exchanges and groups formed from now on use

@@ -40,7 +40,7 @@ async def recover(groups, g: GroupPlan, lost: list[int], ask) -> None:
     the cluster's `SimGroups`, which no longer lists `g`; `ask(send, make)` sends a message
     made with a reply and waits for the answer."""
     survivors = [m for m in g.members if m not in lost]
-    weights, _ = restore_bytes(groups, g, used=0)
+    weights, _ = restore_bytes(groups, g, 0)
     reload = {m: w for m, w in zip(g.members, weights) if m in survivors}
     host = groups.host_link()
     recomputed = ()

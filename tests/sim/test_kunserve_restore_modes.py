@@ -55,22 +55,56 @@ def _run(tmp_path, prefetch: str, source: str):
                     clock=trio.testing.MockClock(autojump_threshold=0))
 
 
-def _expected(groups, event, source: str) -> tuple[list[int], list[int], float]:
-    """Weights and KV bytes per member (the head first), and the one-step stall, from the
-    model's shape and the links (independently of sim_restore.py)."""
-    model, layers, link = groups.model, groups.model.num_layers, groups.link
-    weights, kv, times = [], [], []
+PROMPT = 399
+
+
+def _computed(long, event) -> list[int]:
+    """Each long request's tokens with KV at the restore's step, from what its client saw: its
+    prompt and the tokens it got before the group stopped, less the last (sampled, its KV not
+    written yet)."""
+    return [PROMPT + sum(t <= event["stopped"] + 1e-9 for t in tl.token_times) - 1
+            for _, _, tl in long]
+
+
+def _expected(groups, event, long) -> dict:
+    """What moves, per member (the head first), before and at the restore's step, and the
+    stall, from the requests' lengths, the model's shape and the links (independently of
+    sim_restore.py): with the prefetch the full blocks before and each one's partly filled last
+    block at the step, without it every block at the step."""
+    model, layers, link, bs = groups.model, groups.model.num_layers, groups.link, 16
+    computed = _computed(long, event)
+    full, partial = sum(c // bs for c in computed), sum(1 for c in computed if c % bs)
+    ahead, at_step = (full, partial) if event["prefetched"] else (0, full + partial)
+    out: dict = {"weights": [], "before": [], "at": [], "blocks": full + partial}
+    times = []
     for i, kept in enumerate(event["kept_layers"]):
         w = int(model.weight_bytes / layers * (layers - kept))
-        k = 0 if i == 0 else int(event["used_blocks"] * groups.block_bytes * kept / layers)
-        weights.append(w)
-        kv.append(k)
-        if source == "peer":
-            times.append(link.latency_s + (w + k) / link.bytes_per_s)
+        block = 0 if i == 0 else groups.block_bytes * kept / layers
+        out["weights"].append(w)
+        out["before"].append(int(ahead * block))
+        out["at"].append(k := int(at_step * block))
+        w_at = 0 if event["prefetched"] else w
+        kv_s = link.latency_s + k / link.bytes_per_s if k else 0.0
+        if event["source"] == "peer":
+            times.append(link.latency_s + (w_at + k) / link.bytes_per_s if w_at + k else 0.0)
         else:
-            kv_s = link.latency_s + k / link.bytes_per_s if k else 0.0
-            times.append(max(w / groups.host_bytes_per_s, kv_s))
-    return weights, kv, max(times)
+            times.append(max(w_at / groups.host_bytes_per_s, kv_s))
+    out["stall"] = max(times)
+    return out
+
+
+def _check_bytes(groups, event, long) -> dict:
+    x = _expected(groups, event, long)
+    # the long requests' KV is all the pool holds (at the decision: the prefetch adds to it)
+    assert 0 < event["used_blocks"] <= x["blocks"]
+    assert event["prefetched"] or event["used_blocks"] == x["blocks"]
+    assert event["weight_bytes"] == sum(x["weights"])
+    assert event["weight_bytes_at"] == (0 if event["prefetched"] else sum(x["weights"]))
+    assert (event["kv_bytes_before"], event["kv_bytes_at"]) == (sum(x["before"]), sum(x["at"]))
+    assert event["stall_s"] == pytest.approx(x["stall"], rel=1e-9, abs=1e-12)
+    net = groups.instances[event["members"][0]].engine.backend.runner.network
+    assert net.restore_stalls == ([pytest.approx(x["stall"], rel=1e-9)] if x["stall"] else [])
+    return x
 
 
 @pytest.mark.parametrize("source", ["peer", "host"])
@@ -82,15 +116,11 @@ def test_a_one_step_restore_stalls_the_head_for_the_copies(tmp_path, source):
     assert c.groups_formed == 1 and c.restores == 1
     (event,) = [e for e in c.events if e["event"] == "restore"]
     assert (event["prefetched"], event["source"]) == (False, source)
-    weights, kv, stall = _expected(groups, event, source)
-    assert event["used_blocks"] > 0 and sum(kv) > 0  # live requests' KV moved
-    assert (event["weight_bytes"], event["kv_bytes"]) == (sum(weights), sum(kv))
-    assert event["stall_s"] == pytest.approx(stall, rel=1e-9)
-    net = groups.instances[event["members"][0]].engine.backend.runner.network
-    assert net.restore_stalls == [pytest.approx(stall, rel=1e-9)]
+    x = _check_bytes(groups, event, long)
+    assert sum(x["at"]) > 0 and x["stall"] > 0  # live requests' KV and every weight moved then
     # the long requests were decoding at the restore: their tokens stop for the copies
     gaps = [max(b - a for a, b in zip(t.token_times, t.token_times[1:])) for _, _, t in long]
-    assert min(gaps) >= stall
+    assert min(gaps) >= x["stall"]
 
 
 def test_from_the_host_the_weights_leave_the_pipeline_link(tmp_path):
@@ -103,28 +133,23 @@ def test_from_the_host_the_weights_leave_the_pipeline_link(tmp_path):
     assert h["stall_s"] < p["stall_s"]
 
 
-def test_prefetched_from_the_host_the_pipeline_link_carries_only_the_kv(tmp_path):
-    ends, long, groups = _run(tmp_path, "on", "host")
+@pytest.mark.parametrize("source", ["peer", "host"])
+def test_prefetched_the_full_blocks_move_before_the_step_and_the_last_ones_at_it(tmp_path,
+                                                                                 source):
+    ends, long, groups = _run(tmp_path, "on", source)
     assert sorted({(r, k) for r, k, _ in ends}) == [("length", 200)] and len(ends) == 40
     assert sorted((r, k) for r, k, _ in long) == [("length", 1500)] * 2
     (event,) = [e for e in groups.counters.events if e["event"] == "restore"]
-    assert (event["prefetched"], event["source"], event["stall_s"]) == (True, "host", 0.0)
+    assert (event["prefetched"], event["source"]) == (True, source)
+    x = _check_bytes(groups, event, long)
+    assert sum(x["before"]) > 0
     net = groups.instances[event["members"][0]].engine.backend.runner.network
-    assert sum(x.sent_bytes for x in net.exchanges) == event["kv_bytes"] > 0
-    assert net.restore_stalls == []
-    # it took as long as the slower of the host copies and the KV over the pipeline link
-    weights, kv, slowest = _expected(groups, event, "host")
-    assert event["restore_s"] >= slowest
-
-
-def test_prefetched_from_peers_the_pipeline_link_carries_weights_and_kv(tmp_path):
-    ends, long, groups = _run(tmp_path, "on", "peer")
-    assert len(ends) == 40 and sorted((r, k) for r, k, _ in long) == [("length", 1500)] * 2
-    (event,) = [e for e in groups.counters.events if e["event"] == "restore"]
-    net = groups.instances[event["members"][0]].engine.backend.runner.network
-    assert sum(x.sent_bytes for x in net.exchanges) == event["copied_bytes"]
-    assert event["copied_bytes"] == event["weight_bytes"] + event["kv_bytes"]
-    assert net.restore_stalls == [] and event["stall_s"] == 0.0
+    # the pipeline link carried the full blocks' KV while the group served, and the weights
+    # too from peers (from the host they took the host link)
+    weights = sum(x["weights"]) if source == "peer" else 0
+    assert sum(xc.sent_bytes for xc in net.exchanges) == sum(x["before"]) + weights
+    if source == "host":  # as long as the slower of the host copies and the KV on the link
+        assert event["restore_s"] >= max(w / groups.host_bytes_per_s for w in x["weights"])
 
 
 def test_a_replaced_policy_s_restore_settings_reach_the_groups_follow():
