@@ -65,6 +65,8 @@ class SimGroups:
         self.reloading: set[int] = set()
         """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
         self.one_step: dict = {}
+        self.prefetching: dict[int, anyio.CancelScope] = {}
+        """Heads whose restore prefetch runs: cancelled when a member is lost (sim_restore.py)."""
         """Heads in a one-step restore, until its copies land (sim_restore.py `OneStep`)."""
         self.counters = ClusterCounters()
         self.busy = False
@@ -102,6 +104,8 @@ class SimGroups:
                 self.faults[head] = self.faults.get(head, 0) + 1
                 self.reloading.update(g.members)  # until recover's GroupsChanged(restored)
                 log.warning("group member lost", members=g.members, lost=lost)
+                if (prefetch := self.prefetching.pop(head, None)) is not None:
+                    prefetch.cancel()  # its copies to and from the lost member end with it
                 self._tg.start_soon(recover, self, g, lost, _ask)
         if self.busy:  # a restore under way: a restore asked for now waits for the next round
             if isinstance(action, Restore):

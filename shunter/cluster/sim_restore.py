@@ -194,17 +194,23 @@ async def _while_serving(groups, g: GroupPlan, net, weights: list[int],
         return None
 
     net.on_fill = fill
-    while any(queue):
-        async with anyio.create_task_group() as tg:
-            for x, nbytes in zip(xs, queue):
-                if nbytes:
-                    tg.start_soon(x.run, [(-1, nbytes)], nothing)
-            if host is not None:
-                for w in weights:
-                    tg.start_soon(anyio.sleep, host.send_s(w))
-                host = None  # (once)
-            weights = [0] * len(weights)
-        for i, k in enumerate(late):
-            sent[i] += k
-        queue, late[:] = list(late), [0] * len(late)
+    with anyio.CancelScope() as scope:  # cancelled by a member's loss (SimGroups.act)
+        groups.prefetching[g.head] = scope
+        try:
+            while any(queue):
+                async with anyio.create_task_group() as tg:
+                    for x, nbytes in zip(xs, queue):
+                        if nbytes:
+                            tg.start_soon(x.run, [(-1, nbytes)], nothing)
+                    if host is not None:
+                        for w in weights:
+                            tg.start_soon(anyio.sleep, host.send_s(w))
+                        host = None  # (once)
+                    weights = [0] * len(weights)
+                for i, k in enumerate(late):
+                    sent[i] += k
+                queue, late[:] = list(late), [0] * len(late)
+        finally:
+            if groups.prefetching.get(g.head) is scope:
+                del groups.prefetching[g.head]
     return sent

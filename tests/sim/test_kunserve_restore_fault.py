@@ -91,3 +91,51 @@ def test_a_member_lost_before_a_one_step_restore_lands_is_one_fault(tmp_path, sw
     s = snap.snapshots[head]
     assert s.scheduler.total_blocks == 300 and s.allocator.allocated_blocks == 0
     assert not cluster.table.redirect and after.finish_reason == "length"
+
+
+async def _lose_while_prefetching(policy: str):
+    config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300, policy=policy)
+    async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
+        ends, seen = [], {}
+
+        async def one(i: int, max_tokens: int) -> None:
+            await anyio.sleep(i * 0.005)
+            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
+                max_tokens=max_tokens, ignore_eos=True))
+            ends.append((done.finish_reason, len(done.token_ids)))
+
+        with anyio.fail_after(300):
+            async with anyio.create_task_group() as tg:
+                for i in range(42):
+                    tg.start_soon(one, i, 200 if i < 40 else 1500)
+                while not cluster.groups.groups:
+                    await anyio.sleep(0.01)
+                (head, g), = cluster.groups.groups.items()
+                net = cluster.instances[head].engine.backend.runner.network
+                while net.named is None:  # the restore's copies run while the group serves
+                    await anyio.sleep(0.01)
+                seen.update(t=anyio.current_time(), live=(
+                    await cluster.instances[head].engine.inspect()).scheduler.live_requests)
+                await cluster.instances[g.members[1]].engine._scheduler_send.send("not a message")
+                while cluster.groups.busy:
+                    await anyio.sleep(0.01)
+                seen["free"] = anyio.current_time()
+            await cluster.wait_idle()
+        return ends, seen, cluster.groups, net
+
+
+def test_a_member_lost_while_a_restore_prefetches_ends_the_prefetch(tmp_path):
+    """The default restore (prefetch on, from peers): a member lost while the copies run
+    while the group serves ends them (as the torch prefetch's threads stop): the group's fault
+    is handled once (recompute, host reload) and the restore lets go at once, not when copies
+    from a lost member would have landed."""
+    ends, seen, groups, net = trio.run(
+        _lose_while_prefetching, policy_path("kunserve"),
+        clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(ends) == [("length", 200)] * 40 + [("length", 1500)] * 2
+    c = groups.counters
+    assert (c.restores, c.faults) == (0, 1)
+    (fault,) = [e for e in c.events if e["event"] == "fault"]
+    assert not fault["in_restore"] and fault["recomputed"] == len(seen["live"]) == 2
+    assert seen["free"] - seen["t"] < 0.2  # the monitor's next round, not ~1 s of copies
+    assert net.named is None and net.on_fill is None and not groups.prefetching
