@@ -96,6 +96,10 @@ class GroupStep(StageStep):
     by tokens, or lookahead's cost-balanced pieces); every member runs exactly this cut."""
 
     micro: Cut
+    kv_spans: tuple[tuple[int, int, int], ...] = ()
+    """While a restore is prefetched: (request, first block, stop block) of the blocks this step
+    fills; each member sends the head its layers of them once it ran the step
+    (gpu/restore_kv.py)."""
 
 
 @attrs.frozen(kw_only=True)

@@ -166,12 +166,12 @@ class GroupRunner:
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
         self.set_up.update(s.request_id for s in step.setups)
-        note_step(self._computed, self.stage, step)
+        spans = note_step(self._computed, self.stage, step)  # (a restore prefetch's next round)
         cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
                             min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
         check_cut(step.seqs, cut)
         self.last_cut = cut
-        msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut)
+        msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut, kv_spans=spans)
         self.last_step = time.monotonic()
         if gone := known_lost(self.ranks[1:]):
             raise lost_error(gone[0], f"step {step.step_id} was sent")
@@ -277,7 +277,7 @@ class GroupRunner:
         if prefetch is None:
             return None
         return (prefetch.check() and len(self._prefetched) == len(self.ranks) - 1
-                and not self.stage.kv_prefetch.receiver.pending())
+                and not self.stage.kv_prefetch.pending())
 
     def recover_from_host(self, lost: int) -> list[int]:
         """After member instance `lost` was lost: every survivor is told to restore from its

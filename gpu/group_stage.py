@@ -42,6 +42,7 @@ from gpu.kv_exchange import ExchangeStats, KvReceiver, KvTransfer, WatchedRecv, 
 from gpu.metadata import build_step_inputs
 from gpu.pipeline_stage import StageStep, sample_work
 from gpu.pipeline_stage import _tag as activation_tag
+from gpu.restore_kv import send_kv_round
 from gpu.restore_prefetch import prefetch_state
 from gpu.sampler import make_generator
 from gpu.stage_view import drop_layers, send_gained
@@ -68,6 +69,8 @@ class GroupStage:
     (gpu/restore_kv.py)."""
     prefetch_failed: BaseException | None = None
     """A member's: why its prefetch could not start (its next step's reply raises it)."""
+    kv_seq: int = 0
+    """A member's next chunk number of its restore prefetch's KV rounds (gpu/restore_kv.py)."""
     host_bytes: int = 0
     """KV bytes of its own layers it read to host memory (`read_layers`: to send them, or to
     stage them); the head's restore reads none (gpu/restore_kv.py)."""
@@ -173,6 +176,9 @@ class GroupStage:
         except RuntimeError as exc:  # the sending thread failed: the next member went away
             raise GroupMemberLost(self.start.ranks[min(self.me + 1, len(self.start.ranks) - 1)],
                                   "activations were being sent", exc) from exc
+        if self.me and (spans := getattr(msg, "kv_spans", ())):  # the blocks the step filled
+            send_kv_round(self, self.start.ranks, self.me, self.start.layers,
+                          {rid: (lo, hi) for rid, lo, hi in spans}, self.start.chunk_blocks)
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),

@@ -77,9 +77,11 @@ class ExchangeStats:
 
 def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
                    transfers: Sequence[KvTransfer], chunk_blocks: int, epoch: int,
-                   gather: Callable[[KvTransfer], torch.Tensor], stats: ExchangeStats) -> None:
+                   gather: Callable[[KvTransfer], torch.Tensor], stats: ExchangeStats,
+                   seq_base: int = 0) -> None:
     """Gather every transfer this member sends ([blocks, layers, 2, bs, Hkv, D] each), then
-    queue their chunks (kind kv) to each destination."""
+    queue their chunks (kind kv) to each destination; their tags' sequence numbers start at
+    `seq_base` (a later round of the same epoch continues an earlier one's)."""
     began = time.perf_counter()
     mine = [t for t in transfers if t.src == me]
     staged = {id(t): gather(t).contiguous() for t in mine}
@@ -87,7 +89,7 @@ def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
     for dst in sorted({t.dst for t in mine}):
         for seq, (t, lo, hi) in enumerate(pair_chunks(transfers, me, dst, chunk_blocks)):
             chunk = staged[id(t)][lo:hi]
-            plane.queue.put(chunk, dst=ranks[dst], tag=_tag(epoch, seq), kind="kv")
+            plane.queue.put(chunk, dst=ranks[dst], tag=_tag(epoch, seq_base + seq), kind="kv")
             stats.sent_bytes += chunk.numel() * chunk.element_size()
             stats.chunks_sent += 1
 
@@ -156,9 +158,10 @@ class KvReceiver:
 
     def __init__(self, ranks: Sequence[int], me: int, transfers: Sequence[KvTransfer],
                  chunk_blocks: int, epoch: int, block_shape: tuple[int, ...],
-                 dtype: torch.dtype, stats: ExchangeStats, *, link: Channel) -> None:
+                 dtype: torch.dtype, stats: ExchangeStats, *, link: Channel,
+                 seq_base: int = 0) -> None:
         """`block_shape`: one layer of one block, (2, block_size, Hkv, D); `link`: the group's
-        channel the chunks come over."""
+        channel the chunks come over; `seq_base`: as `send_transfers`'."""
         self._link = link
         self._others = [r for r in link.ranks if r != link.rank]
         self._mine = [t for t in transfers if t.dst == me]
@@ -176,20 +179,22 @@ class KvReceiver:
         self._began = time.perf_counter()
         self._threads = [
             threading.Thread(target=self._loop, args=(ranks[src], pair_chunks(
-                transfers, src, me, chunk_blocks), epoch), daemon=True,
+                transfers, src, me, chunk_blocks), epoch, seq_base), daemon=True,
                 name=f"shunter-kv-recv-{src}")
             for src in sorted({t.src for t in self._mine})]
         for th in self._threads:
             th.start()
 
-    def _loop(self, rank: int, chunks: list[tuple[KvTransfer, int, int]], epoch: int) -> None:
+    def _loop(self, rank: int, chunks: list[tuple[KvTransfer, int, int]], epoch: int,
+              seq_base: int) -> None:
         left: dict[int, int] = {}
         for t, _, _ in chunks:
             left[id(t)] = left.get(id(t), 0) + 1
         for seq, (t, lo, hi) in enumerate(chunks):
             dst = self.staging[id(t)][lo:hi]
             try:
-                self._link.recv_tensor(dst, rank, _tag(epoch, seq), "its KV was being exchanged")
+                self._link.recv_tensor(dst, rank, _tag(epoch, seq_base + seq),
+                                       "its KV was being exchanged")
             except Exception as exc:  # noqa: BLE001 (raised by every wait: none waits forever)
                 with self._cond:
                     self._error = exc if isinstance(exc, GroupMemberLost) else RuntimeError(

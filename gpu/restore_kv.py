@@ -8,12 +8,18 @@ solo blocks): none goes through host memory (`own_kv_host_bytes`).
 
 With a restore prefetch (gpu/restore_prefetch.py) the KV of every *full* block moves before the
 restore's step too: a block whose tokens are all computed never changes again while its request
-lives and keeps its table (decoding writes only the last block; a request preempted (its table
-reset) or ended since is not taken from what was prefetched). The head names, per request, how
-many leading blocks are full (`GroupPrefetch.kv_blocks`, from the tokens its steps computed),
-reads its own kept layers of them to the host, and receives the members' over the channel
-(chunks on the KV lane behind activations, tag epoch `KV_EPOCH`); the restore's step then moves
-only the blocks after them (`GroupRestore.skip`) and writes the prefetched ones as received.
+lives and keeps its table (decoding writes only the last block). It moves in rounds, each on the
+KV lane behind activations (tag epoch `KV_EPOCH`, the chunks' sequence numbers going on from one
+round to the next): the first as the prefetch starts (`GroupPrefetch.kv_blocks`: every live
+request's leading full blocks, from the tokens the head's steps computed), then one with every
+pipelined step that fills blocks (`GroupStep.kv_spans`: the blocks that step fills, named by the
+head as it sends it; each member gathers its layers of them once it ran the step). The head
+posts a round's receives before it tells the members, and its own kept layers of them stay on
+its device. A request whose table is reset since (preempted, recomputed) starts again from its
+first block (what was taken of it before is not used: `KvPrefetch.generation`); one that ended
+is forgotten; their chunks still arrive and are dropped. The restore's step then moves only the
+blocks after those (`GroupRestore.skip`: a live request's last, partly filled block) and writes
+the prefetched ones as received.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 
+import attrs
 import torch
 
 from engine.messages import ExecuteStep
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG
 from gpu.group_messages import GroupRestore, MemberReply, restored_generator
-from gpu.kv_exchange import KvReceiver, KvTransfer, send_transfers
+from gpu.kv_exchange import KvReceiver, KvTransfer, pair_chunks, send_transfers
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
 
@@ -49,15 +56,30 @@ def prefetch_transfers(blocks: Mapping[int, int], layers: Sequence[range]) -> li
             for rid, n in sorted(blocks.items()) for k in range(1, len(layers)) if n]
 
 
-def note_step(computed: dict[int, int], stage, step: ExecuteStep) -> None:
-    """The head's record of each request's computed tokens (whose KV every member wrote), and
-    a prefetch's requests whose blocks changed (reset) since it took them."""
+def round_chunks(blocks: Mapping[int, int], layers: Sequence[range], chunk_blocks: int) -> int:
+    """Chunks a round of `blocks` (request -> blocks) takes from each member (the same number
+    from every one: each sends its layers of the same blocks)."""
+    return len(pair_chunks(prefetch_transfers(blocks, layers), 1, 0, chunk_blocks))
+
+
+def note_step(computed: dict[int, int], stage, step: ExecuteStep) -> tuple:
+    """The head's record of each request's computed tokens (whose KV every member wrote once
+    `step` ran); with a restore prefetch running, the round of the blocks `step` fills, its
+    receives posted: ((request, first block, stop block), ...) for `GroupStep.kv_spans`."""
+    for u in step.blocks:
+        if u.reset:
+            computed.pop(u.request_id, None)
+    for rid in step.release:
+        computed.pop(rid, None)
     for w in step.seqs:
         computed[w.request_id] = w.start + w.num_tokens
     kv = stage.kv_prefetch
-    for u in step.blocks:
-        if u.reset and kv is not None:
-            kv.stale.add(u.request_id)
+    if kv is None:
+        return ()
+    spans = kv.step_spans(step)
+    if spans:
+        kv.add(spans)
+    return tuple((rid, lo, hi) for rid, (lo, hi) in sorted(spans.items()))
 
 
 def _block_shape(stage) -> tuple[int, ...]:
@@ -73,35 +95,116 @@ def full_blocks(stage, computed: Mapping[int, int]) -> dict[int, int]:
             if (n := min(computed.get(rid, 0) // bs, len(s.table)))}
 
 
+@attrs.define(eq=False)
+class _Round:
+    spans: dict[int, tuple[int, int, int]]
+    """Request -> (first block, stop block, its generation when named)."""
+    receiver: KvReceiver
+
+
 class KvPrefetch:
-    """The head's prefetched KV of full blocks: the members' layers, arriving (its own stay on
-    its device until the restore's step)."""
+    """The head's prefetched KV of full blocks: the members' layers, arriving in rounds (its own
+    stay on its device until the restore's step)."""
 
     def __init__(self, stage, ranks: Sequence[int], layers: Sequence[range], chunk_blocks: int,
                  blocks: Mapping[int, int]) -> None:
-        self.blocks = dict(blocks)
-        """Request -> its leading full blocks taken now (`full_blocks`)."""
+        """`blocks`: request -> its leading full blocks now (`full_blocks`): the first round."""
+        self.stage, self.ranks, self.layers = stage, tuple(ranks), tuple(layers)
+        self.chunk_blocks = chunk_blocks
+        self.named: dict[int, int] = {}
+        """Request -> its leading blocks taken so far (of its table now)."""
+        self.generation: dict[int, int] = {}
+        """Request -> how many times its table was reset since the prefetch began (what was
+        taken of an older one is not used)."""
+        self.rounds: list[_Round] = []
+        self.seq = 0
+        """The next round's first chunk sequence number (on each member's pair with the head)."""
         self.began_host = stage.host_bytes  # (the head's own KV read to host since: none)
-        self.stale: set[int] = set()
-        """Requests whose table was reset since: their prefetched KV is not used."""
         self.began_bytes = stage.stats.received_bytes
-        self.receiver = KvReceiver(ranks, 0, prefetch_transfers(self.blocks, layers),
-                                   chunk_blocks, KV_EPOCH, _block_shape(stage),
-                                   stage.model.arena.dtype, stage.stats, link=stage.plane)
+        self.add({rid: (0, n) for rid, n in blocks.items()})
+
+    def add(self, spans: Mapping[int, tuple[int, int]]) -> None:
+        """A round: every member's layers of blocks [first, stop) of each request in `spans`;
+        its receives are posted here, before the members are told."""
+        stage, counts = self.stage, {rid: hi - lo for rid, (lo, hi) in spans.items()}
+        receiver = KvReceiver(self.ranks, 0, prefetch_transfers(counts, self.layers),
+                              self.chunk_blocks, KV_EPOCH, _block_shape(stage),
+                              stage.model.arena.dtype, stage.stats, link=stage.plane,
+                              seq_base=self.seq)
+        self.seq += round_chunks(counts, self.layers, self.chunk_blocks)
+        self.rounds.append(_Round({rid: (lo, hi, self.generation.get(rid, 0))
+                                   for rid, (lo, hi) in spans.items()}, receiver))
+        for rid, (_, hi) in spans.items():
+            self.named[rid] = hi
+
+    def step_spans(self, step: ExecuteStep) -> dict[int, tuple[int, int]]:
+        """Before the head sends `step`: the requests it releases are forgotten, those it resets
+        start again from their first block; returns request -> (first, stop) of the blocks
+        the step fills (all their tokens computed once it ran), beyond those taken."""
+        for rid in step.release:
+            self.named.pop(rid, None)
+        for u in step.blocks:
+            if u.reset:
+                self.named.pop(u.request_id, None)
+                self.generation[u.request_id] = self.generation.get(u.request_id, 0) + 1
+        out, bs = {}, self.stage.block_size
+        for w in step.seqs:
+            lo, hi = self.named.get(w.request_id, 0), (w.start + w.num_tokens) // bs
+            if hi > lo:
+                out[w.request_id] = (lo, hi)
+        return out
+
+    def pending(self) -> bool:
+        """Whether a round's chunk is still due."""
+        return any(r.receiver.pending() for r in self.rounds)
 
     def usable(self, seqs: Mapping[int, object]) -> dict[int, int]:
         """Request -> prefetched leading blocks the restore takes from here."""
-        return {rid: n for rid, n in self.blocks.items()
-                if rid in seqs and rid not in self.stale and n <= len(seqs[rid].table)}
+        return {rid: n for rid, n in self.named.items()
+                if n and rid in seqs and n <= len(seqs[rid].table)}
+
+    def write(self, full: torch.Tensor, request_id: int, blocks: Sequence[int]) -> None:
+        """Its prefetched KV (the current generation's rounds) into `blocks` of the full view,
+        its first blocks, as received."""
+        gen = self.generation.get(request_id, 0)
+        for r in self.rounds:
+            lo, hi, g = r.spans.get(request_id, (0, 0, -1))
+            if g == gen and lo < len(blocks):
+                _write(full, blocks[lo:hi], r.receiver.wait(request_id))
+
+    def join(self) -> None:
+        """Every round's chunks in (a dropped one's too: the tags go on)."""
+        for r in self.rounds:
+            r.receiver.join()
+
+    def report(self) -> dict:
+        later = [r for r in self.rounds[1:] if r.spans]
+        return {"kv_rounds": float(len(later)),
+                "kv_resets": float(sum(self.generation.values())),
+                "kv_round_blocks": float(sum(hi - lo for r in later
+                                             for lo, hi, _ in r.spans.values()))}
+
+
+def send_kv_round(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
+                  spans: Mapping[int, tuple[int, int]], chunk_blocks: int) -> None:
+    """A member: its layers of the blocks the head named (request -> (first, stop)), gathered
+    now and queued (kind kv) to the head, the chunks' numbers going on from the last round's
+    (`stage.kv_seq`)."""
+    counts = {rid: hi - lo for rid, (lo, hi) in spans.items()}
+    send_transfers(stage.plane, ranks, me, prefetch_transfers(counts, layers), chunk_blocks,
+                   KV_EPOCH, lambda t: stage.read_layers(
+                       stage.seqs[t.request_id].table[slice(*spans[t.request_id])]),
+                   stage.stats, seq_base=stage.kv_seq)
+    stage.kv_seq += round_chunks(counts, layers, chunk_blocks)
 
 
 def send_kv_prefetch(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
                      blocks: Mapping[int, int], chunk_blocks: int) -> None:
-    """A member: its layers of the full blocks the head named, gathered now and queued (kind
-    kv) to the head."""
-    send_transfers(stage.plane, ranks, me, prefetch_transfers(blocks, layers), chunk_blocks,
-                   KV_EPOCH, lambda t: stage.read_layers(stage.seqs[t.request_id].table[:t.blocks]),
-                   stage.stats)
+    """A member: its layers of the full blocks the head named as the prefetch began (the
+    first round)."""
+    stage.kv_seq = 0
+    send_kv_round(stage, ranks, me, layers, {rid: (0, n) for rid, n in blocks.items()},
+                  chunk_blocks)
 
 
 def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
@@ -140,13 +243,13 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
     full[torch.tensor(dst, dtype=torch.long, device=full.device), keep.start:keep.stop] = own
     if kv is not None:
-        kv.receiver.join()  # every prefetched chunk in (a stale one's too: the tags go on)
+        kv.join()
     for rid, s in stage.seqs.items():
         new = list(tables[rid])
         n = min(len(new), len(s.table))
         k = min(skip.get(rid, 0), n)
-        if rid in skip:  # the first blocks: moved while the group served
-            _write(full, new[:k], kv.receiver.wait(rid))
+        if k:  # the first blocks: moved while the group served
+            kv.write(full, rid, new[:k])
         _write(full, new[k:n], receiver.wait(rid) if receiver.expects(rid) else ())
         runner.solo._seqs[rid] = gr._solo_seq(runner.solo, s, new)
     for rank in runner.ranks[1:]:
@@ -168,7 +271,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             "own_kv_host_bytes": float(stage.host_bytes - host),
                             "own_kv_device_bytes": float(own.numel() * own.element_size()),
                             "own_kv_in_place_blocks": float(in_place),
-                            **prefetch_report(stage)}
+                            **prefetch_report(stage), **(kv.report() if kv else {})}
     stage.end_exchange()
     runner.stage = None
 

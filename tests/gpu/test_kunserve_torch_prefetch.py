@@ -9,7 +9,10 @@ host copy, every request recomputed.
 
 Planted bugs checked by hand (the report of session 29 quotes their failures): one prefetched
 weight chunk received into scratch instead of its place; one vacated block not copied; the
-shrink's moves not applied on the members.
+shrink's moves not applied on the members. Session 31's (blocks filled while the prefetch
+runs move in later rounds, gpu/restore_kv.py): the last round's blocks not written at the
+restore, a member sending another request's blocks in a later round, a reset request's named
+blocks kept (each fails the restored-KV-vs-prefill check).
 """
 
 from __future__ import annotations
@@ -99,28 +102,36 @@ def _step(h0, s0: Scheduler) -> None:
     s0.finish(step, done.sampled)
 
 
-def _serve_until_ready(h0, s0: Scheduler) -> None:
-    """Pipelined steps while the prefetch runs (two at least), until every member's weights and
-    KV are in; a request is not stepped to its end (it must live across the restore): once one
-    would end, empty steps ask the members instead (however many a busy host takes)."""
-    served, since = 0, time.monotonic()
-    while served < 2 or not h0.call("ready"):
-        if all(r.max_tokens - len(r.out) > 2 for r in s0.live()):
+def _serve_until_ready(h0, s0: Scheduler, worked: int = 0) -> None:
+    """Pipelined steps while the prefetch runs (two at least; the first `worked` of them with
+    work), until every member's weights and KV are in; a request is not stepped to its end (it
+    must live across the restore): one that would end waits (not scheduled) until then, and
+    with none left to step, empty steps ask the members instead (however many a busy host
+    takes)."""
+    served, since, held = 0, time.monotonic(), []
+    while served < max(2, worked) or not h0.call("ready"):
+        for r in s0.live():
+            if r.ready and r.max_tokens - len(r.out) <= 2:
+                r.ready = False
+                held.append(r)
+        if any(r.ready for r in s0.live()):
             _step(h0, s0)
-            served += 1
         else:
+            assert served >= worked, f"every request nears its end after {served} steps"
             s0.step_id += 1
             h0.call("step", ExecuteStep(step_id=s0.step_id, release=(), setups=(), blocks=(),
                                         seqs=()))
-            served += 1
+        served += 1
         assert time.monotonic() - since < 120, "the prefetch did not end in 120 s"
+    for r in held:
+        r.ready = True
 
 
-def _shrink(h0, s0: Scheduler, solo0: range) -> None:
+def _shrink(h0, s0: Scheduler, solo0: range, moves_needed: bool = True) -> None:
     """The head's engine shrinks its pool back to its own (held blocks above it move below):
     the next pipelined step carries the size and the moves; the group goes on serving."""
     moves = s0.shrink(solo0)
-    assert moves, "nothing moved: the members' id moves were not exercised"
+    assert moves or not moves_needed, "nothing moved: the members' id moves were not exercised"
     step = s0.next_step()
     to = {d for _, d in moves}  # as the engine's allocator: a moved request's whole table
     whole = {r.rid for r in s0.live() if to & set(r.table)}
@@ -142,6 +153,17 @@ def _restore(h0, h1, s0: Scheduler, solo0: range) -> tuple[dict, dict]:
     return restored, h1.answer()
 
 
+def _partial_block_bytes(model_dir, s0: Scheduler) -> int:
+    """The KV bytes of the member's layers of each live request's partly filled last block
+    (from the requests' lengths: tokens computed, not a multiple of the block size): what is
+    left to a restore's step once every full block moved while the group served."""
+    from gpu.config import ModelConfig
+
+    c = ModelConfig.from_dir(model_dir)
+    block = len(LAYERS[1]) * 2 * BLOCK * c.num_kv_heads * c.head_dim * 4  # float32
+    return block * sum(1 for r in s0.live() if r.computed % BLOCK)
+
+
 def _alone(h0, s0: Scheduler) -> None:
     while any(not r.done for r in s0.reqs.values()):
         solo_steps([(h0, s0)], 1)
@@ -161,7 +183,8 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     live = s0.live()
     assert len(live) >= 2, [r.name for r in live]
     h0.call("prefetch", source)
-    _serve_until_ready(h0, s0)
+    _serve_until_ready(h0, s0, worked=BLOCK + 1)  # (a block of every decoding request fills)
+    partial = _partial_block_bytes(model_dir, s0)
     restored, member = _restore(h0, h1, s0, solo0)
     restored_kv_is_a_prefill(h0, h1, s0, solo1)
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
@@ -172,14 +195,49 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
           f"{member['prefetch']['vacated_blocks']} ({member['prefetch']['vacated_live']} live); "
           f"the head's own KV: {restored['own_kv_host_bytes']:.0f} B via the host, "
           f"{restored['own_kv_device_bytes']:.0f} B copied on the device, "
-          f"{restored['own_kv_in_place_blocks']:.0f} blocks in place")
+          f"{restored['own_kv_in_place_blocks']:.0f} blocks in place; "
+          f"{restored['kv_rounds']:.0f} rounds after the first, {restored['kv_round_blocks']:.0f} "
+          f"blocks; partial blocks' bytes {partial}")
     assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
     assert restored["weight_bytes_before"] > 0 and restored["kv_bytes_before"] > 0, restored
-    assert restored["kv_bytes_at"] > 0, "no block was left to the restore's step (a partial one)"
+    assert restored["kv_rounds"] > 0 and restored["kv_round_blocks"] > 0, \
+        "no block filled while the prefetch ran: the later rounds were not exercised"
+    assert restored["kv_bytes_at"] <= partial, \
+        "the restore's step moved more than each live request's partly filled last block"
+    assert restored["kv_bytes_at"] == partial, restored  # (every round was in: `ready`)
     assert restored["own_kv_host_bytes"] == 0 and restored["own_kv_device_bytes"] > 0, restored
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
+    _alone(h0, s0)
+    for r, new in moved:
+        r.out = new.out
+    _check(model_dir, reqs)
+
+
+def test_a_request_reset_while_prefetched_is_taken_again(model_dir, hosts):
+    """A request preempted while the prefetch runs (its table reset, its KV recomputed into
+    new blocks): what was taken of it before is not used; its blocks are named again as the
+    recompute fills them, so the restore's step still moves only partly filled blocks."""
+    (h0, h1), (solo0, solo1) = hosts
+    s0, reqs, moved = _grouped(model_dir, h0, h1, solo0, solo1, seed=2)
+    _shrink(h0, s0, solo0, moves_needed=False)
+    h0.call("prefetch", "peer")
+    _serve_until_ready(h0, s0, worked=2)
+    victim = max((r for r in s0.live() if r.max_tokens - len(r.out) > 3),
+                 key=lambda r: r.computed)  # (stepped again: not near its end)
+    assert victim.computed >= 2 * BLOCK, (victim.name, victim.computed)
+    s0.free += victim.table  # (handed out again in reverse: its blocks change places)
+    victim.table, victim.computed, victim.reset = [], 0, True
+    _serve_until_ready(h0, s0, worked=1)  # its whole context again in the first step
+    partial = _partial_block_bytes(model_dir, s0)
+    restored, _ = _restore(h0, h1, s0, solo0)
+    restored_kv_is_a_prefill(h0, h1, s0, solo1)
+    print(f"\nreset while prefetched: {victim.name} recomputed; KV before "
+          f"{restored['kv_bytes_before']:.0f} B / at {restored['kv_bytes_at']:.0f} B, "
+          f"{restored['kv_round_blocks']:.0f} blocks in later rounds; partial blocks' {partial} B")
+    assert restored["kv_resets"] == 1, restored
+    assert restored["kv_bytes_at"] == partial, restored
     _alone(h0, s0)
     for r, new in moved:
         r.out = new.out
