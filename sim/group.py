@@ -109,6 +109,9 @@ class GroupNetwork:
     on_fill: Callable[[int], None] | None = None
     """While a restore prefetch runs: told the blocks each grouped step fills beyond `named`
     (they go to the head behind the step's activations)."""
+    noted: int = 0
+    """Grouped steps noted so far (`note_step`)."""
+    _stepped: anyio.Event | None = None
     stepped_until: float = 0.0
     """When the group's last step ends: where a one-step restore's copies can begin."""
     hold_until: float = 0.0
@@ -161,6 +164,19 @@ class GroupNetwork:
                 named[w.request_id] = hi
         if filled and self.on_fill is not None:
             self.on_fill(filled)
+        self.noted += 1
+        if self._stepped is not None:
+            self._stepped.set()
+            self._stepped = None
+
+    async def stepped(self, since: int, timeout: float) -> bool:
+        """Whether a grouped step was noted after the first `since`, waiting up to `timeout`."""
+        if self.noted <= since:
+            if self._stepped is None:
+                self._stepped = anyio.Event()
+            with anyio.move_on_after(timeout):
+                await self._stepped.wait()
+        return self.noted > since
 
     async def hold(self) -> None:
         """Called by the runner at its first step alone again: waits out `hold_until`."""

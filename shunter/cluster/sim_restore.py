@@ -1,9 +1,10 @@
 """KunServe's restore (§4.4) on the simulator's instances, as the policy's `memory { }` says
 (engine/cluster/group_settings.py): each member gets back the weights of the layers it dropped
 and the head the KV of the live requests for the layers it gains (the members held it); then the
-head's pool shrinks back (only once its requests fit) and every member serves alone again.
-It moves what the torch backend moves, and when (gpu/restore_prefetch.py, gpu/restore_kv.py,
-its `restore_stats`: weight_bytes_at, kv_bytes_before, kv_bytes_at).
+head's pool shrinks back (only once its requests fit; with the prefetch before anything moves,
+as on torch) and every member serves alone again. It moves what the torch backend moves, and
+when (gpu/restore_prefetch.py, gpu/restore_kv.py, its `restore_stats`: weight_bytes_at,
+kv_bytes_before, kv_bytes_at).
 
 What moves, per member m with layers r_m of L, a block of B bytes (every layer's KV):
 - weights: `weight_bytes / L x (L - |r_m|)` (the head's own dropped layers too);
@@ -47,6 +48,10 @@ from sim.exchange import SimExchange
 from sim.network import NetworkLink
 
 log = structlog.get_logger(actor="coordinator")
+
+POLL_S = 0.005
+"""How often the restore asks whether its head is idle while it waits for the step carrying the
+pool's shrink (the torch front door's poll, shunter/cluster/instance_restore.py)."""
 
 
 def restore_bytes(groups, g: GroupPlan, blocks: int) -> tuple[list[int], list[int]]:
@@ -106,8 +111,20 @@ async def restore(groups, g: GroupPlan, ask) -> None:
     net = head.backend.runner.network
     late = [0] * len(g.members)  # KV of blocks named after a member's exchange drained
     before = [0] * len(g.members)
+    base = groups.base_pools[g.head]
     try:
         if groups.restore_prefetch:
+            # as the torch head (shunter/cluster/instance_restore.py): the pool shrinks back
+            # first, the group kept, and the copies start once the head's requests fit it
+            try:
+                await ask(head._scheduler_send, lambda r: Regroup(pool_blocks=base, reply=r))
+            except PoolTooSmall as exc:
+                await _postponed(groups, g, exc)
+                return
+            shrunk = net.noted  # the copies start once the step carrying the shrink ran (its
+            while not await net.stepped(shrunk, POLL_S):  # tables moved), or now if idle
+                if not (await head.inspect()).scheduler.live_requests:
+                    break
             before = await _while_serving(groups, g, net, weights, host, late)
             weights_at = [0] * len(weights)
         else:
@@ -126,16 +143,14 @@ async def restore(groups, g: GroupPlan, ask) -> None:
         net.hold_to(max(decided, net.stepped_until) + stall, "restore")
         window = groups.one_step[g.head] = OneStep()
         solo = GroupPlan(group_id=-1, members=(g.head,), layers=(range(groups.model.num_layers),))
-        try:
+        try:  # (prefetched: the pool is its own already)
             await ask(head._scheduler_send, lambda r: Regroup(
-                pool_blocks=groups.base_pools[g.head], group=solo, reply=r))
+                pool_blocks=None if groups.restore_prefetch else base, group=solo, reply=r))
         except PoolTooSmall as exc:
             net.hold_to(0.0, "restore")  # nothing stopped: the restore is tried again next round
             groups.one_step.pop(g.head, None)
             window.decide(False)
-            groups.counters.restore_retries += 1
-            log.info("restore postponed", head=g.head, why=str(exc))
-            await groups.coordinator.send(GroupsChanged())  # keep the restore trigger armed
+            await _postponed(groups, g, exc)
             return
         # no grouped step runs any more: what the restore's step moves is known (a step that
         # began after the decision moved the stop and added its blocks)
@@ -166,6 +181,12 @@ async def restore(groups, g: GroupPlan, ask) -> None:
                      "stopped": stop,
                      "restore_s": anyio.current_time() - began})
     log.info("group restored", members=g.members, copied_bytes=copied)
+
+
+async def _postponed(groups, g: GroupPlan, exc: PoolTooSmall) -> None:
+    groups.counters.restore_retries += 1
+    log.info("restore postponed", head=g.head, why=str(exc))
+    await groups.coordinator.send(GroupsChanged())  # keep the restore trigger armed
 
 
 async def _while_serving(groups, g: GroupPlan, net, weights: list[int],

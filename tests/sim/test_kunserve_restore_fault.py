@@ -114,8 +114,9 @@ async def _lose_while_prefetching(policy: str):
                 net = cluster.instances[head].engine.backend.runner.network
                 while net.named is None:  # the restore's copies run while the group serves
                     await anyio.sleep(0.01)
-                seen.update(t=anyio.current_time(), live=(
-                    await cluster.instances[head].engine.inspect()).scheduler.live_requests)
+                sched = (await cluster.instances[head].engine.inspect()).scheduler
+                seen.update(t=anyio.current_time(), live=sched.live_requests,
+                            pool=sched.total_blocks)
                 await cluster.instances[g.members[1]].engine._scheduler_send.send("not a message")
                 while cluster.groups.busy:
                     await anyio.sleep(0.01)
@@ -125,8 +126,8 @@ async def _lose_while_prefetching(policy: str):
 
 
 def test_a_member_lost_while_a_restore_prefetches_ends_the_prefetch(tmp_path):
-    """The default restore (prefetch on, from peers): a member lost while the copies run
-    while the group serves ends them (as the torch prefetch's threads stop): the group's fault
+    """The default restore (prefetch on, from peers), its head's pool shrunk back first: a
+    member lost while the copies run while the group serves ends them (as the torch prefetch's threads stop): the group's fault
     is handled once (recompute, host reload) and the restore lets go at once, not when copies
     from a lost member would have landed."""
     ends, seen, groups, net = trio.run(
@@ -137,5 +138,6 @@ def test_a_member_lost_while_a_restore_prefetches_ends_the_prefetch(tmp_path):
     assert (c.restores, c.faults) == (0, 1)
     (fault,) = [e for e in c.events if e["event"] == "fault"]
     assert not fault["in_restore"] and fault["recomputed"] == len(seen["live"]) == 2
+    assert seen["pool"] == 300  # as on torch, the head's pool shrank back before the copies
     assert seen["free"] - seen["t"] < 0.2  # the monitor's next round, not ~1 s of copies
     assert net.named is None and net.on_fill is None and not groups.prefetching
