@@ -143,9 +143,10 @@ class GroupNetwork:
                 await self._moved.wait()
         return anyio.current_time() - began
 
-    def note_step(self, step: ExecuteStep) -> None:
+    def note_step(self, step: ExecuteStep) -> int:
         """A grouped step as the head sends it: its requests' tokens computed once it ran;
-        with a restore prefetch, the blocks it fills (`on_fill`)."""
+        returns the blocks it fills beyond `named` while a restore prefetch runs (they go
+        behind its activations: `fill`)."""
         named = self.named
         for u in step.blocks:
             if u.reset:
@@ -162,12 +163,15 @@ class GroupNetwork:
             if named is not None and (hi := c // self.block_size) > named.get(w.request_id, 0):
                 filled += hi - named.get(w.request_id, 0)
                 named[w.request_id] = hi
-        if filled and self.on_fill is not None:
-            self.on_fill(filled)
         self.noted += 1
         if self._stepped is not None:
             self._stepped.set()
             self._stepped = None
+        return filled
+
+    def fill(self, blocks: int) -> None:
+        if blocks and self.on_fill is not None:
+            self.on_fill(blocks)
 
     async def stepped(self, since: int, timeout: float) -> bool:
         """Whether a grouped step was noted after the first `since`, waiting up to `timeout`."""
@@ -284,7 +288,7 @@ class SimGroup:
 
     async def step(self, step: ExecuteStep) -> StepFinished:
         now = anyio.current_time()
-        self.net.note_step(step)
+        filled = self.net.note_step(step)
         keyed = self._microbatches(step) if step.seqs else []
         micro = [[(s, n) for _, s, n in mb] for mb in keyed]
         k = len(self.shares)
@@ -303,6 +307,7 @@ class SimGroup:
                 period = chain
             for x in self.net.exchanges:
                 x.note_activations(now, sum(acts))
+            self.net.fill(filled)  # (the blocks it fills follow its activations)
             t = self.net.totals
             t.steps += 1
             t.makespan_s += period
