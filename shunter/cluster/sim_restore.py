@@ -7,7 +7,9 @@ when (gpu/restore_prefetch.py, gpu/restore_kv.py, its `restore_stats`: weight_by
 kv_bytes_before, kv_bytes_at).
 
 What moves, per member m with layers r_m of L, a block of B bytes (every layer's KV):
-- weights: `weight_bytes / L x (L - |r_m|)` (the head's own dropped layers too);
+- weights: `layer x (L - |r_m|)` (the head's own dropped layers too), a layer's weights in
+  whole arena blocks as torch lays them out (`layer_weight_bytes`: 209 blocks, 438.3 MB, of
+  Llama-3-8B; its global tensors, 2.1 GB, stay on every member);
 - KV (members other than the head): m's layers, `B x |r_m| / L` a block, of each live
   request's blocks holding its computed tokens, ceil(tokens / block size), as the head's record
   of the grouped steps it sent says (`GroupNetwork.computed`, sim/group.py; the torch head's
@@ -54,14 +56,24 @@ POLL_S = 0.005
 pool's shrink (the torch front door's poll, shunter/cluster/instance_restore.py)."""
 
 
+def layer_weight_bytes(model, block_bytes: int) -> int:
+    """One decoder layer's weights as the torch arena holds them: from a fresh block boundary,
+    whole blocks (gpu/arena.py `plan_layout`). The global tensors (embeddings, LM head, final
+    norm) are no layer's: every member keeps them (gpu/stage_view.py `kept_weight_ranges`)."""
+    heads = 1 if model.tie_word_embeddings else 2
+    globals_ = ((heads * model.vocab_size + 1) * model.hidden_size) * model.dtype_bytes
+    layer = (model.weight_bytes - globals_) / model.num_layers
+    return -(-int(layer) // block_bytes) * block_bytes
+
+
 def restore_bytes(groups, g: GroupPlan, blocks: int) -> tuple[list[int], list[int]]:
     """(weights, KV) bytes each member of `g` gets back or sends, in member order, for `blocks`
     of the head's requests' KV (every layer's)."""
     layers = groups.model.num_layers
-    per_layer = groups.model.weight_bytes / layers
+    per_layer = layer_weight_bytes(groups.model, groups.block_bytes)
     weights, kv = [], []
     for m, r in zip(g.members, g.layers):
-        weights.append(int(per_layer * (layers - len(r))))
+        weights.append(per_layer * (layers - len(r)))
         kv.append(int(blocks * groups.block_bytes * len(r) / layers) if m != g.head else 0)
     return weights, kv
 

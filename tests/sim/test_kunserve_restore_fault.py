@@ -19,6 +19,15 @@ from policies import policy_path
 from shunter.cluster.cluster import Cluster
 
 
+def _layer_bytes(model, block_bytes: int) -> int:
+    """A decoder layer's weights (attention, MLP, two norms), in whole KV blocks: the torch
+    arena starts each layer on a block boundary; the embeddings and LM head stay put."""
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, \
+        model.num_kv_heads * model.head_dim
+    params = 2 * h * q + 2 * h * kv + 3 * h * model.intermediate_size + 2 * h
+    return -(-params * model.dtype_bytes // block_bytes) * block_bytes
+
+
 async def _lose_in_the_window(policy: str, switched: bool):
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300, policy=policy)
     async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
@@ -77,7 +86,7 @@ def test_a_member_lost_before_a_one_step_restore_lands_is_one_fault(tmp_path, sw
     # the loss (seen by the monitor's next round), not when the copies would have landed
     layers = groups.model.num_layers
     reload_s = groups.host_link().send_s(
-        int(groups.model.weight_bytes / layers * (layers - len(g.layers[0]))))
+        _layer_bytes(groups.model, groups.block_bytes) * (layers - len(g.layers[0])))
     assert seen["stale"] - seen["t"] > reload_s + 0.3  # the window is wide enough to tell
     assert reload_s <= fault["reload_s"] < reload_s + 0.1
     assert fault["t"] < seen["stale"]

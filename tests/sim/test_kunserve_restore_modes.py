@@ -58,6 +58,15 @@ def _run(tmp_path, prefetch: str, source: str):
 PROMPT = 399
 
 
+def _layer_bytes(model, block_bytes: int) -> int:
+    """A decoder layer's weights (attention, MLP, two norms), in whole KV blocks: the torch
+    arena starts each layer on a block boundary; the embeddings and LM head stay put."""
+    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, \
+        model.num_kv_heads * model.head_dim
+    params = 2 * h * q + 2 * h * kv + 3 * h * model.intermediate_size + 2 * h
+    return -(-params * model.dtype_bytes // block_bytes) * block_bytes
+
+
 def _computed(long, event) -> list[int]:
     """Each long request's tokens with KV at the restore's step, from what its client saw: its
     prompt and the tokens it got before the group stopped, less the last (sampled, its KV not
@@ -78,7 +87,7 @@ def _expected(groups, event, long) -> dict:
     out: dict = {"weights": [], "before": [], "at": [], "blocks": full + partial}
     times = []
     for i, kept in enumerate(event["kept_layers"]):
-        w = int(model.weight_bytes / layers * (layers - kept))
+        w = _layer_bytes(model, groups.block_bytes) * (layers - kept)
         block = 0 if i == 0 else groups.block_bytes * kept / layers
         out["weights"].append(w)
         out["before"].append(int(ahead * block))
