@@ -14,6 +14,9 @@ whose KV a later re-split to a smaller stride keeps in place (gpu/kept_kv.py).
 As the group restores: the head's pool shrinking back moves ids (`move`: the stage block follows
 the id, no copy), and a restore prefetch (gpu/restore_prefetch.py) vacates the dropped layers'
 stage blocks (`evacuate`): the ids there move out, and those blocks are never handed out again.
+On the head each id then goes *home* (`home`, `place`): to the stage block whose layers lie where
+its solo block's do, so the restore's step finds the head's kept KV in place (gpu/restore_kv.py
+`own_moves`) and copies none; an id vacated goes there directly, one mapped anew too.
 """
 
 from __future__ import annotations
@@ -40,6 +43,10 @@ class BlockMap:
         self._reserved: dict[int, list[int]] = {}
         self.copied_blocks = 0
         """Blocks of kept KV that had to be copied (a reserved block could not be used)."""
+        self._home: Callable[[int], int | None] | None = None
+        self._homes: set[int] = set()
+        self.placed_blocks = self.aside_blocks = 0
+        """`place`'s copies: onto homes, and aside (off another id's home, a cycle's)."""
 
     def pin(self, group_id: int, local: int) -> None:
         """Map `group_id` to `local` now (KV already there)."""
@@ -84,7 +91,7 @@ class BlockMap:
         mapped = int(self._local[group_id])
         if want is None:
             if mapped < 0:
-                self._local[group_id] = self._pop()
+                self._local[group_id] = self._fresh(group_id)
             return None
         if mapped >= 0 and in_use(group_id):
             self.copied_blocks += 1
@@ -141,7 +148,7 @@ class BlockMap:
         self._taken |= avoid
         out = []
         for g in ids:
-            src, dst = int(self._local[g]), self._pop()
+            src, dst = int(self._local[g]), self._fresh(g)
             self._local[g] = dst
             out.append((src, dst))
         for rid, i in held:  # (an adopted request whose table has not come yet)
@@ -149,6 +156,72 @@ class BlockMap:
             self._reserved[rid][i] = dst
             out.append((src, dst))
         return out
+
+    def home(self, where: Callable[[int], int | None], pool: range) -> None:
+        """From now on an id of `pool` this map gives a block (anew, or moving it: `evacuate`,
+        `place`) gets the stage block `where(id)` names when that one is free, and others
+        avoid those blocks (the head's restore: the block whose layers lie where the id's solo
+        block's do, so its kept KV needs no copy then: gpu/restore_kv.py `own_moves`)."""
+        self._home = where
+        self._homes = {h for g in pool if (h := where(g)) is not None}
+
+    def place(self, pool: range) -> list[tuple[int, int]]:
+        """Move every mapped id of `pool` whose home (`home`) is elsewhere there: (src, dst)
+        stage blocks, for the caller to copy in this order (each dst is free when its copy
+        comes). An id on another's home steps aside to a free block that is no id's home first
+        (a cycle of ids on each other's homes costs one copy more); an id whose home a
+        reservation holds, or names no usable block, stays where it is."""
+        homes = {g: h for g in pool if self._local[g] >= 0
+                 and (h := self._home(g)) is not None and not self._blocked[h]}
+        at = {int(self._local[g]): int(g) for g in np.flatnonzero(self._local >= 0)}
+        todo, out = [g for g, h in homes.items() if self._local[g] != h], []
+
+        def go(g: int, dst: int) -> None:
+            src = int(self._local[g])
+            out.append((src, dst))
+            self._taken[dst] = True
+            del at[src]
+            at[dst], self._local[g] = g, dst
+            self._release(src)
+
+        while todo:
+            left = [g for g in todo if self._taken[homes[g]]]
+            for g in todo:
+                if not self._taken[homes[g]]:
+                    go(g, homes[g])
+                    self.placed_blocks += 1
+            if len(left) == len(todo):  # every home left is held
+                held = [at[homes[g]] for g in left if homes[g] in at]
+                spare = self._pop_avoiding(self._homes) if held else None
+                if spare is None:
+                    break  # (held by reservations, or no spare block: those stay)
+                self._taken[spare] = False
+                go(held[0], spare)
+                self.aside_blocks += 1
+            todo = [g for g in left if self._local[g] != homes[g]]
+        return out
+
+    def _fresh(self, group_id: int) -> int:
+        """A free stage block for `group_id`: its home if free (after `home`), else one that is
+        no pool id's home if any is free, else any."""
+        if self._home is not None:
+            h = self._home(group_id)
+            if h is not None and not self._taken[h] and not self._blocked[h]:
+                self._taken[h] = True
+                return h
+            b = self._pop_avoiding(self._homes)
+            if b is not None:
+                return b
+        return self._pop()
+
+    def _pop_avoiding(self, avoid: set[int]) -> int | None:
+        for i in range(len(self._free) - 1, -1, -1):
+            b = self._free[i]
+            if not self._taken[b] and b not in avoid:
+                del self._free[i]
+                self._taken[b] = True
+                return b
+        return None
 
     def _release(self, local: int) -> None:
         if not self._blocked[local]:

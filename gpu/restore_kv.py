@@ -4,7 +4,9 @@ engine chose. The head's own kept layers of a block already lie in that block's 
 its stage block's base is the solo block's (a block the head held before the group formed and
 whose id did not move: gpu/stage_view.py `StageView.base`); every other block's are copied on
 the device (gathered before the weights come back over the dropped memory, then written into the
-solo blocks): none goes through host memory (`own_kv_host_bytes`).
+solo blocks): none goes through host memory (`own_kv_host_bytes`). With a restore prefetch the head
+put its blocks there as it vacated (gpu/block_map.py `place`), so only one whose place was held
+(by a reservation) is gathered (`own_kv_device_bytes`: 0 in the tests).
 
 With a restore prefetch (gpu/restore_prefetch.py) the KV of every *full* block moves before the
 restore's step too: a block whose tokens are all computed never changes again while its request

@@ -12,7 +12,10 @@ never handed out again (gpu/block_map.py `evacuate`). In place rather than in a 
 the boundary then copies no weight at all (a staging buffer would still cost one copy of every
 dropped byte there, and as much memory again), and a pool shrunk back to the solo size always
 fits outside the dropped ranges (the old KV blocks alone give every member at least L/k' stage
-blocks per solo block).
+blocks per solo block). The head also puts every block of its pool home as it vacates (gpu/
+block_map.py `home`, `place`: where its solo block's layers lie, a local copy for one elsewhere,
+in an order that overwrites nothing still to be read), so the restore's step copies none of its
+own kept KV and holds none outside the arena.
 
 Then a thread per source writes the weights: from each member keeping them (every member queues
 its kept range on its transfer queue's KV lane, in chunks of `chunk_blocks` arena blocks:
@@ -114,13 +117,17 @@ class WeightPrefetch:
         self.stage, self.source = stage, msg.source
         model, arena = stage.model, stage.model.arena
         began = time.perf_counter()
-        copies = stage.map.evacuate(dropped_mask(model.drop_state.view, arena.layout,
-                                                 model.config.num_layers), msg.pool)
-        for src, dst in copies:
-            stage._copy_block(src, dst)
+        view, L = model.drop_state.view, model.config.num_layers
         live = set(stage.map.locals({g for s in stage.seqs.values() for g in s.table}))
+        if stage.me == 0:  # the head's kept KV goes where its solo blocks' layers lie
+            stage.map.home(lambda g: view.local_at(g * L), msg.pool)
+        copies = stage.map.evacuate(dropped_mask(view, arena.layout, L), msg.pool)
         self.vacated_blocks = len(copies)
-        self.vacated_live = sum(dst in live for _, dst in copies)
+        if stage.me == 0:
+            copies += stage.map.place(msg.pool)
+        for src, dst in copies:  # (in order: each one's dst is free when it comes)
+            stage._copy_block(src, dst)
+        self.vacated_live = sum(src in live for src, _ in copies[:self.vacated_blocks])
         """Of them, blocks a live request's table holds (the others: freed ids still in the
         pool, kept for a prefix cache's sake)."""
         self.vacate_s = time.perf_counter() - began
@@ -283,4 +290,5 @@ def prefetch_report(stage) -> dict:
     r = prefetch.report()
     return {"prefetched": True, "weight_bytes_before": float(r["bytes"] - prefetch.at_boundary),
             "vacated_blocks": r["vacated_blocks"], "vacated_live": r["vacated_live"],
-            "vacate_s": r["vacate_s"]}
+            "vacate_s": r["vacate_s"], "placed_blocks": float(stage.map.placed_blocks),
+            "aside_blocks": float(stage.map.aside_blocks)}

@@ -82,3 +82,38 @@ def test_evacuate_moves_a_reserved_block_and_the_reservation_follows():
     assert len(copies) == 1 and copies[0][0] == 1 and not avoid[copies[0][1]]
     assert m.assign(7, 0, 3) is None and m.assign(7, 1, 4) is None
     assert m.locals([3, 4]) == [copies[0][1], 5]
+
+
+def _apply(m: BlockMap, copies, held: dict[int, int]) -> list:
+    """Stage blocks' contents after `copies` run in order (`held`: id -> its block before)."""
+    blocks: list = [None] * len(m._taken)
+    for g, b in held.items():
+        blocks[b] = f"kv of {g}"
+    for src, dst in copies:
+        blocks[dst] = blocks[src]
+    return blocks
+
+
+def test_place_moves_each_id_home_in_an_order_that_overwrites_nothing_still_needed():
+    """The head's restore prefetch (gpu/restore_prefetch.py): each id's kept KV goes to its
+    home (where its solo block's layers lie). Ids 0 and 1 sit on each other's homes (a cycle:
+    one steps aside to a block that is no id's home), id 2's home is free, id 3 is home,
+    id 4's home is held by a reservation (it stays)."""
+    m = _map(10)
+    for i, g in enumerate((0, 1, 2, 3, 4)):
+        m.assign(1, i, g)  # stage blocks 0..4
+    m.reserve(9, [8])
+    held = {g: m.local(g) for g in range(5)}
+    homes = {0: 1, 1: 0, 2: 6, 3: 3, 4: 8, 5: 7}
+    m.home(homes.get, range(6))
+    copies = m.place(range(6))
+    blocks = _apply(m, copies, held)
+    for g in range(4):
+        assert m.local(g) == homes[g] and blocks[homes[g]] == f"kv of {g}", (g, copies)
+    assert m.local(4) == 4 and blocks[4] == "kv of 4"
+    assert (m.placed_blocks, m.aside_blocks) == (3, 1)
+    assert all(dst not in homes.values() for src, dst in copies if src in (0, 1)
+               and dst not in (0, 1)), copies  # the spare is no id's home
+    assert m.assign(1, 5, 5) is None and m.local(5) == 7  # a new id gets its home at once
+    assert m.assign(1, 6, 9) is None and m.local(9) not in homes.values()  # (no home: any
+    # free block but another id's home)

@@ -185,6 +185,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     h0.call("prefetch", source)
     _serve_until_ready(h0, s0, worked=BLOCK + 1)  # (a block of every decoding request fills)
     partial = _partial_block_bytes(model_dir, s0)
+    blocks = sum(len(r.table) for r in s0.live())  # the head's live blocks at the restore
     restored, member = _restore(h0, h1, s0, solo0)
     restored_kv_is_a_prefill(h0, h1, s0, solo1)
     print(f"\nrestore prefetched ({source}): boundary {restored['seconds'] * 1e3:.1f} ms, "
@@ -197,7 +198,9 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
           f"{restored['own_kv_device_bytes']:.0f} B copied on the device, "
           f"{restored['own_kv_in_place_blocks']:.0f} blocks in place; "
           f"{restored['kv_rounds']:.0f} rounds after the first, {restored['kv_round_blocks']:.0f} "
-          f"blocks; partial blocks' bytes {partial}")
+          f"blocks; partial blocks' bytes {partial}; the head's KV placed home at the "
+          f"prefetch: {restored['placed_blocks']:.0f} blocks ({restored['aside_blocks']:.0f} "
+          f"aside)")
     assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
     assert restored["weight_bytes_before"] > 0 and restored["kv_bytes_before"] > 0, restored
     assert restored["kv_rounds"] > 0 and restored["kv_round_blocks"] > 0, \
@@ -205,7 +208,9 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert restored["kv_bytes_at"] <= partial, \
         "the restore's step moved more than each live request's partly filled last block"
     assert restored["kv_bytes_at"] == partial, restored  # (every round was in: `ready`)
-    assert restored["own_kv_host_bytes"] == 0 and restored["own_kv_device_bytes"] > 0, restored
+    assert restored["own_kv_host_bytes"] == 0, restored
+    assert restored["own_kv_device_bytes"] == 0, "the head's kept KV was held outside the arena"
+    assert restored["own_kv_in_place_blocks"] == blocks, (blocks, restored)
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
