@@ -214,6 +214,10 @@ class BlockMap:
                 return b
         return self._pop()
 
+    def spare(self, avoid: set[int]) -> int | None:
+        """A free stage block outside `avoid`, taken now (None: none is left)."""
+        return self._pop_avoiding(avoid)
+
     def _pop_avoiding(self, avoid: set[int]) -> int | None:
         for i in range(len(self._free) - 1, -1, -1):
             b = self._free[i]
@@ -249,3 +253,25 @@ class BlockMap:
     def _check(self, group_id: int) -> None:
         if group_id not in self.group:
             raise ValueError(f"block {group_id} is outside the group's block ids {self.group}")
+
+
+def copy_order(moves: Iterable[tuple[int, int]],
+               spare: Callable[[set[int]], int | None]) -> list[tuple[int, int]] | None:
+    """(src, dst) block copies, every dst distinct, in an order to run them one at a time in
+    which none overwrites a src still to be read: a copy whose dst another still reads waits;
+    a cycle goes round a spare block (`spare(avoid)`: a free block outside `avoid`; None when
+    none is left, and then this returns None)."""
+    todo = {s: d for s, d in moves if s != d}
+    out: list[tuple[int, int]] = []
+    while todo:
+        ready = [s for s, d in todo.items() if d not in todo]
+        for s in ready:
+            out.append((s, todo.pop(s)))
+        if not ready:  # every dst left is a src still to be read: cycles
+            s = next(iter(todo))
+            b = spare(set(todo) | set(todo.values()))
+            if b is None:
+                return None
+            out.append((s, b))
+            todo[b] = todo.pop(s)
+    return out

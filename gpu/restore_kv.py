@@ -35,6 +35,7 @@ import torch
 from engine.messages import ExecuteStep
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG
 from gpu.group_messages import GroupRestore, MemberReply, restored_generator
+from gpu.block_map import copy_order
 from gpu.kv_exchange import KvReceiver, KvTransfer, pair_chunks, send_transfers
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
@@ -237,7 +238,10 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                           runner.chunk_blocks, 1, _block_shape(stage), stage.model.arena.dtype,
                           stage.stats, link=stage.plane)
     src, dst, in_place = own_moves(stage, tables)
-    own = stage.gather_layers(src)  # on the device, before the weights come back over any
+    placed = place_own(stage, src, dst)  # before the weights come back over any
+    if placed is not None:
+        src, dst, in_place = [], [], in_place + len(src)
+    own = stage.gather_layers(src)  # (none placed: gathered on the device, outside the arena)
     w_began = time.perf_counter()
     weights_at = restore_weights(stage, runner.ranks, runner.layers, source)
     weights_s = time.perf_counter() - w_began
@@ -273,9 +277,25 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             "own_kv_host_bytes": float(stage.host_bytes - host),
                             "own_kv_device_bytes": float(own.numel() * own.element_size()),
                             "own_kv_in_place_blocks": float(in_place),
+                            "own_kv_arena_copies": float(len(placed or ())),
                             **prefetch_report(stage), **(kv.report() if kv else {})}
     stage.end_exchange()
     runner.stage = None
+
+
+def place_own(stage, src: Sequence[int], dst: Sequence[int]) -> list | None:
+    """The head's kept KV of stage blocks `src` copied, inside the arena, to where solo blocks
+    `dst`'s layers lie, in an order that overwrites nothing still to be read (a cycle goes round
+    one free stage block): then nothing is held outside the arena. Returns the copies made;
+    None when none is free for a cycle (the caller gathers them instead)."""
+    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
+    pairs = {(s, view.local_at(d * layers)) for s, d in zip(src, dst)}
+    if any(h is None for _, h in pairs):
+        return None
+    order = copy_order(pairs, stage.map.spare)
+    for s, d in order or ():
+        stage._copy_block(s, d)
+    return order
 
 
 def own_moves(stage, tables: Mapping[int, Sequence[int]]) -> tuple[list[int], list[int], int]:

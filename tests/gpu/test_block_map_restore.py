@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from gpu.block_map import BlockMap
+from gpu.block_map import BlockMap, copy_order
 
 
 def _map(blocks: int = 8) -> BlockMap:
@@ -117,3 +117,24 @@ def test_place_moves_each_id_home_in_an_order_that_overwrites_nothing_still_need
     assert m.assign(1, 5, 5) is None and m.local(5) == 7  # a new id gets its home at once
     assert m.assign(1, 6, 9) is None and m.local(9) not in homes.values()  # (no home: any
     # free block but another id's home)
+
+
+def test_copy_order_never_overwrites_a_block_still_to_be_read():
+    """The head's restore's step (gpu/restore_kv.py `place_own`): its kept KV copied to where
+    its solo blocks' layers lie, inside the arena. 0 -> 1 -> 2 is a chain (2 is read before it
+    is written), 3 <-> 4 a cycle (one goes round the spare block 9), 5 stays."""
+    moves = [(0, 1), (1, 2), (2, 6), (3, 4), (4, 3), (5, 5)]
+    asked = []
+
+    def spare(avoid):
+        asked.append(avoid)
+        return 9
+
+    order = copy_order(moves, spare)
+    blocks = [f"kv {b}" for b in range(10)]
+    for src, dst in order:
+        blocks[dst] = blocks[src]
+    for src, dst in moves:
+        assert blocks[dst] == f"kv {src}", (src, dst, order)
+    assert len(order) == 6 and all(9 not in a and {3, 4} <= a for a in asked), (order, asked)
+    assert copy_order([(3, 4), (4, 3)], lambda avoid: None) is None  # no spare: gathered

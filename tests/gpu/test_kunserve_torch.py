@@ -111,12 +111,15 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
           f"ready after {sorted(round(v * 1e3, 1) for v in exchange['ready_s'].values())} ms; "
           f"restore {restored['seconds'] * 1e3:.1f} ms (weights {restored['weights_s'] * 1e3:.1f}"
           f" ms); {n} pipelined steps; the head's own KV: {restored['own_kv_host_bytes']:.0f} B "
-          f"via the host, {restored['own_kv_device_bytes']:.0f} B copied on the device, "
-          f"{restored['own_kv_in_place_blocks']:.0f} blocks in place")
+          f"via the host, {restored['own_kv_device_bytes']:.0f} B gathered outside the arena, "
+          f"{restored['own_kv_in_place_blocks']:.0f} blocks in place, "
+          f"{restored['own_kv_arena_copies']:.0f} block copies in the arena to get there")
     assert exchange["received_bytes"] > 0 and member["sent_bytes"] > 0
-    # the head's own KV: in place where its block did not move, else copied on the device
+    # the head's own KV: in place where its block did not move, else copied there inside the
+    # arena (in an order that overwrites nothing unread), none held outside it
     assert restored["own_kv_host_bytes"] == 0, restored
-    assert restored["own_kv_device_bytes"] > 0 and restored["own_kv_in_place_blocks"] > 0, \
+    assert restored["own_kv_device_bytes"] == 0, "the head's kept KV was held outside the arena"
+    assert restored["own_kv_arena_copies"] > 0 and restored["own_kv_in_place_blocks"] > 0, \
         restored
     s1b = Scheduler(solo1, BLOCK)
     d = Req("D0", random_prompt(rng, 10), 5, rid=50)

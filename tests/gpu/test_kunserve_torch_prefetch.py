@@ -211,6 +211,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert restored["own_kv_host_bytes"] == 0, restored
     assert restored["own_kv_device_bytes"] == 0, "the head's kept KV was held outside the arena"
     assert restored["own_kv_in_place_blocks"] == blocks, (blocks, restored)
+    assert restored["own_kv_arena_copies"] == 0, "placed home at the prefetch, not at the step"
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
