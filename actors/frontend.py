@@ -77,6 +77,10 @@ class ClientStream:
     emitted: int = 0
     stopping: bool = False
     gone: bool = False
+    moved: bool = False
+    """Taken over from another engine's frontend (KunServe, `TakeOverStreams`) and given no
+    output here since: a cancel then may reach this scheduler before the request does, and be
+    lost; the first output of such a stream gone meanwhile aborts it again (`_deliver`)."""
     stream: bool = True
     held_ids: list[int] = attrs.field(factory=list)
     """Non-streaming clients: tokens held back until the final chunk."""
@@ -139,6 +143,8 @@ class Frontend:
             case TakeOverStreams(streams=streams, reply=reply):
                 new = {old: next(self._ids) for old in streams}
                 self._streams.update({new[old]: s for old, s in streams.items()})
+                for s in streams.values():
+                    s.moved = True
                 reply.send(new)
             case _:
                 assert_never(msg)
@@ -220,6 +226,11 @@ class Frontend:
         s = self._streams.get(out.request_id)
         if s is None:
             return
+        if s.moved:  # the scheduler has it now: a cancel sent before it did is sent again
+            s.moved = False
+            if s.gone and out.finish_reason is None:
+                await self._scheduler.send(AbortRequest(request_id=out.request_id,
+                                                        reason="cancelled"))
         if (out.finish_reason is None and not s.stream and s.detok is None and not s.gone
                 and not s.stopping):  # the common case of a replay: held for the last chunk
             s.held_ids.extend(out.token_ids)

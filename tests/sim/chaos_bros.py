@@ -6,15 +6,15 @@ schedules) and tests/shunter/test_chaos_bros_torch.py (the torch backend, output
 
 `Watch` wraps the engine's own objects while a run lasts:
 - every fit of the bidirectional table (`BidirectionalMemory.fit`) is followed by the table
-  test's invariant check (tests/engine/memory/test_bidirectional.py `SlotModel.check`: no slot
-  with two live owners, a checkpoint covers exactly the overwritten slots, counts and the
-  preemption order), run on a model of the device and host slots that each step's copies are
-  applied to, in order, and then the step's own writes: every live slot and every checkpoint
-  must still hold its request's KV;
+  test's invariant check (tests/engine/memory/test_bidirectional.py `SlotModel.check`, here over
+  the table's own block ids: no slot with two live owners, a checkpoint covers exactly the
+  overwritten slots, counts and the preemption order), run on a model of the device and host
+  slots that each step's copies are applied to, in order, and then the step's own writes:
+  every live slot and every checkpoint must still hold its request's KV;
 - after each fit, requests in an awkward state are cancelled by their client with a seeded
   probability: those whose checkpoints or whole KV come back in that very step (the copies in
-  flight), displaced ones, swapped-out ones (BE and RT), owners of a shared block, RT requests that just
-  overwrote BE slots;
+  flight), displaced ones, swapped-out ones (BE and RT), owners of a shared block, RT
+  requests that just overwrote BE slots;
 - the scheduler's admissions and endings are recorded, so that every admitted request is seen
   to end exactly once and with the reason its client saw.
 `leftovers` lists what is not back once the engine is idle: table, host slots, copy space,
@@ -34,7 +34,7 @@ import attrs
 from actors.scheduler import Scheduler
 from actors.swap_pool import SwapPool
 from engine.bidirectional_step import BidirectionalMemory
-from engine.memory.slot_runs import physical_slot
+from engine.memory.slot_runs import decode, physical_slot
 from shunter import SamplingParams, SchedulingParams
 from tests.engine.memory.test_bidirectional import SlotModel
 
@@ -54,6 +54,41 @@ class TagModel(SlotModel):
     def __init__(self, t) -> None:
         super().__init__(t)
         self.device, self.host = _Slots(), _Slots()
+
+    def check(self) -> None:
+        """SlotModel.check's invariants, over the table's own block ids (the torch backend's
+        start past the weights in the arena; SlotModel's from 0)."""
+        t, seen, bs = self.t, {}, self.t.block_size
+        for rid in t.requests():
+            host = t.host_slots(rid)
+            for pos, slot in t.live_slots(rid):
+                assert slot not in seen, f"slot {slot} held by {seen.get(slot)} and {rid}"
+                seen[slot] = rid
+                assert self.device[slot] == (rid, pos), "a live slot lost its KV"
+            for pos, h in host.items():
+                assert self.host[h] == (rid, pos), "a checkpoint does not hold its KV"
+            assert len(host) == (t.tokens(rid) if t.swapped(rid) else
+                                 t.tokens(rid) - sum(1 for _ in t.live_slots(rid)))
+            assert len(t.table(rid)) == (0 if t.swapped(rid) else -(-t.tokens(rid) // bs))
+        held = [h for rid in t.requests() for h in t.host_slots(rid).values()]
+        assert len(held) == len(set(held)), "a host slot with two owners"
+        for b in t._ids:  # a checkpoint covers exactly the overwritten slots of each block
+            _, _, be, _, lost = t.block(b)
+            if be >= 0:
+                table = t.table(be)
+                j = next(j for j, e in enumerate(table) if decode(e)[0] == b)
+                assert {bs - 1 - (p - j * bs) for p in t.host_slots(be) if p // bs == j} == lost
+            else:
+                assert not lost, f"block {b} has overwritten slots and no BE owner"
+        owned = {decode(e)[0] for rid in t.requests() for e in t.table(rid)}
+        assert t.num_free == t.num_total - len(owned), "the free count is off"
+        be_only = [b for b in t._ids if t.block(b)[0] < 0 and t.block(b)[2] >= 0]
+        assert t.rt_room() == t.num_free + len(be_only), "the RT room is off"
+        assert set(t._be) == {rid for rid in t.requests() if t.is_reversed(rid)}
+        assert t._displaced == {decode(e)[0] for rid in t.requests()
+                                if t.is_reversed(rid) and t.displaced(rid) for e in t.table(rid)}
+        by_key = sorted(be_only, key=t._preempt_key, reverse=True)
+        assert t._preemption_order(len(be_only)) == by_key, "block preemption's order is off"
 
     def step(self, transfers, work: dict[int, int], computed: dict[int, int]) -> None:
         for t in transfers:
@@ -117,7 +152,7 @@ class Watch:
                 states["swapped_be" if t.is_reversed(rid) else "swapped_rt"].add(rid)
             elif t.displaced(rid):
                 states["displaced"].add(rid)
-        for b in range(t.num_total):
+        for b in t._ids:
             rt, rt_fill, be, _, lost = t.block(b)
             if rt >= 0 and be >= 0:
                 states["shared"] |= {rt, be}
@@ -147,7 +182,7 @@ class Watch:
             if t.has_copy_space and t._copy_space.num_free != t._copy_space.num_total:
                 out.append(f"{t._copy_space.num_total - t._copy_space.num_free} copy-space "
                            f"blocks not free")
-            busy = [b for b in range(t.num_total) if t.block(b) != (-1, 0, -1, 0, frozenset())]
+            busy = [b for b in t._ids if t.block(b) != (-1, 0, -1, 0, frozenset())]
             if busy:
                 out.append(f"blocks with an owner, fill or overwritten slot: {busy}")
             for name in ("_be", "_be_only", "_holed", "_displaced"):
@@ -240,7 +275,8 @@ class Client:
     """One request as its client sends it, and how the client ends it early (or not)."""
     label: str
     prompt: list[int]
-    request_class: str
+    request_class: str | None
+    """None: the policy's default class."""
     max_tokens: int
     start_s: float
     cancel_after_s: float | None = None
@@ -255,12 +291,15 @@ class Client:
 
     error: str | None = None
     """What the client's stream raised (a failed request, a dead engine)."""
+    left: bool = False
+    """The client left before the end: it gave up, was cancelled, or closed the stream."""
 
     async def run(self, engine) -> None:
         try:
             await self._run(engine)
         except Exception as exc:  # noqa: BLE001 - reported by `client_errors`
             self.error = f"{type(exc).__name__}: {exc}"
+        self.left = self.finish is None and self.error is None
 
     async def _run(self, engine) -> None:
         await anyio.sleep(self.start_s)
@@ -269,7 +308,8 @@ class Client:
                 self.scope.deadline = anyio.current_time() + self.cancel_after_s
             async with engine.generate(
                     self.prompt, SamplingParams(max_tokens=self.max_tokens),
-                    scheduling=SchedulingParams(request_class=self.request_class)) as stream:
+                    scheduling=SchedulingParams(request_class=self.request_class)
+                    if self.request_class else SchedulingParams()) as stream:
                 self.stream = stream
                 async for chunk in stream:
                     self.request_id = chunk.request_id
@@ -285,7 +325,8 @@ def canceller(clients: list[Client]) -> Callable[[int], bool]:
     def cancel(rid: int) -> bool:
         for c in clients:
             stream = c.stream
-            if stream is not None and stream.request_id == rid and c.finish is None:
+            if (stream is not None and stream.request_id == rid and c.finish is None
+                    and not c.left and not c.scope.cancel_called):
                 c.scope.cancel()
                 return True
         return False

@@ -45,11 +45,12 @@ def clients_for(seed: int, vocab: int, pool: int) -> list[Client]:
     """BE requests first, with long prompts that fill the pool (`pool` tokens), then RT ones."""
     rng = random.Random(seed)
     out = []
-    for label, cls, n, prompt, tokens, start in (("be", "be", (6, 10), (8, 40), (2, 24), (0, .05)),
-                                                 ("rt", "rt", (8, 16), (2, 20), (2, 30), (.02, .6))):
+    kinds = (("be", (6, 10), (8, 40), (2, 24), (0, .05)),
+             ("rt", (8, 16), (2, 20), (2, 30), (.02, .6)))
+    for cls, n, prompt, tokens, start in kinds:  # (count, prompt, max_tokens, start) ranges
         for i in range(rng.randint(*n)):
             length = min(rng.randint(*prompt), pool // 2)
-            out.append(Client(f"{label} {i}", [rng.randrange(2, vocab) for _ in range(length)],
+            out.append(Client(f"{cls} {i}", [rng.randrange(2, vocab) for _ in range(length)],
                               cls, min(rng.randint(*tokens), pool - length),
                               start_s=rng.uniform(*start)))
     for c in out:  # a third give up at a random time, a sixth leave after some tokens
