@@ -296,4 +296,7 @@ class Scheduler(AdoptionMixin):
             return self._lost_kv(msg.pool_blocks)
         for req in self._in_flight.values():
             self._finish(req, "error", f"the model step failed: {msg.error}")
+        if self._bidi is not None:  # KV its slot copies carried for others: recomputed
+            for req in self._bidi.step_failed(self._live, self._in_flight):
+                log.warning("recomputed: its KV was in a failed step's copies", request_id=req.id)
         self._in_flight = {}

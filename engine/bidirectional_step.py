@@ -63,6 +63,10 @@ class BidirectionalMemory:
         """Of those, steps in which RT overwrote BE slots (lazily checkpointing them first)."""
         self.restores = 0
         """Swap-backs of a displaced BE request's checkpointed slots (`restore`) since the start."""
+        self.last_copied: set[int] = set()
+        """Requests whose KV the last fitted step's slot copies carried (`step_failed`)."""
+        self.recomputed_after_failures = 0
+        """Requests `step_failed` recomputed since the start."""
 
     def swap_out(self, rid: int) -> bool:
         """The scheduler preempts request `rid` by swap (the planner's victim: BE first, then RT
@@ -133,6 +137,7 @@ class BidirectionalMemory:
             if rid not in plan.work and rid in t and not t.tokens(rid):
                 t.free(rid)
         self.overwriting_steps += t.checkpointed_slots_total > checkpointed
+        self.last_copied, t.copied = t.copied, set()
         blocks, sent = [], self._sent
         for rid in plan.work:
             table = t.entries(rid)  # not a copy: copied only when it changed
@@ -154,6 +159,25 @@ class BidirectionalMemory:
         return BidirectionalOrders(blocks=tuple(blocks), transfers=tuple(
             SwapTransfer(request_id=rid, direction=direction, pairs=pairs, sync=True)
             for rid, direction, pairs in transfers))
+
+    def step_failed(self, requests: Mapping[int, Request], in_flight: Mapping[int, Request]
+                    ) -> list[Request]:
+        """The last step failed (the scheduler fails the requests in it), maybe because one of
+        its slot copies did: the KV of requests outside it that those copies carried (a BE
+        request checkpointed for an RT one, a victim swapped out, a request swapped back that
+        then left the step) may not be where the table says. Each is recomputed: its KV
+        dropped, its tokens prefilled again (a copy that failed must not yield wrong tokens;
+        found by tests/shunter/test_chaos_bros_faults.py). Returns them."""
+        out = []
+        for rid in sorted(self.last_copied):
+            if (r := requests.get(rid)) is not None and rid not in in_flight:
+                self._forget(rid)
+                r.recompute()
+                r.checkpointed_slots = r.checkpointed_blocks = 0  # (the table's count, gone)
+                out.append(r)
+        self.recomputed_after_failures += len(out)
+        self.last_copied = set()
+        return out
 
     def _forget(self, rid: int) -> None:
         self._sent.pop(rid, None)

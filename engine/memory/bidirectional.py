@@ -66,6 +66,10 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
         """BE blocks placed in the empty right side of an RT block since the start."""
         self.guest_checkpointed_total = 0
         """Of `checkpointed_slots_total`, slots of such a guest its RT host overwrote."""
+        self.copied: set[int] = set()
+        """Requests whose KV a returned copy carries (checkpointed, moved, restored, swapped
+        out or in), since the caller last cleared it: if those copies fail, their KV here is
+        not what the table says (engine/bidirectional_step.py `step_failed`)."""
 
     # ------------------------------------------------------------------------ queries
 
@@ -231,6 +235,8 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
                 x.lost.add(offset)
                 self._holed.add(block)
                 out.append((block * bs + offset, host))
+        if out:
+            self.copied.add(x.be)
         self.checkpointed_slots_total += len(out)
         self.guest_checkpointed_total += len(out) if x.guest else 0
         return out
@@ -245,6 +251,7 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
         bs = self.block_size
         used = s.tokens - (len(s.table) - 1) * bs
         self._blocks[new].be_fill = used
+        self.copied.add(rid)
         s.table[-1] = encode(new, True)
         return SlotCopies(move=tuple((old * bs + bs - 1 - i, new * bs + bs - 1 - i)
                                      for i in range(used)))
@@ -269,6 +276,7 @@ class BidirectionalBlocks(SlotQueries, SlotSwaps):
         if not self.can_restore(rid):
             raise BidirectionalError(f"request {rid} cannot be restored now")
         self._undisplace(s)
+        self.copied.add(rid)
         bs, move, into = self.block_size, [], []
         for j in self._host_blocks(s):
             old, _ = decode(s.table[j])

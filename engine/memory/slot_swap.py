@@ -86,6 +86,7 @@ class SlotSwaps:
     _free: list[int]
     _free_host: HostSlots
     _copy_space: HostBlocks | None
+    copied: set[int]
     _undisplace: Callable[[Seq], None]
     _release_all: Callable[[Seq], None]
     _own: Callable[[int, int, bool], None]
@@ -117,6 +118,7 @@ class SlotSwaps:
         out = self._blocks_out(s) if self._copy_space is not None else self._slots_out(s)
         self._release_all(s)
         s.swapped = True
+        self.copied.add(rid)
         return SlotCopies(out=tuple(out))
 
     def _slots_out(self, s: Seq) -> list[tuple[int, int]]:
@@ -198,4 +200,5 @@ class SlotSwaps:
             self._copy_space.give(s.copy)
             s.copy, s.masked = [], set()
         s.swapped = False
+        self.copied.add(rid)
         return SlotCopies(into=tuple(into))

@@ -21,3 +21,25 @@ def test_a_request_left_out_before_it_ever_ran_keeps_no_entry_in_the_table():
     _step(mem, requests, {2: 1, 1: BS})  # RT grows in its block; nothing is free for BE
     assert mem.table.tokens(2) == 3
     assert 1 not in mem.table and mem.table.requests() == [2]
+
+
+def test_a_failed_step_recomputes_the_requests_whose_kv_its_copies_carried():
+    """RT's step checkpoints BE's slots (a copy out) and then fails (a copy failed, say): the
+    BE request, outside the step, would swap back host slots that may hold nothing. It is
+    recomputed; the RT request, in the step, is the scheduler's to fail; nothing else is
+    touched (found by tests/shunter/test_chaos_bros_faults.py: BE outputs went wrong after a
+    slot copy failed, with no error)."""
+    mem = BidirectionalMemory(range(3), BS, host_slots=16)
+    be = _make_request(1, prompt=2 * BS)
+    other = _make_request(3, prompt=BS)
+    rt = _make_request(2, prompt=2, ttft_ms=400.0)
+    requests = {1: be, 2: rt, 3: other}
+    _step(mem, requests, {1: 2 * BS, 3: BS})  # BE fills two blocks, another BE the third
+    assert mem.last_copied == set()
+    _step(mem, requests, {2: 2})  # RT takes a BE block, checkpointing two of its slots
+    assert mem.table.displaced(1) and mem.last_copied == {1}
+    recomputed = mem.step_failed(requests, in_flight={2: rt})
+    assert recomputed == [be] and be.state == "waiting" and be.computed_tokens == 0
+    assert be.checkpointed_slots == 0 and 1 not in mem.table
+    assert mem.table.tokens(3) == BS and other.state == "running"
+    assert mem.table.free_host_slots == 16, "its checkpoints' host slots are back"
