@@ -141,6 +141,8 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
         assert isinstance(msg, GroupRestore), msg
         for rid in msg.release:
             stage.seqs.pop(rid, None)
+        for rid in stage.seqs:  # exchanged KV no step placed yet (it arrived, or arrives, for
+            stage._place(rid)  # a request not run since the group formed): read below
         transfers = restore_transfers(stage.seqs, start.layers, msg.skip)
         send_transfers(stage.plane, start.ranks, me, transfers, start.chunk_blocks, 1,
                        lambda t, s=stage, k=msg.skip: s.read_layers(s.seqs[t.request_id].table[

@@ -222,6 +222,8 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     host = stage.host_bytes if kv is None else kv.began_host
     for rid in release:
         stage.seqs.pop(rid, None)
+    for rid in stage.seqs:  # (as each member does: exchanged KV no step placed yet)
+        stage._place(rid)
     for t in runner._fed_back:  # the head is not the last stage: tokens it has not appended
         if t.request_id in stage.seqs:
             stage.seqs[t.request_id].tokens.append(t.token_id)

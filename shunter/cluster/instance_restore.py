@@ -1,6 +1,13 @@
 """`LeaveGroup` at the head's instance process (KunServe §4.4): its group restores, the dropped
 layers written back while the group keeps serving (gpu/restore_prefetch.py), then the switch.
 
+0. The group's KV exchange settles first (`_settled`): no live request still waits for its KV
+   on some member, or was adopted and never set up here (it holds no blocks every member
+   maps), or waits for the scheduler to hear its arrival (the arrivals task's set: after the
+   restore no one would tell it, and it would wait for ever). The group serves meanwhile;
+   one not settled within `SETTLE_S` refuses the restore as a pool too small does (the front
+   door asks again later). (A request whose KV arrived but that no step ran since is fine:
+   every member writes its chunks into its blocks before the restore reads them.)
 1. The scheduler's pool shrinks back to the instance's own (`Regroup(pool_blocks)`, group
    kept: `PoolTooSmall` when its requests do not fit yet, and the front door asks again later);
    the next pipelined step carries the size and the blocks it moved (the members rebind them).
@@ -30,6 +37,7 @@ import time
 
 import anyio
 
+from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import Regroup
 
@@ -37,6 +45,9 @@ POLL_S = 0.005
 LIMIT_S = 120.0
 """The wait's bound: a prefetch that never started (no step carried the shrink) or never
 ended (a member stuck but not known lost) leaves the rest to the restore's boundary."""
+SETTLE_S = 10.0
+"""How long a restore waits for its group's KV exchange to settle before it is refused (as
+shunter/cluster/instance_grow.py's growth: the adopted requests must have run a step here)."""
 QUIET_S = 0.05
 """No step sent for this long: the wait asks the members itself (an empty pipelined step)."""
 
@@ -51,6 +62,7 @@ async def leave_here(groups) -> dict:
         raise RuntimeError("this instance leads no group")
     solo = GroupPlan(group_id=-1, members=(group.ranks[0],), layers=(
         range(runner._model_config.num_layers),))
+    await _settled(groups, group)
     m = eng.policy.settings.memory  # (the policy now: a replaced one applies to this restore)
     runner.restore_prefetch, runner.restore_source = m.restore_prefetch, m.restore_from
     prefetch = runner.restore_prefetch
@@ -76,8 +88,27 @@ async def leave_here(groups) -> dict:
     return {**out, "restored_at_once": idle}
 
 
-async def _live(eng) -> int:
+async def _live(eng) -> tuple[int, ...]:
     return (await eng.inspect()).scheduler.live_requests
+
+
+async def _settled(groups, group) -> None:
+    """Wait until no live request's KV is still moving into `group` (step 0 above); raises
+    `PoolTooSmall` (the front door retries later) if that takes over `SETTLE_S`."""
+    from gpu.group_grow import unsettled
+
+    deadline = anyio.current_time() + SETTLE_S
+    while True:
+        live = await _live(groups.engine)
+        arrivals = getattr(groups, "arrivals", None)
+        unheard = set(arrivals[1]) if arrivals is not None and arrivals[0] is group else set()
+        waiting = await groups.runner._thread.run(unsettled, group, live) | (unheard & set(live))
+        if not waiting or groups.runner.group is not group:
+            return
+        if anyio.current_time() >= deadline:
+            raise PoolTooSmall(f"group {group.ranks} cannot restore yet: requests "
+                               f"{sorted(waiting)} still wait for its KV exchange")
+        await anyio.sleep(POLL_S)
 
 
 async def _prefetched(groups, group) -> str:

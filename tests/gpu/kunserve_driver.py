@@ -189,21 +189,63 @@ class Scheduler:
         return [r for r in self.reqs.values() if not r.done]
 
 
-def group_steps(head: Host, sched: Scheduler, until) -> int:
-    """Group steps until `until()`; returns how many had work. Empty steps (every request
-    still waits for its KV: they ask the members for arrivals) do not count, however many the
-    exchange takes under load; the KV must come within 60 s."""
-    n, waiting_since = 0, time.monotonic()
-    while not until():
-        step = sched.next_step()
-        done, arrived = head.call("step", step)
-        sched.finish(step, done.sampled)
-        for rid in arrived:
+def run_alone(pairs: Sequence[tuple[Host, Scheduler]], max_steps: int = 200) -> None:
+    """Solo steps until every request of every (host, scheduler) is done, then one more that
+    hands each runner its last releases. Fails at once, naming them, when the requests left
+    are none of them ready (none would be stepped: the run would never end), and after
+    `max_steps`."""
+    for _ in range(max_steps):
+        busy = [(h, s) for h, s in pairs if any(not r.done for r in s.reqs.values())]
+        if not busy:
+            break
+        left = [r for _, s in busy for r in s.reqs.values() if not r.done]
+        assert any(r.ready for r in left), f"no request left can be stepped: {left_of(left)}"
+        solo_steps(busy, 1)
+    else:
+        raise AssertionError(f"not done after {max_steps} solo steps: "
+                             f"{left_of([r for _, s in pairs for r in s.live()])}")
+    solo_steps(pairs, 1)
+
+
+def left_of(reqs: Sequence[Req]) -> str:
+    """Requests as a failure names them: name, ready, tokens computed, tokens out of max."""
+    return ", ".join(f"{r.name} (ready {r.ready}, computed {r.computed}, out "
+                     f"{len(r.out)}/{r.max_tokens})" for r in reqs)
+
+
+def group_step(head: Host, sched: Scheduler, step: ExecuteStep | None = None):
+    """One group step (the scheduler's next one if `step` is None): its tokens to the
+    scheduler, and every request whose KV the step's answer says arrived on every member
+    marked ready (only then does the scheduler step it). Returns the answer's StepFinished."""
+    step = sched.next_step() if step is None else step
+    done, arrived = head.call("step", step)
+    sched.finish(step, done.sampled)
+    for rid in arrived:
+        if rid in sched.reqs:
             sched.reqs[rid].ready = True
+    return done
+
+
+def all_ready(sched: Scheduler) -> bool:
+    """Every live request's KV is in (its exchange arrived on every member)."""
+    return all(r.ready for r in sched.live())
+
+
+def group_steps(head: Host, sched: Scheduler, until) -> int:
+    """Group steps until `until()` and every live request's KV arrived (a request still
+    waiting for it is never stepped: anything after this assumes none waits); returns how
+    many had work. Empty steps (every request still waits for its KV: they ask the members
+    for arrivals) do not count, however many the exchange takes under load; the KV must come
+    within 60 s."""
+    n, waiting_since = 0, time.monotonic()
+    while not (until() and all_ready(sched)):
+        step = sched.next_step()
+        group_step(head, sched, step)
         if step.seqs:
             n, waiting_since = n + 1, time.monotonic()
-        assert time.monotonic() - waiting_since < 60, "no request's KV arrived"
-        assert n < 60, "the group never got there"
+        assert time.monotonic() - waiting_since < 60, \
+            f"no request's KV arrived in 60 s: {left_of(sched.live())}"
+        assert n < 60, f"the group never got there: {left_of(sched.live())}"
     return n
 
 
@@ -226,10 +268,7 @@ def form_group(model_dir, head: Host, sched: Scheduler, ranks, adopted, solo: ra
     step = attrs.evolve(sched.next_step(), group=GroupPlan(group_id=1, members=tuple(ranks),
                                                             layers=layers),
                         pool_blocks=len(pool))
-    done, arrived = head.call("step", step)
-    sched.finish(step, done.sampled)
-    for rid in arrived:
-        sched.reqs[rid].ready = True
+    group_step(head, sched, step)
     return pool
 
 

@@ -27,9 +27,11 @@ from tests.gpu.kunserve_driver import (
     adopt_live,
     Scheduler,
     form_group,
+    group_step,
     group_steps,
     random_prompt,
     restored_kv_is_a_prefill,
+    run_alone,
     running_hosts,
     solo_steps,
 )
@@ -86,7 +88,7 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     for r in burst:
         assert s0.fits(r)
         s0.add(r)
-    n = group_steps(h0, s0, lambda: all(r.done for r in burst))
+    n = group_steps(h0, s0, lambda: all(r.done for r in burst))  # (and every KV arrived)
     assert n >= 6 and all(r.ready for r in s0.reqs.values())
 
     # restore: the head's pool shrinks back (blocks above it move below, the rule of the
@@ -99,8 +101,7 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     step = attrs.evolve(s0.next_step(), group=GroupPlan(group_id=1, members=(0,),
                                                          layers=(range(4),)),
                         pool_blocks=len(solo0), moves=moves)
-    done, _ = h0.call("step", step)
-    s0.finish(step, done.sampled)
+    group_step(h0, s0, step)
     member = h1.answer()
     restored, exchange = h0.call("group_stats")
     restored_kv_is_a_prefill(h0, h1, s0, solo1)  # (a stale block may flip no greedy token)
@@ -126,14 +127,44 @@ def test_drop_exchange_pipeline_restore_equals_transformers(model_dir, hosts):
     alone = Req("S0 alone", seeded.prompt, seeded.max_tokens, rid=51, sampling=SEEDED)
     s1b.add(d)
     s1b.add(alone)
-    solo_steps([(h0, s0), (h1, s1b)], 1)
-    while any(not r.done for r in s0.reqs.values()) or not (d.done and alone.done):
-        solo_steps([(h0, s0)] + ([(h1, s1b)] if not (d.done and alone.done) else []), 1)
-    solo_steps([(h0, s0), (h1, s1b)], 1)  # hands the runners the last releases
+    run_alone([(h0, s0), (h1, s1b)])
     for r, new in moved:
         r.out = new.out
     _check(model_dir, a + b + burst + [d])
     assert seeded.out == alone.out, (seeded.out, alone.out)
+
+
+def test_a_restore_before_the_exchange_landed_restores_its_requests_kv(model_dir, hosts):
+    """The group restores at the step after it formed: no step ran the head's requests, whose
+    KV for the member's layers went to the member in chunks it writes into their blocks only
+    in the first step that runs them. The member's restore writes them in first (waiting for
+    exactly their chunks), so the head gets their KV back, not its blocks' stale contents."""
+    (h0, h1, _), (solo0, solo1, _) = hosts
+    rng = random.Random(4)
+    s0 = Scheduler(solo0, BLOCK)
+    a = [Req(f"A{i}", random_prompt(rng, 9 + 4 * i), 8, rid=60 + i) for i in range(2)]
+    for r in a:
+        s0.add(r)
+    solo_steps([(h0, s0)], 2)
+    h1.conn.send(("member", 0))
+    form_group(model_dir, h0, s0, (0, 1), (), solo0, LAYERS)  # (runs none of them)
+    for r in a:
+        r.ready = False  # (arrived or not: the restore's step runs none of them either)
+    step = attrs.evolve(s0.next_step(), group=GroupPlan(group_id=1, members=(0,),
+                                                         layers=(range(4),)),
+                        pool_blocks=len(solo0))
+    assert not step.seqs, step
+    group_step(h0, s0, step)
+    member = h1.answer()
+    restored, _ = h0.call("group_stats")
+    print(f"\nrestored before any step ran the exchanged requests: member received "
+          f"{member['received_bytes']} B, the head {restored['kv_bytes_at']:.0f} B at the step")
+    assert member["received_bytes"] > 0, member
+    restored_kv_is_a_prefill(h0, h1, s0, solo1)
+    for r in a:
+        r.ready = True
+    run_alone([(h0, s0)])
+    _check(model_dir, a)
 
 
 def _grouped_then_killed(model_dir, head, member, ranks, solo_head, solo_member, victim, seed):
@@ -170,11 +201,9 @@ def test_member_lost_while_grouped_head_recovers_from_host_copy(model_dir, hosts
     rids = h0.call("recover", 2)
     assert sorted(rids) == sorted(r.rid for r in s0.live())
     s0.free = list(reversed(solo0))
-    for r in s0.live():
-        r.table, r.computed, r.reset = [], 0, True
-    while any(not r.done for r in s0.reqs.values()):
-        solo_steps([(h0, s0)], 1)
-    solo_steps([(h0, s0)], 1)  # hands the runner the last releases
+    for r in s0.live():  # (recomputed: no KV of theirs is waited for)
+        r.table, r.computed, r.reset, r.ready = [], 0, True, True
+    run_alone([(h0, s0)])
     _check(model_dir, reqs)
 
 
@@ -189,6 +218,5 @@ def test_head_lost_while_grouped_member_serves_alone_from_host_copy(model_dir, h
     s0 = Scheduler(solo0, BLOCK)
     g = Req("G0", random_prompt(random.Random(3), 11), 8, rid=500)
     s0.add(g)
-    while not g.done:
-        solo_steps([(h0, s0)], 1)
+    run_alone([(h0, s0)])
     _check(model_dir, [g])

@@ -33,9 +33,12 @@ from tests.gpu.kunserve_driver import (
     adopt_live,
     Scheduler,
     form_group,
+    group_step,
     group_steps,
+    left_of,
     random_prompt,
     restored_kv_is_a_prefill,
+    run_alone,
     running_hosts,
     solo_steps,
 )
@@ -75,8 +78,11 @@ def hosts_member_dies(model_dir):
 
 def _grouped(model_dir, h0, h1, solo0, solo1, seed: int):
     """Both instances serve alone, then instance 1 joins instance 0's group with its requests,
-    a burst runs through the group until it is done. Returns the head's scheduler, every
-    request (the moved ones as the head knows them) and the moved (member's, head's) pairs."""
+    a burst runs through the group until it is done and every request's KV arrived (one
+    still waiting is never stepped: the restore and `run_alone` need none) and has run a
+    step since (an adopted one has blocks on the head only then). Returns the
+    head's scheduler, every request (the moved ones as the head knows them) and the moved
+    (member's, head's) pairs."""
     rng = random.Random(seed)
     s0, s1 = Scheduler(solo0, BLOCK), Scheduler(solo1, BLOCK)
     a = [Req(f"A{i}", random_prompt(rng, 9 + i), 24 - 14 * i, rid=1 + i) for i in range(2)]
@@ -92,14 +98,8 @@ def _grouped(model_dir, h0, h1, solo0, solo1, seed: int):
     burst = [Req(f"C{i}", random_prompt(rng, 8 + i), 6, rid=20 + i) for i in range(4)]
     for r in burst:
         s0.add(r)
-    group_steps(h0, s0, lambda: all(r.done for r in burst))
+    group_steps(h0, s0, lambda: all(r.done for r in burst) and all(r.table for r in s0.live()))
     return s0, a + [new for _, new in moved] + burst, moved
-
-
-def _step(h0, s0: Scheduler) -> None:
-    step = s0.next_step()
-    done, _ = h0.call("step", step)
-    s0.finish(step, done.sampled)
 
 
 def _serve_until_ready(h0, s0: Scheduler, worked: int = 0) -> None:
@@ -115,14 +115,15 @@ def _serve_until_ready(h0, s0: Scheduler, worked: int = 0) -> None:
                 r.ready = False
                 held.append(r)
         if any(r.ready for r in s0.live()):
-            _step(h0, s0)
+            group_step(h0, s0)
         else:
             assert served >= worked, f"every request nears its end after {served} steps"
             s0.step_id += 1
-            h0.call("step", ExecuteStep(step_id=s0.step_id, release=(), setups=(), blocks=(),
-                                        seqs=()))
+            group_step(h0, s0, ExecuteStep(step_id=s0.step_id, release=(), setups=(),
+                                           blocks=(), seqs=()))
         served += 1
-        assert time.monotonic() - since < 120, "the prefetch did not end in 120 s"
+        assert time.monotonic() - since < 120, \
+            f"the prefetch did not end in 120 s ({served} steps): {left_of(s0.live())}"
     for r in held:
         r.ready = True
 
@@ -138,17 +139,15 @@ def _shrink(h0, s0: Scheduler, solo0: range, moves_needed: bool = True) -> None:
     blocks = [u for u in step.blocks if u.request_id not in whole] + [
         BlockUpdate(request_id=rid, reset=True, append=tuple(s0.reqs[rid].table))
         for rid in sorted(whole)]
-    step = attrs.evolve(step, pool_blocks=len(solo0), moves=moves, blocks=tuple(blocks))
-    done, _ = h0.call("step", step)
-    s0.finish(step, done.sampled)
+    group_step(h0, s0, attrs.evolve(step, pool_blocks=len(solo0), moves=moves,
+                                    blocks=tuple(blocks)))
 
 
 def _restore(h0, h1, s0: Scheduler, solo0: range) -> tuple[dict, dict]:
     step = attrs.evolve(s0.next_step(), group=GroupPlan(group_id=1, members=(0,),
                                                          layers=(range(4),)),
                         pool_blocks=len(solo0))
-    done, _ = h0.call("step", step)
-    s0.finish(step, done.sampled)
+    group_step(h0, s0, step)
     restored, _ = h0.call("group_stats")
     return restored, h1.answer()
 
@@ -162,12 +161,6 @@ def _partial_block_bytes(model_dir, s0: Scheduler) -> int:
     c = ModelConfig.from_dir(model_dir)
     block = len(LAYERS[1]) * 2 * BLOCK * c.num_kv_heads * c.head_dim * 4  # float32
     return block * sum(1 for r in s0.live() if r.computed % BLOCK)
-
-
-def _alone(h0, s0: Scheduler) -> None:
-    while any(not r.done for r in s0.reqs.values()):
-        solo_steps([(h0, s0)], 1)
-    solo_steps([(h0, s0)], 1)  # hands the runner the last releases
 
 
 def _check(model_dir, reqs) -> None:
@@ -215,7 +208,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert member["prefetch"]["bytes"] > 0 and member["copied_blocks"] == 0, member
     assert restored["vacated_live"] > 0 and member["prefetch"]["vacated_live"] > 0, \
         "no live block lay in the dropped layers' memory: the vacating copy was not exercised"
-    _alone(h0, s0)
+    run_alone([(h0, s0)])
     for r, new in moved:
         r.out = new.out
     _check(model_dir, reqs)
@@ -244,7 +237,7 @@ def test_a_request_reset_while_prefetched_is_taken_again(model_dir, hosts):
           f"{restored['kv_round_blocks']:.0f} blocks in later rounds; partial blocks' {partial} B")
     assert restored["kv_resets"] == 1, restored
     assert restored["kv_bytes_at"] == partial, restored
-    _alone(h0, s0)
+    run_alone([(h0, s0)])
     for r, new in moved:
         r.out = new.out
     _check(model_dir, reqs)
@@ -286,7 +279,7 @@ def test_restore_boundary_stall_with_and_without_prefetch(stall_hosts):
             assert restored["weight_bytes_at"] == 0 < restored["weight_bytes_before"]
         else:
             assert restored["weight_bytes_at"] > 0
-        _alone(h0, s0)
+        run_alone([(h0, s0)])
     base, pre = (statistics.median(seconds[p]) for p in (False, True))
     print(f"\nrestore boundary ({len(seconds[True])} each): at the boundary {base * 1e3:.1f} "
           f"ms, prefetched {pre * 1e3:.1f} ms (ratio {pre / base:.2f}; load "
@@ -310,7 +303,7 @@ def test_member_lost_while_the_prefetch_runs_head_recovers_from_host_copy(
     assert sorted(rids) == sorted([r.rid for r in s0.live()] + list(step.release))
     s0.release = list(step.release)  # (the failed step did not hand them over)
     s0.free = list(reversed(solo0))
-    for r in s0.live():
-        r.table, r.computed, r.reset = [], 0, True
-    _alone(h0, s0)
+    for r in s0.live():  # (recomputed: no KV of theirs is waited for)
+        r.table, r.computed, r.reset, r.ready = [], 0, True, True
+    run_alone([(h0, s0)])
     _check(model_dir, reqs)
