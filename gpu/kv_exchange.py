@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
@@ -153,16 +153,48 @@ def _receive_jobs(link: Channel, jobs: queue.SimpleQueue) -> None:
         done.set()
 
 
+class RecvWorker:
+    """One thread that runs receive loops one after another, in the order given: receivers of
+    later rounds from the same source (whose chunks it queues after an earlier round's) share
+    it, so a prefetch's rounds take one thread per source however many steps it spans."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, daemon=True, name=name).start()
+
+    def submit(self, fn: Callable, *args) -> threading.Event:
+        """`fn(*args)` once every earlier job ended; the event is set when it has."""
+        done = threading.Event()
+        self._jobs.put((fn, args, done))
+        return done
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, args, done = job
+            try:
+                fn(*args)
+            finally:
+                done.set()
+
+    def close(self) -> None:
+        """No more jobs: the thread ends after those given (one blocked in a receive ends
+        with the channel)."""
+        self._jobs.put(None)
+
+
 class KvReceiver:
-    """Receives every transfer addressed to member `me`; one thread per source."""
+    """Receives every transfer addressed to member `me`; one thread per source (or, with
+    `workers`, a job on that source's `RecvWorker`)."""
 
     def __init__(self, ranks: Sequence[int], me: int, transfers: Sequence[KvTransfer],
                  chunk_blocks: int, epoch: int, block_shape: tuple[int, ...],
                  dtype: torch.dtype, stats: ExchangeStats, *, link: Channel,
-                 seq_base: int = 0) -> None:
+                 seq_base: int = 0, workers: Mapping[int, RecvWorker] | None = None) -> None:
         """`block_shape`: one layer of one block, (2, block_size, Hkv, D); `link`: the group's
-        channel the chunks come over; `seq_base`: as `send_transfers`'."""
+        channel the chunks come over; `seq_base`: as `send_transfers`'; `workers`: source
+        index -> the worker whose thread receives from it (None: a thread of its own)."""
         self._link = link
+        self._shape, self._dtype = block_shape, dtype
         self._others = [r for r in link.ranks if r != link.rank]
         self._mine = [t for t in transfers if t.dst == me]
         self.staging = {id(t): torch.empty((t.blocks, len(t.layers), *block_shape), dtype=dtype)
@@ -177,11 +209,15 @@ class KvReceiver:
         a request still pending raises it (a thread that died silently left them waiting)."""
         self.stats = stats
         self._began = time.perf_counter()
-        self._threads = [
-            threading.Thread(target=self._loop, args=(ranks[src], pair_chunks(
-                transfers, src, me, chunk_blocks), epoch, seq_base), daemon=True,
-                name=f"shunter-kv-recv-{src}")
-            for src in sorted({t.src for t in self._mine})]
+        loops = [(ranks[src], pair_chunks(transfers, src, me, chunk_blocks), epoch, seq_base)
+                 for src in sorted({t.src for t in self._mine})]
+        self._threads = [] if workers is not None else [
+            threading.Thread(target=self._loop, args=args, daemon=True,
+                             name=f"shunter-kv-recv-{src}") for args, src in zip(
+                loops, sorted({t.src for t in self._mine}))]
+        self._jobs = [] if workers is None else [
+            workers[src].submit(self._loop, *args)
+            for args, src in zip(loops, sorted({t.src for t in self._mine}))]
         for th in self._threads:
             th.start()
 
@@ -191,7 +227,10 @@ class KvReceiver:
         for t, _, _ in chunks:
             left[id(t)] = left.get(id(t), 0) + 1
         for seq, (t, lo, hi) in enumerate(chunks):
-            dst = self.staging[id(t)][lo:hi]
+            with self._cond:  # (a dropped request's chunk: into a tensor let go at once)
+                kept = self.staging.get(id(t))
+                dst = kept[lo:hi] if kept is not None else torch.empty(
+                    (hi - lo, len(t.layers), *self._shape), dtype=self._dtype)
             try:
                 self._link.recv_tensor(dst, rank, _tag(epoch, seq_base + seq),
                                        "its KV was being exchanged")
@@ -229,6 +268,23 @@ class KvReceiver:
         return [(t, self.staging.pop(id(t))) for t in self._mine
                 if t.request_id == request_id and id(t) in self.staging]
 
+    def drop(self, request_id: int) -> None:
+        """Its chunks are not wanted: what came is let go, what comes is not kept."""
+        with self._cond:
+            for t in self._mine:
+                if t.request_id == request_id:
+                    self.staging.pop(id(t), None)
+
+    @property
+    def own_threads(self) -> int:
+        """Threads it started (none with `workers`)."""
+        return len(self._threads)
+
+    def staged_bytes(self) -> int:
+        """Host bytes its staging tensors hold (received, or allocated for chunks to come)."""
+        with self._cond:
+            return sum(x.numel() * x.element_size() for x in self.staging.values())
+
     def take_arrived(self) -> list[int]:
         """Requests complete here since the last call."""
         with self._cond:
@@ -242,5 +298,7 @@ class KvReceiver:
     def join(self, timeout: float | None = None) -> None:
         for th in self._threads:
             th.join(timeout)
+        for done in self._jobs:
+            done.wait(timeout)
         if self._error is not None:
             raise self._error

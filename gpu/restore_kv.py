@@ -22,6 +22,20 @@ first block (what was taken of it before is not used: `KvPrefetch.generation`); 
 is forgotten; their chunks still arrive and are dropped. The restore's step then moves only the
 blocks after those (`GroupRestore.skip`: a live request's last, partly filled block) and writes
 the prefetched ones as received.
+
+What the rounds hold until then does not grow with the steps the prefetch spans. Host memory:
+each round's staging (allocated as it is named, written into the arena at the restore's step)
+is at most the members' layers of every live request's full blocks, the bytes a one-step
+restore receives at its step anyway (`kv_staged_bytes` at the restore equals it in the tests):
+a request released or reset lets what its earlier rounds took go (chunks still due land in a
+tensor let go at once: `KvReceiver.drop`), and a round left with nothing is let go. It is not
+written into the arena as it arrives: until the restore's step the members' layers of a solo
+block lie where the head's stage view keeps other blocks' KV and the dropped weights come back.
+Threads: one per member for the whole prefetch (`RecvWorker`: each round's receive loop from
+that member runs there after the one before, the order the member queues them in); before,
+every round started its own, and rounds queued behind the weights' chunks (every step while
+they stream) each held one blocked. Exchanged KV no step placed yet (a request not run since the
+group formed) is written into its blocks before the restore reads them, here and on the members.
 """
 
 from __future__ import annotations
@@ -36,7 +50,7 @@ from engine.messages import ExecuteStep
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG
 from gpu.group_messages import GroupRestore, MemberReply, restored_generator
 from gpu.block_map import copy_order
-from gpu.kv_exchange import KvReceiver, KvTransfer, pair_chunks, send_transfers
+from gpu.kv_exchange import KvReceiver, KvTransfer, RecvWorker, pair_chunks, send_transfers
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
 
@@ -120,6 +134,15 @@ class KvPrefetch:
         """Request -> how many times its table was reset since the prefetch began (what was
         taken of an older one is not used)."""
         self.rounds: list[_Round] = []
+        """Rounds that still hold KV to write or chunks to come (`_forget` lets the others
+        go)."""
+        self.workers = {k: RecvWorker(f"shunter-kv-prefetch-{k}")
+                        for k in range(1, len(self.layers))}
+        """Source member -> the one thread that receives every round's chunks from it."""
+        self.threads = len(self.workers)  # receiving threads started for its rounds
+        self.later = [0, 0]  # rounds after the first, their blocks
+        self.staged_peak = 0
+        """The most host bytes the rounds' staging held at once (`KvReceiver.staged_bytes`)."""
         self.seq = 0
         """The next round's first chunk sequence number (on each member's pair with the head)."""
         self.began_host = stage.host_bytes  # (the head's own KV read to host since: none)
@@ -133,12 +156,28 @@ class KvPrefetch:
         receiver = KvReceiver(self.ranks, 0, prefetch_transfers(counts, self.layers),
                               self.chunk_blocks, KV_EPOCH, _block_shape(stage),
                               stage.model.arena.dtype, stage.stats, link=stage.plane,
-                              seq_base=self.seq)
+                              seq_base=self.seq, workers=self.workers)
         self.seq += round_chunks(counts, self.layers, self.chunk_blocks)
         self.rounds.append(_Round({rid: (lo, hi, self.generation.get(rid, 0))
                                    for rid, (lo, hi) in spans.items()}, receiver))
         for rid, (_, hi) in spans.items():
             self.named[rid] = hi
+        self.threads += receiver.own_threads
+        if len(self.rounds) > 1:
+            self.later[0] += 1
+            self.later[1] += sum(counts.values())
+        self.staged_peak = max(self.staged_peak, self.staged_bytes())
+
+    def staged_bytes(self) -> int:
+        return sum(r.receiver.staged_bytes() for r in self.rounds)
+
+    def _forget(self, rid: int) -> None:
+        """A request released or reset: what its earlier rounds took is let go (their chunks
+        still due are received and dropped); a round with nothing left is let go too."""
+        for r in self.rounds:
+            if r.spans.pop(rid, None) is not None:
+                r.receiver.drop(rid)
+        self.rounds = [r for r in self.rounds if r.spans or r.receiver.pending()]
 
     def step_spans(self, step: ExecuteStep) -> dict[int, tuple[int, int]]:
         """Before the head sends `step`: the requests it releases are forgotten, those it resets
@@ -146,9 +185,11 @@ class KvPrefetch:
         the step fills (all their tokens computed once it ran), beyond those taken."""
         for rid in step.release:
             self.named.pop(rid, None)
+            self._forget(rid)
         for u in step.blocks:
             if u.reset:
                 self.named.pop(u.request_id, None)
+                self._forget(u.request_id)
                 self.generation[u.request_id] = self.generation.get(u.request_id, 0) + 1
         out, bs = {}, self.stage.block_size
         for w in step.seqs:
@@ -180,12 +221,18 @@ class KvPrefetch:
         for r in self.rounds:
             r.receiver.join()
 
+    def close(self) -> None:
+        """Its receiving threads end (after the chunks due; one blocked in a receive on a
+        broken group's channel ends with it)."""
+        for w in self.workers.values():
+            w.close()
+
     def report(self) -> dict:
-        later = [r for r in self.rounds[1:] if r.spans]
-        return {"kv_rounds": float(len(later)),
+        return {"kv_rounds": float(self.later[0]),
                 "kv_resets": float(sum(self.generation.values())),
-                "kv_round_blocks": float(sum(hi - lo for r in later
-                                             for lo, hi, _ in r.spans.values()))}
+                "kv_round_blocks": float(self.later[1]),
+                "kv_staged_peak_bytes": float(self.staged_peak),
+                "kv_recv_threads": float(self.threads)}
 
 
 def send_kv_round(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
@@ -220,6 +267,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     received = stage.stats.received_bytes
     kv = stage.kv_prefetch
     host = stage.host_bytes if kv is None else kv.began_host
+    staged = 0
     for rid in release:
         stage.seqs.pop(rid, None)
     for rid in stage.seqs:  # (as each member does: exchanged KV no step placed yet)
@@ -251,7 +299,9 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
     full[torch.tensor(dst, dtype=torch.long, device=full.device), keep.start:keep.stop] = own
     if kv is not None:
+        staged = kv.staged_bytes()  # (what the restore writes from the rounds: live KV only)
         kv.join()
+        kv.close()
     for rid, s in stage.seqs.items():
         new = list(tables[rid])
         n = min(len(new), len(s.table))
@@ -280,6 +330,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             "own_kv_device_bytes": float(own.numel() * own.element_size()),
                             "own_kv_in_place_blocks": float(in_place),
                             "own_kv_arena_copies": float(len(placed or ())),
+                            "kv_staged_bytes": float(staged),
                             **prefetch_report(stage), **(kv.report() if kv else {})}
     stage.end_exchange()
     runner.stage = None

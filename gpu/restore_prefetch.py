@@ -239,6 +239,9 @@ def stop_prefetch(stage) -> None:
     prefetch = stage.prefetch
     if prefetch is not None:
         prefetch.stop()
+    kv = getattr(stage, "kv_prefetch", None)
+    if kv is not None:  # (the head's: its receiving threads end with the channel)
+        kv.close()
 
 
 def restore_weights(stage, ranks: Sequence[int], layers: Sequence[range], source: str) -> int:

@@ -156,11 +156,21 @@ def _partial_block_bytes(model_dir, s0: Scheduler) -> int:
     """The KV bytes of the member's layers of each live request's partly filled last block
     (from the requests' lengths: tokens computed, not a multiple of the block size): what is
     left to a restore's step once every full block moved while the group served."""
+    return _block_bytes(model_dir) * sum(1 for r in s0.live() if r.computed % BLOCK)
+
+
+def _full_block_bytes(model_dir, s0: Scheduler) -> int:
+    """The KV bytes of the member's layers of every live request's full blocks: what the
+    head's prefetch rounds hold for the restore once every full block moved (nothing of a
+    request released or reset since: that is let go)."""
+    return _block_bytes(model_dir) * sum(r.computed // BLOCK for r in s0.live())
+
+
+def _block_bytes(model_dir) -> int:
     from gpu.config import ModelConfig
 
     c = ModelConfig.from_dir(model_dir)
-    block = len(LAYERS[1]) * 2 * BLOCK * c.num_kv_heads * c.head_dim * 4  # float32
-    return block * sum(1 for r in s0.live() if r.computed % BLOCK)
+    return len(LAYERS[1]) * 2 * BLOCK * c.num_kv_heads * c.head_dim * 4  # float32
 
 
 def _check(model_dir, reqs) -> None:
@@ -177,7 +187,7 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert len(live) >= 2, [r.name for r in live]
     h0.call("prefetch", source)
     _serve_until_ready(h0, s0, worked=BLOCK + 1)  # (a block of every decoding request fills)
-    partial = _partial_block_bytes(model_dir, s0)
+    partial, full = _partial_block_bytes(model_dir, s0), _full_block_bytes(model_dir, s0)
     blocks = sum(len(r.table) for r in s0.live())  # the head's live blocks at the restore
     restored, member = _restore(h0, h1, s0, solo0)
     restored_kv_is_a_prefill(h0, h1, s0, solo1)
@@ -193,7 +203,9 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
           f"{restored['kv_rounds']:.0f} rounds after the first, {restored['kv_round_blocks']:.0f} "
           f"blocks; partial blocks' bytes {partial}; the head's KV placed home at the "
           f"prefetch: {restored['placed_blocks']:.0f} blocks ({restored['aside_blocks']:.0f} "
-          f"aside)")
+          f"aside); rounds' staging {restored['kv_staged_bytes']:.0f} B at the restore (peak "
+          f"{restored['kv_staged_peak_bytes']:.0f} B), {restored['kv_recv_threads']:.0f} "
+          f"receiving thread(s)")
     assert restored["prefetched"] and restored["weight_bytes_at"] == 0, restored
     assert restored["weight_bytes_before"] > 0 and restored["kv_bytes_before"] > 0, restored
     assert restored["kv_rounds"] > 0 and restored["kv_round_blocks"] > 0, \
@@ -201,6 +213,8 @@ def test_restore_prefetched_while_serving_equals_transformers(model_dir, hosts, 
     assert restored["kv_bytes_at"] <= partial, \
         "the restore's step moved more than each live request's partly filled last block"
     assert restored["kv_bytes_at"] == partial, restored  # (every round was in: `ready`)
+    assert restored["kv_staged_bytes"] == full, (full, restored)  # (the live KV, no more)
+    assert restored["kv_recv_threads"] == 1, "one receiving thread a member, all rounds"
     assert restored["own_kv_host_bytes"] == 0, restored
     assert restored["own_kv_device_bytes"] == 0, "the head's kept KV was held outside the arena"
     assert restored["own_kv_in_place_blocks"] == blocks, (blocks, restored)
@@ -229,14 +243,19 @@ def test_a_request_reset_while_prefetched_is_taken_again(model_dir, hosts):
     s0.free += victim.table  # (handed out again in reverse: its blocks change places)
     victim.table, victim.computed, victim.reset = [], 0, True
     _serve_until_ready(h0, s0, worked=1)  # its whole context again in the first step
-    partial = _partial_block_bytes(model_dir, s0)
+    partial, full = _partial_block_bytes(model_dir, s0), _full_block_bytes(model_dir, s0)
     restored, _ = _restore(h0, h1, s0, solo0)
     restored_kv_is_a_prefill(h0, h1, s0, solo1)
     print(f"\nreset while prefetched: {victim.name} recomputed; KV before "
           f"{restored['kv_bytes_before']:.0f} B / at {restored['kv_bytes_at']:.0f} B, "
-          f"{restored['kv_round_blocks']:.0f} blocks in later rounds; partial blocks' {partial} B")
+          f"{restored['kv_round_blocks']:.0f} blocks in later rounds; partial blocks' {partial} B"
+          f"; rounds' staging {restored['kv_staged_bytes']:.0f} B at the restore (peak "
+          f"{restored['kv_staged_peak_bytes']:.0f} B)")
     assert restored["kv_resets"] == 1, restored
     assert restored["kv_bytes_at"] == partial, restored
+    assert restored["kv_staged_bytes"] == full, \
+        f"the rounds held {restored['kv_staged_bytes']:.0f} B at the restore, the live " \
+        f"requests' full blocks are {full} B: what was taken of the reset one kept"
     run_alone([(h0, s0)])
     for r, new in moved:
         r.out = new.out
