@@ -132,10 +132,14 @@ class BidirectionalMemory:
                 plan.work[rid], plan.block_targets[rid] = n, 0
                 if requests[rid].state == "swapped":
                     plan.swapped_in.append(requests[rid].view())
-        for rid, _ in left:  # left out holding no KV: out of the table, which only learns of
-            # an end the executor knew of or that held blocks (actors/scheduler.py `_finish`)
-            if rid not in plan.work and rid in t and not t.tokens(rid):
-                t.free(rid)
+        for rid, _ in left:
+            if rid in plan.work or rid not in t:
+                continue
+            if not t.tokens(rid):  # left out holding no KV: out of the table, which only learns
+                t.free(rid)  # of an end the executor knew of or that held blocks (`_finish`)
+            elif (r := requests[rid]).state == "swapped" and not t.swapped(rid):
+                r.swapped_blocks, r.state = 0, "running"  # swapped in, then found no room:
+                r.changed()  # its KV is on the device (else it waits to swap in what it holds)
         self.overwriting_steps += t.checkpointed_slots_total > checkpointed
         self.last_copied, t.copied = t.copied, set()
         blocks, sent = [], self._sent

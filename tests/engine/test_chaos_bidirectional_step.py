@@ -43,3 +43,22 @@ def test_a_failed_step_recomputes_the_requests_whose_kv_its_copies_carried():
     assert be.checkpointed_slots == 0 and 1 not in mem.table
     assert mem.table.tokens(3) == BS and other.state == "running"
     assert mem.table.free_host_slots == 16, "its checkpoints' host slots are back"
+
+
+def test_a_request_swapped_in_by_a_step_it_then_leaves_is_not_left_swapped():
+    """A swapped-out request planned back in: the fit swaps its KV in (copies in the step),
+    then finds no room to grow it, and it leaves the step. Its KV is on the device now: the
+    scheduler must not go on counting it swapped out, wanting free blocks for a swap-in of
+    what it already holds (found by tests/sim/test_chaos_bros_sim.py, 8 blocks, seed 110,
+    `bros`: an RT request held 6 of 8 blocks while its request said swapped, the policy
+    planned nothing and three clients waited for ever)."""
+    mem = BidirectionalMemory(range(2), BS, host_slots=16, copy_blocks=range(4, 8))
+    rt = _make_request(2, prompt=2 * BS, ttft_ms=400.0)
+    requests = {2: rt}
+    _step(mem, requests, {2: 2 * BS})  # RT fills both blocks
+    assert mem.swap_out(2)  # preempted by swap (the scheduler's `_preempt`)
+    rt.swapped_out(2)
+    _step(mem, requests, {})  # the swap-out's copies go with the next step
+    _step(mem, requests, {2: 1})  # back in: both blocks, but no third one to grow into
+    assert not mem.table.swapped(2) and mem.table.tokens(2) == 2 * BS
+    assert rt.state != "swapped" and rt.swapped_blocks == 0 and rt.blocks == 2

@@ -123,3 +123,11 @@ def test_the_schedules_cancel_in_every_awkward_state_and_reach_the_extreme_case(
                if not hits[p, s] and (p, s) != ("recompute", "swapped_rt")]
     assert missing == [], hits  # `recompute` preempts RT by recompute, never by swap
     assert extreme["bros"] > 0 and extreme["recompute"] > 0 and recomputed["bros"] > 0
+
+
+def test_a_request_swapped_in_then_left_out_does_not_stall_the_engine():
+    """8 blocks, seed 110, `bros`, few cancels: an RT request swapped back in by a step it then
+    left (no room to grow) kept its `swapped` state while the table held its 6 blocks; the
+    policy planned nothing and three clients waited for ever ('some clients never ended').
+    The unit case: tests/engine/test_chaos_bidirectional_step.py."""
+    assert problems(run(110, "bros", cancel_p=0.05, blocks=8)) == []
