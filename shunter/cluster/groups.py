@@ -29,6 +29,7 @@ from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
+from shunter.cluster.sim_layout import freed_blocks
 from shunter.cluster.sim_restore import restore
 from sim.exchange import SimExchange
 from sim.group import GroupNetwork
@@ -56,7 +57,9 @@ class SimGroups:
         the profile's host link (32 GB/s, PCIe 4.0 x16, when the profile names none)."""
         self.block_size = block_size
         self.block_bytes = model.block_bytes(block_size)
-        self.weight_blocks = model.weight_bytes // self.block_bytes
+        self.weight_blocks = freed_blocks(model, block_size)
+        """KV blocks each member past the first adds to a group's pool: its dropped decoder
+        layers' arena blocks, as torch frees them (sim_layout.py; not the global tensors)."""
         self.groups: dict[int, GroupPlan] = {}
         self.faults: dict[int, int] = {}
         """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
@@ -378,5 +381,5 @@ def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
         return None
     return OverloadMonitor(
         base_pools=[e.backend.runner.num_blocks for e in engines], block_size=config.block_size,
-        num_layers=model.num_layers, weight_blocks=model.weight_bytes // model.block_bytes(
-            config.block_size), triggers=triggers)
+        num_layers=model.num_layers, weight_blocks=freed_blocks(model, config.block_size),
+        triggers=triggers)

@@ -46,6 +46,7 @@ from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.messages import Regroup
+from shunter.cluster.sim_layout import layer_blocks
 from sim.exchange import SimExchange
 from sim.network import NetworkLink
 
@@ -58,12 +59,11 @@ pool's shrink (the torch front door's poll, shunter/cluster/instance_restore.py)
 
 def layer_weight_bytes(model, block_bytes: int) -> int:
     """One decoder layer's weights as the torch arena holds them: from a fresh block boundary,
-    whole blocks (gpu/arena.py `plan_layout`). The global tensors (embeddings, LM head, final
-    norm) are no layer's: every member keeps them (gpu/stage_view.py `kept_weight_ranges`)."""
-    heads = 1 if model.tie_word_embeddings else 2
-    globals_ = ((heads * model.vocab_size + 1) * model.hidden_size) * model.dtype_bytes
-    layer = (model.weight_bytes - globals_) / model.num_layers
-    return -(-int(layer) // block_bytes) * block_bytes
+    whole blocks (sim_layout.py, as gpu/arena.py `plan_layout`). The global tensors (embeddings,
+    LM head, final norm) are no layer's: every member keeps them (gpu/stage_view.py
+    `kept_weight_ranges`)."""
+    block_size = block_bytes // model.kv_bytes_per_token
+    return layer_blocks(model, block_size) * block_bytes
 
 
 def restore_bytes(groups, g: GroupPlan, blocks: int) -> tuple[list[int], list[int]]:

@@ -1,0 +1,44 @@
+"""A model's weights in arena blocks as the torch backend lays them out, without torch: what the
+simulator's KunServe groups free when members drop layers and move when they restore them.
+
+gpu/arena.py `plan_layout` places the global tensors (embeddings, final norm, untied LM head)
+from block 0, then each decoder layer from a fresh block boundary, every tensor starting on a
+256-byte multiple. A member that drops layers frees only those layers' blocks: every member keeps
+the global tensors (gpu/stage_view.py `kept_weight_ranges`). The simulator's group pool
+(shunter/cluster/groups.py) and its restore's weight bytes (shunter/cluster/sim_restore.py) both
+read these two counts; tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout`
+and the torch group's pool (`group_pool_blocks`). The model shape (sim/profile.py `ModelShape`)
+names no biases: a Qwen2 layer's q/k/v biases are not counted.
+"""
+
+from __future__ import annotations
+
+ALIGN_BYTES = 256
+"""gpu/arena.py `_ALIGN_BYTES`: each weight starts at a multiple of this many bytes."""
+
+
+def _blocks(sizes: list[int], model, block_size: int) -> int:
+    align = max(1, ALIGN_BYTES // model.dtype_bytes)
+    elems = sum(-(-n // align) * align for n in sizes)
+    per_block = model.block_bytes(block_size) // model.dtype_bytes
+    return max(1, -(-elems // per_block))
+
+
+def global_blocks(model, block_size: int) -> int:
+    """Blocks the global tensors take (no member drops them)."""
+    v, h = model.vocab_size, model.hidden_size
+    return _blocks([v * h, h] + ([] if model.tie_word_embeddings else [v * h]), model, block_size)
+
+
+def layer_blocks(model, block_size: int) -> int:
+    """Blocks one decoder layer's weights take, from its own block boundary."""
+    h, i = model.hidden_size, model.intermediate_size
+    q, kv = model.num_heads * model.head_dim, model.num_kv_heads * model.head_dim
+    return _blocks([h, q * h, kv * h, kv * h, h * q, h, i * h, i * h, h * i], model, block_size)
+
+
+def freed_blocks(model, block_size: int) -> int:
+    """KV blocks a group gains for each member past the first: one copy of the decoder layers
+    (a group of two halves frees half the layers on each member). The global tensors stay on
+    every member, so they are not counted."""
+    return model.num_layers * layer_blocks(model, block_size)
