@@ -111,7 +111,7 @@ class BidirectionalMemory:
         for rid in [*release, *(v.id for v in plan.preempted
                                 if (r := requests.get(v.id)) is None or r.state != "swapped")]:
             if rid in self._sent or rid in t:
-                self._forget(rid)
+                self._forget(rid, requests)
         left: list[tuple[int, int]] = []
         be = {i for i in plan.work if best_effort(requests[i])}
         for rid in [i for i in plan.work if i not in be] + [i for i in plan.work if i in be]:
@@ -175,18 +175,25 @@ class BidirectionalMemory:
         out = []
         for rid in sorted(self.last_copied):
             if (r := requests.get(rid)) is not None and rid not in in_flight:
-                self._forget(rid)
+                self._forget(rid, requests)
                 r.recompute()
-                r.checkpointed_slots = r.checkpointed_blocks = 0  # (the table's count, gone)
                 out.append(r)
         self.recomputed_after_failures += len(out)
         self.last_copied = set()
         return out
 
-    def _forget(self, rid: int) -> None:
+    def _forget(self, rid: int, requests: Mapping[int, Request]) -> None:
+        """The table drops the request (its KV and host checkpoints), and the request the
+        table's counts of it (`fit` sets them only for requests the table holds): a request
+        recomputed by the extreme case or a preemption would otherwise still rank as
+        checkpointed (`priority be = checkpointed_blocks asc`) and count blocks to swap back in
+        packing until placed again."""
         self._sent.pop(rid, None)
         if rid in self.table:
             self.table.free(rid)
+        if (r := requests.get(rid)) is not None and (r.checkpointed_slots or r.checkpointed_blocks):
+            r.checkpointed_slots = r.checkpointed_blocks = 0
+            r.changed()
 
     def _place(self, rid: int, tokens: int, plan: IterationPlan, requests: Mapping[int, Request],
                transfers: StepCopies) -> bool:
@@ -234,7 +241,7 @@ class BidirectionalMemory:
                 self._sent.pop(victim, None)
                 self.swapped_out += 1
             elif drop:
-                self._forget(victim)
+                self._forget(victim, requests)
                 requests[victim].preemptions += 1
                 requests[victim].recompute()
                 self.recomputed += 1

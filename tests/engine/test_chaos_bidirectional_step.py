@@ -4,6 +4,7 @@ bidirectional step (engine/bidirectional_step.py) keeps of a request its ending 
 from __future__ import annotations
 
 from engine.bidirectional_step import BidirectionalMemory
+from engine.planner import IterationPlan
 from tests.engine.test_bidirectional_step import BS, _make_request, _step
 
 
@@ -62,3 +63,42 @@ def test_a_request_swapped_in_by_a_step_it_then_leaves_is_not_left_swapped():
     _step(mem, requests, {2: 1})  # back in: both blocks, but no third one to grow into
     assert not mem.table.swapped(2) and mem.table.tokens(2) == 2 * BS
     assert rt.state != "swapped" and rt.swapped_blocks == 0 and rt.blocks == 2
+
+
+def _displaced_be(host_slots: int, copy_blocks: range | None = None):
+    """BE fills both blocks; RT's prompt then overwrites two of BE's slots (checkpointed)."""
+    mem = BidirectionalMemory(range(2), BS, host_slots=host_slots, copy_blocks=copy_blocks)
+    be = _make_request(1, prompt=2 * BS)
+    rt = _make_request(2, prompt=8, ttft_ms=400.0)
+    requests = {1: be, 2: rt}
+    _step(mem, requests, {1: 2 * BS})
+    _step(mem, requests, {2: 2})
+    assert mem.table.displaced(1) and be.view().checkpointed_blocks == 1
+    return mem, requests, be
+
+
+def test_a_request_the_extreme_case_recomputes_no_longer_counts_as_checkpointed():
+    """RT cannot grow (BE holds its block's other slots and the host has no slot left to
+    checkpoint them), nothing else fits, and the displaced BE request cannot be swapped out
+    (its two blocks exceed the one-block copy space): the extreme case recomputes it. Its
+    checkpoint went with its KV, so it must not rank as still checkpointed
+    (`priority be = checkpointed_blocks asc`) nor count a block to swap back in packing."""
+    mem, requests, be = _displaced_be(host_slots=2, copy_blocks=range(10, 11))
+    plan = IterationPlan(work={2: 2})
+    mem.fit(plan, requests, release=())
+    assert plan.work == {2: 2} and mem.recomputed == 1 and 1 not in mem.table
+    assert be.state == "waiting" and be.computed_tokens == 0
+    assert (be.checkpointed_slots, be.view().checkpointed_blocks) == (0, 0)
+
+
+def test_a_request_preempted_by_recompute_no_longer_counts_as_checkpointed():
+    """The planner preempts the displaced BE request and the policy recomputes it (the
+    scheduler's `_preempt`); the next fit forgets it, and with it its checkpoint count."""
+    mem, requests, be = _displaced_be(host_slots=16)
+    view = be.view()
+    be.preemptions += 1
+    be.recompute()  # as actors/scheduler.py `_preempt` does before the fit
+    plan = IterationPlan(work={2: 1}, preempted=[view])
+    mem.fit(plan, requests, release=())
+    assert 1 not in mem.table and be.state == "waiting"
+    assert (be.checkpointed_slots, be.view().checkpointed_blocks) == (0, 0)
