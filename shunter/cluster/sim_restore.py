@@ -135,8 +135,11 @@ async def restore(groups, g: GroupPlan, ask) -> None:
                 return
             shrunk = net.noted  # the copies start once the step carrying the shrink ran (its
             while not await net.stepped(shrunk, POLL_S):  # tables moved), or now if idle
-                if not (await head.inspect()).scheduler.live_requests:
+                if (groups.groups.get(g.head) is not g
+                        or not (await head.inspect()).scheduler.live_requests):
                     break
+            if groups.groups.get(g.head) is not g:
+                return  # a member was lost before the copies began: sim_faults.py dissolved it
             before = await _while_serving(groups, g, net, weights, host, late)
             weights_at = [0] * len(weights)
         else:
