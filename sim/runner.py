@@ -119,6 +119,9 @@ class SimRunner:
                     self.engine_s += dispatch
                     await anyio.sleep(dispatch)
             stall = await self._wait_for_swaps(step)
+            if (failed := self.swapper.failed(step.wait_tickets)) is not None:  # as on torch:
+                await anyio.sleep(max(0.0, failed[2] - anyio.current_time()))  # once it raised
+                raise RuntimeError(f"swap ticket {failed[0]} failed: {failed[1]}")
         if seconds > 0 and contend is not None and step.wait_tickets:  # reads KV just copied
             seconds += contend.swapped_in_ms * len(step.wait_tickets) / 1000.0
         if seconds > 0 and self.swapper is not None:  # its inputs in, its tokens out

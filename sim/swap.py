@@ -4,6 +4,10 @@ No bytes move. A ticket's copies take `calls * dispatch + bytes / bandwidth` (si
 copy_engine.py) and start once the copy engine is free in their direction and every earlier
 ticket sharing a block with them has ended. A step that writes a block a ticket still uses, or
 that waits for a synchronous swap-in, starts when those tickets end: that wait is the stall.
+
+Modelled copies succeed unless a test injects a failure (`fail_transfers`): such a ticket ends
+as modelled, is reported by `take_failures` as the torch swapper reports one whose copy raised,
+and a step that waits for it fails (sim/runner.py), as `TorchSwapper.wait` makes it.
 """
 
 from __future__ import annotations
@@ -67,10 +71,22 @@ class SimSwapper:
         (sim/copy_costs.py `GATHER_CALLS`); None: the copier copies run by run, no gather."""
         self.gathers = 0
         """Gathers charged so far (each one call of `copy_ops`)."""
+        self.fail_transfers: frozenset[int] = frozenset()
+        """Transfers (counted from 1, as `transfers`) whose copies fail with `failure`: fault
+        injection for tests (tests/sim/test_chaos_bros_faults_sim.py); none by default."""
+        self.failure = "OSError: injected copy failure"
+        self._failing: dict[int, str] = {}
+        """Tickets that fail, until their end is polled."""
+        self._failures: dict[int, str] = {}
+        """Failed tickets polled since the last `take_failures`."""
+        self._failed: dict[int, str] = {}
+        """Every failed ticket and its error (a step may wait for one already polled)."""
 
     def submit(self, ticket_id: int, direction: str, pairs: Sequence[tuple[int, int]],
                granularity: str) -> None:
         self.transfers += 1
+        if self.transfers in self.fail_transfers:
+            self._failing[ticket_id] = self._failed[ticket_id] = self.failure
         if granularity == "slots":
             self._submit_slots(ticket_id, direction, pairs)
             return
@@ -150,6 +166,8 @@ class SimSwapper:
         for tid in done:
             del self._end[tid]
             self._overlapped.discard(tid)
+            if tid in self._failing:
+                self._failures[tid] = self._failing.pop(tid)
         if not self._end:  # nothing in flight: no block is busy any more
             self._device_busy.clear()
             self._host_busy.clear()
@@ -157,8 +175,16 @@ class SimSwapper:
         return done
 
     def take_failures(self) -> dict[int, str]:
-        """Modelled copies never fail."""
-        return {}
+        """Tickets whose copies failed (`fail_transfers`), polled since the last call."""
+        failures, self._failures = self._failures, {}
+        return failures
+
+    def failed(self, tickets: Iterable[int]) -> tuple[int, str, float] | None:
+        """The first of `tickets` whose copies fail (`TorchSwapper.wait` raises for it once
+        its copy has raised): (ticket, error, when its copies end); None when none does."""
+        now = anyio.current_time()
+        return next(((t, self._failed[t], self._end.get(t, now)) for t in tickets
+                     if t in self._failed), None)
 
     def next_poll_s(self) -> float | None:
         if not self._end:

@@ -19,6 +19,9 @@ schedules) and tests/shunter/test_chaos_bros_torch.py (the torch backend, output
   to end exactly once and with the reason its client saw.
 `leftovers` lists what is not back once the engine is idle: table, host slots, copy space,
 the table's own indexes, the fit's sent tables and pending copies, the swap pool's tickets.
+On the simulator `Watch.fail_transfers` makes the copier's transfers of those numbers fail
+(`SimSwapper.fail_transfers`), and the slots such a transfer was to write hold no one's KV in
+the model from then on (tests/sim/test_chaos_bros_faults_sim.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from actors.swap_pool import SwapPool
 from engine.bidirectional_step import BidirectionalMemory
 from engine.memory.slot_runs import decode, physical_slot
 from shunter import SamplingParams, SchedulingParams
+from sim.swap import SimSwapper
 from tests.engine.memory.test_bidirectional import SlotModel
+
+LOST = ("lost",)
+"""What a slot holds in the model once a failed copy was to write it."""
 
 AWKWARD = ("swap_back", "displaced", "swapped_be", "swapped_rt", "shared", "overwriting")
 """The states `Watch` cancels requests in (counted in `Watch.hits`)."""
@@ -132,6 +139,19 @@ class Watch:
     """Clients' errors (`client_errors`)."""
     client: dict[int, str | None] = attrs.field(factory=dict)
     """Request id -> the finish reason its client read (None: it cancelled first)."""
+    fail_transfers: frozenset[int] = frozenset()
+    """The simulator's copier fails these transfers (counted from 1)."""
+    failed_copies: int = 0
+    """Transfers that failed."""
+
+    def copy_failed(self, direction: str, pairs) -> None:
+        """A transfer failed: the slots it was to write hold no one's KV (the fit's model
+        applied its copies already; the run's one table, so its one model)."""
+        self.failed_copies += 1
+        for model in self.models.values():
+            dst = model.host if direction == "out" else model.device
+            for _, d in pairs:
+                dst[d] = LOST
 
     def after_fit(self, mem: BidirectionalMemory, plan, requests, orders) -> None:
         t = mem.table
@@ -228,6 +248,16 @@ def watching(watch: Watch) -> Iterator[Watch]:
     fit, mem_init = BidirectionalMemory.fit, BidirectionalMemory.__init__
     pool_init, sched_init = SwapPool.__init__, Scheduler.__init__
     add, finish, abort = Scheduler._add, Scheduler._finish, Scheduler._abort
+    swapper_init, submit = SimSwapper.__init__, SimSwapper.submit
+
+    def swapper_made(self, *a, **k):
+        swapper_init(self, *a, **k)
+        self.fail_transfers = watch.fail_transfers
+
+    def submitted(self, ticket_id, direction, pairs, granularity):
+        submit(self, ticket_id, direction, pairs, granularity)
+        if self.transfers in self.fail_transfers:
+            watch.copy_failed(direction, pairs)
 
     def fit_watched(self, plan, requests, release):
         orders = fit(self, plan, requests, release)
@@ -262,12 +292,14 @@ def watching(watch: Watch) -> Iterator[Watch]:
     BidirectionalMemory.fit, BidirectionalMemory.__init__ = fit_watched, mem_made
     SwapPool.__init__, Scheduler.__init__ = pool_made, sched_made
     Scheduler._add, Scheduler._finish, Scheduler._abort = added, finished, aborted
+    SimSwapper.__init__, SimSwapper.submit = swapper_made, submitted
     try:
         yield watch
     finally:
         BidirectionalMemory.fit, BidirectionalMemory.__init__ = fit, mem_init
         SwapPool.__init__, Scheduler.__init__ = pool_init, sched_init
         Scheduler._add, Scheduler._finish, Scheduler._abort = add, finish, abort
+        SimSwapper.__init__, SimSwapper.submit = swapper_init, submit
 
 
 @attrs.define

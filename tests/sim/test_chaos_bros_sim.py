@@ -61,13 +61,15 @@ def clients_for(seed: int, vocab: int, pool: int) -> list[Client]:
     return out
 
 
-def run(seed: int, policy: str, *, cancel_p: float = 0.3, blocks: int = 24) -> Watch:
+def run(seed: int, policy: str, *, cancel_p: float = 0.3, blocks: int = 24,
+        fail_transfers: frozenset[int] = frozenset()) -> Watch:
+    """One seeded run (`fail_transfers`: the copier's transfers that fail, counted from 1)."""
     config = EngineConfig(backend="sim", profile="llama3-8b-a100", num_blocks=blocks,
                           block_size=4, max_num_seqs=16, max_batched_tokens=128)
     text = POLICIES[policy]
     compiled = compile_policy(text if text else policy_path("bros").read_text(),
                               base_dir=policy_dir())
-    watch = Watch(random.Random(seed), cancel_p=cancel_p)
+    watch = Watch(random.Random(seed), cancel_p=cancel_p, fail_transfers=fail_transfers)
 
     async def main() -> dict[int, str | None]:
         client: dict[int, str | None] = {}
@@ -84,6 +86,8 @@ def run(seed: int, policy: str, *, cancel_p: float = 0.3, blocks: int = 24) -> W
                 if engine.failure is None:
                     with anyio.move_on_after(5) as waited:
                         await engine.wait_idle()
+                        while any(p._pending for p in watch.pools):  # copies still ending:
+                            await anyio.sleep(0.01)  # a step that failed waited for one only
                     watch.idle = not waited.cancelled_caught
         return client
 
