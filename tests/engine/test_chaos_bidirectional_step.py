@@ -102,3 +102,20 @@ def test_a_request_preempted_by_recompute_no_longer_counts_as_checkpointed():
     mem.fit(plan, requests, release=())
     assert 1 not in mem.table and be.state == "waiting"
     assert (be.checkpointed_slots, be.view().checkpointed_blocks) == (0, 0)
+
+
+def test_a_victim_swapped_out_by_a_failed_step_is_recomputed_with_nothing_swapped():
+    """The step carrying a victim's swap-out copies fails: the victim is recomputed (its host
+    copy may not hold its KV) and no longer counts blocks on the host, which policies and the
+    packing would read as a swap-in to wait for (review s31, item 7)."""
+    mem = BidirectionalMemory(range(2), BS, host_slots=16, copy_blocks=range(4, 8))
+    rt = _make_request(2, prompt=2 * BS, ttft_ms=400.0)
+    requests = {2: rt}
+    _step(mem, requests, {2: 2 * BS})
+    assert mem.swap_out(2)
+    rt.swapped_out(2)
+    _step(mem, requests, {})  # the swap-out's copies go with this step, which fails
+    assert 2 in mem.last_copied
+    assert mem.step_failed(requests, in_flight={}) == [rt]
+    assert (rt.state, rt.computed_tokens, rt.swapped_blocks) == ("waiting", 0, 0)
+    assert 2 not in mem.table and mem.table.free_host_slots == 16
