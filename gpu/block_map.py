@@ -15,7 +15,7 @@ As the group restores: the head's pool shrinking back moves ids (`move`: the sta
 the id, no copy), and a restore prefetch (gpu/restore_prefetch.py) vacates the dropped layers'
 stage blocks (`evacuate`): the ids there move out, and those blocks are never handed out again.
 On the head each id then goes *home* (`home`, `place`): to the stage block whose layers lie where
-its solo block's do, so the restore's step finds the head's kept KV in place (gpu/restore_kv.py
+its solo block's do, so the restore's step finds the head's kept KV in place (gpu/kept_kv.py
 `own_moves`) and copies none; an id vacated goes there directly, one mapped anew too.
 """
 
@@ -161,7 +161,7 @@ class BlockMap:
         """From now on an id of `pool` this map gives a block (anew, or moving it: `evacuate`,
         `place`) gets the stage block `where(id)` names when that one is free, and others
         avoid those blocks (the head's restore: the block whose layers lie where the id's solo
-        block's do, so its kept KV needs no copy then: gpu/restore_kv.py `own_moves`)."""
+        block's do, so its kept KV needs no copy then: gpu/kept_kv.py `own_moves`)."""
         self._home = where
         self._homes = {h for g in pool if (h := where(g)) is not None}
 

@@ -149,6 +149,7 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
                            k.get(t.request_id, 0):][:t.blocks]), stage.stats)
         restore_weights(stage, start.ranks, start.layers, msg.source)
         stage.end_exchange()
+        fault_point("restore-sent", data_plane().rank)  # (tests: lost once all is sent)
         states = ({rid: generator_state(q.generator) for rid, q in stage.seqs.items()
                    if q.generator is not None} if stage.model.last_stage else None)
         send_obj(MemberReply(step_id=-1, generator_states=states), head_rank, REPLY_TAG,

@@ -15,7 +15,8 @@ member serves with `serve_member(runner, head_rank)` (gpu/group_member.py) until
 Faults: any send or receive with a lost member raises `GroupMemberLost` naming it; the head then
 `recover_from_host()`s: its dropped layers come back from its host copy, and every request loses
 the KV of the lost member's layers, so the engine recomputes them (their tables are empty on the
-runner).
+runner). A loss found at the restore's step once the weights are back leaves the model whole:
+only the KV is lost.
 """
 
 from __future__ import annotations
@@ -176,6 +177,16 @@ class GroupRunner:
         if gone := known_lost(self.ranks[1:]):
             raise lost_error(gone[0], f"step {step.step_id} was sent")
         self._unanswered = []
+        try:
+            return self._run(step, msg, began)
+        except GroupMemberLost:
+            raise
+        except Exception:  # the step failed (not a loss): its KV round is not used
+            if spans:  # (every member sent it, as placeholders where it failed)
+                self.stage.kv_prefetch.void({rid: (lo, hi) for rid, lo, hi in spans})
+            raise
+
+    def _run(self, step: ExecuteStep, msg: GroupStep, began: float) -> StepFinished:
         for rank in self.ranks[1:]:
             send_obj(msg, rank, CONTROL_TAG, f"step {step.step_id} was sent")
             self._unanswered.append(rank)
@@ -203,8 +214,8 @@ class GroupRunner:
         if missing:
             raise RuntimeError(f"pipeline group step {step.step_id} sampled no token for "
                                f"requests {sorted(missing)} (its microbatches left them out)")
-        if cut:
-            self._account(cut, replies, time.perf_counter() - began)
+        if msg.micro:
+            self._account(msg.micro, replies, time.perf_counter() - began)
         if self.records is not None:
             self.records.append(StepRecord(
                 step_id=step.step_id, wall_s=time.perf_counter() - began,
@@ -295,7 +306,8 @@ class GroupRunner:
                 stage.seqs[t.request_id].tokens.append(t.token_id)
         stage.plane.close(broken=True)  # nothing left on the group's channel matches anything
         stop_prefetch(stage)  # (its receives ended with the channel) before the host copy
-        restore_layers(stage.model)
+        if stage.model.drop_state is not None:  # (lost at the restore once its weights were
+            restore_layers(stage.model)  # back: the model is whole, only the KV is lost)
         for rid, s in stage.seqs.items():
             self.solo._seqs[rid] = _solo_seq(self.solo, s, [])
         self.stage = None

@@ -17,6 +17,7 @@ gpu/restore_kv.py) keeps its state on the stage (`prefetch`, `kv_prefetch`,
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
@@ -50,6 +51,10 @@ from gpu.stage_view import drop_layers, send_gained
 if TYPE_CHECKING:
     from gpu.restore_kv import KvPrefetch
     from gpu.restore_prefetch import WeightPrefetch
+
+STEP_FAULT_ENV = "SHUNTER_GROUP_STEP_FAULT"
+"""Tests' fault: `kv-round@<rank>` makes that member's first step that carries a restore
+prefetch's KV round fail (an error, not a loss) once it ran, before the round is sent."""
 
 
 @attrs.define(slots=True, eq=False)
@@ -147,6 +152,29 @@ class GroupStage:
     # ------------------------------------------------------------------ steps
 
     def run(self, msg: StageStep) -> MemberReply:
+        """Run one step; a member then sends the KV round the head named with it (`kv_spans`:
+        the head posted its receives): if the step failed here (an error, not a loss), zeros
+        in its place, so the chunks' numbers stay the head's (the head voids that round)."""
+        spans = {rid: (lo, hi) for rid, lo, hi in getattr(msg, "kv_spans", ())} if self.me else {}
+        try:
+            reply = self._run(msg)
+            if spans and os.environ.get(STEP_FAULT_ENV) == f"kv-round@{self.plane.rank}":
+                del os.environ[STEP_FAULT_ENV]  # (once)
+                raise RuntimeError("the test's fault: this step failed before its KV round")
+            self._kv_round(spans, placeholder=False)
+        except GroupMemberLost:
+            raise
+        except Exception:
+            self._kv_round(spans, placeholder=True)  # (the real one sends all or nothing)
+            raise
+        return reply
+
+    def _kv_round(self, spans: Mapping[int, tuple[int, int]], placeholder: bool) -> None:
+        if spans:
+            send_kv_round(self, self.start.ranks, self.me, self.start.layers, spans,
+                          self.start.chunk_blocks, placeholder)
+
+    def _run(self, msg: StageStep) -> MemberReply:
         step = msg.step
         if not self.model.last_stage:
             for t in msg.fed_back:
@@ -176,9 +204,6 @@ class GroupStage:
         except RuntimeError as exc:  # the sending thread failed: the next member went away
             raise GroupMemberLost(self.start.ranks[min(self.me + 1, len(self.start.ranks) - 1)],
                                   "activations were being sent", exc) from exc
-        if self.me and (spans := getattr(msg, "kv_spans", ())):  # the blocks the step filled
-            send_kv_round(self, self.start.ranks, self.me, self.start.layers,
-                          {rid: (lo, hi) for rid, lo, hi in spans}, self.start.chunk_blocks)
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),

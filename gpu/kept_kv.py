@@ -22,15 +22,19 @@ The copy stays where this layout allows no such block, and counted:
 Those blocks' kept layers are gathered on the device before anything is overwritten (the
 gained weights, other blocks' chunks) and written into fresh blocks once the new map exists:
 a device copy (on a GPU no host round trip either).
+
+The head's kept KV at a restore's step (gpu/restore_kv.py): `own_moves` finds the blocks not
+where their solo blocks' layers lie, `place_own` copies them there inside the arena.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from gpu.block_map import copy_order
 from gpu.group_messages import overlap
 from gpu.stage_view import view_for
 
@@ -102,3 +106,35 @@ class KeptKV:
     def done(self) -> None:
         """Every use placed: the copies are let go."""
         self._data = None
+
+
+def place_own(stage, src: Sequence[int], dst: Sequence[int]) -> list | None:
+    """The head's kept KV of stage blocks `src` copied, inside the arena, to where solo blocks
+    `dst`'s layers lie, in an order that overwrites nothing still to be read (a cycle goes round
+    one free stage block): then nothing is held outside the arena. Returns the copies made;
+    None when none is free for a cycle (the caller gathers them instead)."""
+    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
+    pairs = {(s, view.local_at(d * layers)) for s, d in zip(src, dst)}
+    if any(h is None for _, h in pairs):
+        return None
+    order = copy_order(pairs, stage.map.spare)
+    for s, d in order or ():
+        stage._copy_block(s, d)
+    return order
+
+
+def own_moves(stage, tables: Mapping[int, Sequence[int]]) -> tuple[list[int], list[int], int]:
+    """The head's kept layers at the restore: (stage blocks to copy from, solo blocks to copy
+    into, blocks already in place). A block is in place when its stage block's layers lie where
+    its solo block's do (`base` = solo block x layers)."""
+    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
+    src, dst, in_place = [], [], 0
+    for rid, s in stage.seqs.items():
+        new = tables[rid]
+        for local, block in zip(stage.map.locals(s.table[:len(new)]), new):
+            if view.base(local) == block * layers:
+                in_place += 1
+            else:
+                src.append(local)
+                dst.append(block)
+    return src, dst, in_place

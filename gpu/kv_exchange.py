@@ -73,6 +73,19 @@ class ExchangeStats:
     gather_s: float = 0.0
     ready_s: dict[int, float] = attrs.Factory(dict)
     """Request id -> seconds from the exchange's start until all its chunks were in."""
+    _lock: threading.Lock = attrs.field(factory=threading.Lock, init=False, repr=False)
+    """Its counters are added to from several threads (each round's receiver, the restore's,
+    the sender): `+=` on an attribute is not atomic, so every update takes this."""
+
+    def add_received(self, nbytes: int) -> None:
+        with self._lock:
+            self.received_bytes += nbytes
+            self.chunks_received += 1
+
+    def add_sent(self, nbytes: int) -> None:
+        with self._lock:
+            self.sent_bytes += nbytes
+            self.chunks_sent += 1
 
 
 def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
@@ -85,13 +98,13 @@ def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
     began = time.perf_counter()
     mine = [t for t in transfers if t.src == me]
     staged = {id(t): gather(t).contiguous() for t in mine}
-    stats.gather_s += time.perf_counter() - began
+    with stats._lock:
+        stats.gather_s += time.perf_counter() - began
     for dst in sorted({t.dst for t in mine}):
         for seq, (t, lo, hi) in enumerate(pair_chunks(transfers, me, dst, chunk_blocks)):
             chunk = staged[id(t)][lo:hi]
             plane.queue.put(chunk, dst=ranks[dst], tag=_tag(epoch, seq_base + seq), kind="kv")
-            stats.sent_bytes += chunk.numel() * chunk.element_size()
-            stats.chunks_sent += 1
+            stats.add_sent(chunk.numel() * chunk.element_size())
 
 
 def known_lost(ranks: Sequence[int]) -> list[int]:
@@ -242,8 +255,7 @@ class KvReceiver:
                     self._cond.notify_all()
                 return
             with self._cond:
-                self.stats.received_bytes += dst.numel() * dst.element_size()
-                self.stats.chunks_received += 1
+                self.stats.add_received(dst.numel() * dst.element_size())
                 left[id(t)] -= 1
                 if left[id(t)] == 0:
                     self._pending[t.request_id] -= 1
@@ -295,10 +307,18 @@ class KvReceiver:
         with self._cond:
             return {r for r, n in self._pending.items() if n}
 
-    def join(self, timeout: float | None = None) -> None:
+    @property
+    def sources(self) -> list[int]:
+        """Member indices it receives from."""
+        return sorted({t.src for t in self._mine})
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Whether every receive loop ended (False: `timeout` seconds passed first, for each
+        in turn); raises what ended one."""
         for th in self._threads:
             th.join(timeout)
-        for done in self._jobs:
-            done.wait(timeout)
+        ended = (not any(th.is_alive() for th in self._threads)
+                 and all(done.wait(timeout) for done in self._jobs))
         if self._error is not None:
             raise self._error
+        return ended

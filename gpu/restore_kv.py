@@ -36,6 +36,10 @@ that member runs there after the one before, the order the member queues them in
 every round started its own, and rounds queued behind the weights' chunks (every step while
 they stream) each held one blocked. Exchanged KV no step placed yet (a request not run since the
 group formed) is written into its blocks before the restore reads them, here and on the members.
+Faults: a member whose step failed (an error, not a loss) still sends that step's round, zeros in
+its place, and the head voids it (`KvPrefetch.void`): the chunks' numbers stay the same on both
+ends. The restore waits for rounds still due before it changes anything, watching for a lost
+member, at most `KV_JOIN_S` (then a plain error: the group serves on).
 """
 
 from __future__ import annotations
@@ -49,10 +53,15 @@ import torch
 from engine.messages import ExecuteStep
 from gpu.data_plane import CONTROL_TAG, REPLY_TAG
 from gpu.group_messages import GroupRestore, MemberReply, restored_generator
-from gpu.block_map import copy_order
-from gpu.kv_exchange import KvReceiver, KvTransfer, RecvWorker, pair_chunks, send_transfers
+from gpu.kept_kv import own_moves, place_own
+from gpu.kv_exchange import (WATCH_SLICE_S, KvReceiver, KvTransfer, RecvWorker, known_lost,
+                             lost_error, pair_chunks, send_transfers)
 from gpu.kv_moved import count_moved
 from gpu.restore_prefetch import prefetch_report, restore_weights
+
+KV_JOIN_S = 30.0
+"""How long a restore waits for the prefetched KV rounds still due (under gloo's 60 s receive
+timeout, which would name a live member lost): normally none is (`restore_ready`)."""
 
 KV_EPOCH = 15
 """The prefetched KV's tag epoch on the group's channel (0 forming, 1 restoring, 2+ growing:
@@ -216,10 +225,34 @@ class KvPrefetch:
             if g == gen and lo < len(blocks):
                 _write(full, blocks[lo:hi], r.receiver.wait(request_id))
 
-    def join(self) -> None:
-        """Every round's chunks in (a dropped one's too: the tags go on)."""
-        for r in self.rounds:
-            r.receiver.join()
+    def void(self, spans: Mapping[int, tuple[int, int]]) -> None:
+        """The step that named `spans` (its round) failed: what comes of that round is not
+        used (a member that failed sends placeholders, to keep the chunks' numbers going on);
+        those blocks are named again by a later step that fills them."""
+        for rid, (lo, hi) in spans.items():
+            for r in self.rounds:
+                if r.spans.get(rid, (0, 0, -1))[:2] == (lo, hi):
+                    del r.spans[rid]
+                    r.receiver.drop(rid)
+            if self.named.get(rid, 0) > lo:
+                self.named[rid] = lo
+        self.rounds = [r for r in self.rounds if r.spans or r.receiver.pending()]
+
+    def join(self, timeout: float) -> None:
+        """Every round's chunks in (a dropped one's too: the tags go on). A member the data
+        plane's watch knows is gone ends it at once (`GroupMemberLost`); chunks still due after
+        `timeout` seconds end it with a plain error naming them (not a loss: the member may
+        live, and nothing of the restore has begun)."""
+        deadline = time.monotonic() + timeout
+        for k, r in enumerate(self.rounds):
+            while not r.receiver.join(WATCH_SLICE_S):
+                if gone := known_lost(self.ranks[1:]):
+                    raise lost_error(gone[0], "its prefetched KV was due")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"the restore's prefetched KV: round {k} of {len(self.rounds)} still "
+                        f"waits for requests {sorted(r.receiver.pending())} from members "
+                        f"{[self.ranks[m] for m in r.receiver.sources]} after {timeout:g} s")
 
     def close(self) -> None:
         """Its receiving threads end (after the chunks due; one blocked in a receive on a
@@ -236,15 +269,23 @@ class KvPrefetch:
 
 
 def send_kv_round(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
-                  spans: Mapping[int, tuple[int, int]], chunk_blocks: int) -> None:
+                  spans: Mapping[int, tuple[int, int]], chunk_blocks: int,
+                  placeholder: bool = False) -> None:
     """A member: its layers of the blocks the head named (request -> (first, stop)), gathered
     now and queued (kind kv) to the head, the chunks' numbers going on from the last round's
-    (`stage.kv_seq`)."""
+    (`stage.kv_seq`). `placeholder`: the step that named them failed here; zeros of the same
+    shapes go instead (the head posted their receives; it voids the round, `KvPrefetch.void`),
+    so the next round's numbers still match the head's."""
     counts = {rid: hi - lo for rid, (lo, hi) in spans.items()}
+
+    def gather(t: KvTransfer) -> torch.Tensor:
+        if placeholder:
+            return torch.zeros((t.blocks, len(t.layers), *_block_shape(stage)),
+                               dtype=stage.model.arena.dtype)
+        return stage.read_layers(stage.seqs[t.request_id].table[slice(*spans[t.request_id])])
+
     send_transfers(stage.plane, ranks, me, prefetch_transfers(counts, layers), chunk_blocks,
-                   KV_EPOCH, lambda t: stage.read_layers(
-                       stage.seqs[t.request_id].table[slice(*spans[t.request_id])]),
-                   stage.stats, seq_base=stage.kv_seq)
+                   KV_EPOCH, gather, stage.stats, seq_base=stage.kv_seq)
     stage.kv_seq += round_chunks(counts, layers, chunk_blocks)
 
 
@@ -268,6 +309,9 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     kv = stage.kv_prefetch
     host = stage.host_bytes if kv is None else kv.began_host
     staged = 0
+    if kv is not None:  # every prefetched round in before anything changes (members told,
+        staged = kv.staged_bytes()  # weights back): a failure here leaves the group serving
+        kv.join(KV_JOIN_S)
     for rid in release:
         stage.seqs.pop(rid, None)
     for rid in stage.seqs:  # (as each member does: exchanged KV no step placed yet)
@@ -275,6 +319,7 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     for t in runner._fed_back:  # the head is not the last stage: tokens it has not appended
         if t.request_id in stage.seqs:
             stage.seqs[t.request_id].tokens.append(t.token_id)
+    runner._fed_back = ()  # (a loss below: `recover_from_host` must not append them again)
     missing = set(stage.seqs) - set(tables)
     if missing:
         raise ValueError(f"restore needs a solo table for every live request; missing "
@@ -299,8 +344,6 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
     full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
     full[torch.tensor(dst, dtype=torch.long, device=full.device), keep.start:keep.stop] = own
     if kv is not None:
-        staged = kv.staged_bytes()  # (what the restore writes from the rounds: live KV only)
-        kv.join()
         kv.close()
     for rid, s in stage.seqs.items():
         new = list(tables[rid])
@@ -334,38 +377,6 @@ def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
                             **prefetch_report(stage), **(kv.report() if kv else {})}
     stage.end_exchange()
     runner.stage = None
-
-
-def place_own(stage, src: Sequence[int], dst: Sequence[int]) -> list | None:
-    """The head's kept KV of stage blocks `src` copied, inside the arena, to where solo blocks
-    `dst`'s layers lie, in an order that overwrites nothing still to be read (a cycle goes round
-    one free stage block): then nothing is held outside the arena. Returns the copies made;
-    None when none is free for a cycle (the caller gathers them instead)."""
-    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
-    pairs = {(s, view.local_at(d * layers)) for s, d in zip(src, dst)}
-    if any(h is None for _, h in pairs):
-        return None
-    order = copy_order(pairs, stage.map.spare)
-    for s, d in order or ():
-        stage._copy_block(s, d)
-    return order
-
-
-def own_moves(stage, tables: Mapping[int, Sequence[int]]) -> tuple[list[int], list[int], int]:
-    """The head's kept layers at the restore: (stage blocks to copy from, solo blocks to copy
-    into, blocks already in place). A block is in place when its stage block's layers lie where
-    its solo block's do (`base` = solo block x layers)."""
-    view, layers = stage.model.drop_state.view, stage.model.config.num_layers
-    src, dst, in_place = [], [], 0
-    for rid, s in stage.seqs.items():
-        new = tables[rid]
-        for local, block in zip(stage.map.locals(s.table[:len(new)]), new):
-            if view.base(local) == block * layers:
-                in_place += 1
-            else:
-                src.append(local)
-                dst.append(block)
-    return src, dst, in_place
 
 
 def _write(full: torch.Tensor, blocks: Sequence[int], arrivals) -> None:

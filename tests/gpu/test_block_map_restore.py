@@ -120,7 +120,7 @@ def test_place_moves_each_id_home_in_an_order_that_overwrites_nothing_still_need
 
 
 def test_copy_order_never_overwrites_a_block_still_to_be_read():
-    """The head's restore's step (gpu/restore_kv.py `place_own`): its kept KV copied to where
+    """The head's restore's step (gpu/kept_kv.py `place_own`): its kept KV copied to where
     its solo blocks' layers lie, inside the arena. 0 -> 1 -> 2 is a chain (2 is read before it
     is written), 3 <-> 4 a cycle (one goes round the spare block 9), 5 stays."""
     moves = [(0, 1), (1, 2), (2, 6), (3, 4), (4, 3), (5, 5)]
