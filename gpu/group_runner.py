@@ -192,15 +192,15 @@ class GroupRunner:
             self._unanswered.append(rank)
         try:
             mine = self.stage.run(msg)
+        except GroupMemberLost:
+            raise
+        except Exception:  # (not a loss: it sent the members zeros for its activations)
+            self._answers(step)  # every member's answer read: the next step starts level
+            raise
         finally:
             self._fed_back = ()  # run() appended them to the head's sequences
         replies = [mine]
-        for m, rank in enumerate(self.ranks[1:], start=1):
-            reply: MemberReply = recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")
-            self._unanswered.remove(rank)
-            if reply.lost is not None:
-                raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
-                                      f"instance {rank})", RuntimeError(reply.error))
+        for m, (rank, reply) in enumerate(self._answers(step), start=1):
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
             self._note_arrived(m, reply.arrived)
@@ -223,6 +223,19 @@ class GroupRunner:
                 wait_s=tuple(r.wait_s for r in replies)))
         return StepFinished(step_id=step.step_id, sampled=self._fed_back,
                             compute_s=time.perf_counter() - began)
+
+    def _answers(self, step: ExecuteStep) -> list[tuple[int, MemberReply]]:
+        """Every member's answer to `step`, all read before any is judged (one left unread would
+        answer the next step); a loss one reports raises `GroupMemberLost`."""
+        out = []
+        for rank in self.ranks[1:]:
+            out.append((rank, recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")))
+            self._unanswered.remove(rank)
+        for rank, reply in out:
+            if reply.lost is not None:
+                raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
+                                      f"instance {rank})", RuntimeError(reply.error))
+        return out
 
     def _account(self, cut, replies: Sequence[MemberReply], wall: float) -> None:
         """Each stage's time per microbatch (its thread's CPU time where it reports one, else

@@ -54,7 +54,9 @@ if TYPE_CHECKING:
 
 STEP_FAULT_ENV = "SHUNTER_GROUP_STEP_FAULT"
 """Tests' fault: `kv-round@<rank>` makes that member's first step that carries a restore
-prefetch's KV round fail (an error, not a loss) once it ran, before the round is sent."""
+prefetch's KV round fail (an error, not a loss) once it ran, before the round is sent;
+`step@<rank>` (the head's too) makes that member's first such step fail before its first
+microbatch, once it took the step's bookings."""
 
 
 @attrs.define(slots=True, eq=False)
@@ -165,9 +167,28 @@ class GroupStage:
         except GroupMemberLost:
             raise
         except Exception:
+            self._level_activations(msg)  # the next member's step must end too
             self._kv_round(spans, placeholder=True)  # (the real one sends all or nothing)
             raise
         return reply
+
+    def _level_activations(self, msg: StageStep) -> None:
+        """The step failed here (not a loss): take the activations still due from the previous
+        member and send zeros for those still due to the next, so that every member's step ends
+        and the next step's tags start level (the failed step's requests are failed)."""
+        done_in, done_out = self._micro_io
+        if not isinstance(msg, GroupStep) or (self.model.first_stage and self.model.last_stage):
+            return
+        ranks, device = self.start.ranks, self.model.arena.device
+        for m, work in enumerate(pieces(msg.step.seqs, msg.micro)):
+            shape = (sum(w.num_tokens for w in work), self._hidden)
+            x = torch.zeros(shape, dtype=self.model.arena.dtype, device=device)
+            if not self.model.first_stage and m >= done_in:
+                self._activations(x, ranks[self.me - 1], activation_tag(msg.step.step_id, m))
+            if not self.model.last_stage and m >= done_out:
+                self.plane.queue.put_activation(x.zero_(), dst=ranks[self.me + 1],
+                                                tag=activation_tag(msg.step.step_id, m))
+        self.plane.queue.flush("activation")
 
     def _kv_round(self, spans: Mapping[int, tuple[int, int]], placeholder: bool) -> None:
         if spans:
@@ -176,6 +197,7 @@ class GroupStage:
 
     def _run(self, msg: StageStep) -> MemberReply:
         step = msg.step
+        self._micro_io = [0, 0]  # microbatches whose activations came in, went out
         if not self.model.last_stage:
             for t in msg.fed_back:
                 seq = self.seqs.get(t.request_id)
@@ -190,6 +212,10 @@ class GroupStage:
             ordered = sorted(step.seqs, key=lambda w: w.num_tokens == 1)
             micro = split_microbatches(ordered, self.start.microbatches,
                                        [w.num_tokens for w in ordered])
+        if (getattr(msg, "kv_spans", ())
+                and os.environ.get(STEP_FAULT_ENV) == f"step@{self.plane.rank}"):
+            del os.environ[STEP_FAULT_ENV]  # (once)
+            raise RuntimeError("the test's fault: this step failed before its microbatches")
         sampled, compute, waits, cpu = [], [], [], []
         for m, work in enumerate(micro):
             c, w, out, u = self._microbatch(step.step_id, m, work)
@@ -299,6 +325,7 @@ class GroupStage:
             x = torch.empty(len(inputs.input_ids), self._hidden, dtype=self.model.arena.dtype,
                             device=device)  # [T, hidden]
             self._activations(x, ranks[self.me - 1], tag)
+            self._micro_io[0] += 1
             waited = time.perf_counter() - began
         began, cpu = time.perf_counter(), time.thread_time()
         out = self.model.forward_stage(x, inputs.positions, inputs.meta, inputs.logits_indices)
@@ -307,4 +334,5 @@ class GroupStage:
             sampled = sample_work(out, work, self.seqs)
         else:
             self.plane.queue.put_activation(out, dst=ranks[self.me + 1], tag=tag)
+            self._micro_io[1] += 1
         return time.perf_counter() - began, waited, sampled, time.thread_time() - cpu

@@ -8,6 +8,10 @@ drives them.
   session 31): the member's chunk numbers stayed a round behind the head's, the prefetch never
   became ready, the restore's step waited 60 s for a chunk that never came, named the live
   member lost, and its recovery crashed (`no layers are dropped`).
+- The head's own step fails (an error, not a loss) while the KV rounds run: it sends the member
+  zeros for the activations it owed, reads the member's answer before it raises, and the group
+  serves on level. Before: the member's answer to the failed step stayed unread and answered
+  the next step instead.
 - A member lost at the restore's step once it sent everything (its weights back: the head's
   model is whole again): the head recomputes every request. Before: its recovery restored
   layers no longer dropped and crashed.
@@ -51,10 +55,12 @@ def _hosts_with(model_dir, env: str, value: str):
     next(gen, None)
 
 
-@pytest.fixture
-def hosts_step_fails(model_dir):
-    """Instance 1's first step that carries a KV round fails once it ran (not a loss)."""
-    yield from _hosts_with(model_dir, STEP_FAULT_ENV, "kv-round@1")
+@pytest.fixture(params=["kv-round@1", "step@0"])
+def hosts_step_fails(model_dir, request):
+    """A step that carries a KV round fails once (not a loss): instance 1's once it ran
+    (`kv-round@1`), or the head's own before its first microbatch (`step@0`)."""
+    for started in _hosts_with(model_dir, STEP_FAULT_ENV, request.param):
+        yield (*started, request.param)
 
 
 @pytest.fixture
@@ -70,7 +76,7 @@ def _moved_back(reqs, moved) -> None:
 
 def test_a_member_step_failing_while_kv_rounds_run_leaves_the_restore_whole(
         model_dir, hosts_step_fails):
-    (h0, h1), (solo0, solo1) = hosts_step_fails
+    (h0, h1), (solo0, solo1), fault = hosts_step_fails
     s0, reqs, moved = _grouped(model_dir, h0, h1, solo0, solo1, seed=4)
     _shrink(h0, s0, solo0)
     h0.call("prefetch", "peer")
@@ -92,6 +98,7 @@ def test_a_member_step_failing_while_kv_rounds_run_leaves_the_restore_whole(
     assert failed is not None, "no step filled a block of the victim: the fault never fired"
     step, message = failed
     assert "the test's fault" in message and "lost" not in message, message
+    assert ("member instance" not in message) == (fault == "step@0"), message  # (whose)
     assert {w.request_id for w in step.seqs} == {victim.rid}, step.seqs
     # as the engine: the failed step's request ends with its error and is released
     s0.free += victim.table
