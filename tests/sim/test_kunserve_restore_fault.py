@@ -22,15 +22,7 @@ import shunter
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.cluster import Cluster
-
-
-def _layer_bytes(model, block_bytes: int) -> int:
-    """A decoder layer's weights (attention, MLP, two norms), in whole KV blocks: the torch
-    arena starts each layer on a block boundary; the embeddings and LM head stay put."""
-    h, q, kv = model.hidden_size, model.num_heads * model.head_dim, \
-        model.num_kv_heads * model.head_dim
-    params = 2 * h * q + 2 * h * kv + 3 * h * model.intermediate_size + 2 * h
-    return -(-params * model.dtype_bytes // block_bytes) * block_bytes
+from tests.sim.test_kunserve_restore_modes import _layer_bytes
 
 
 async def _lose_in_the_window(policy: str):
