@@ -177,7 +177,6 @@ class BidirectionalMemory:
             if (r := requests.get(rid)) is not None and rid not in in_flight:
                 self._forget(rid, requests)
                 r.recompute()
-                r.swapped_blocks = 0  # its host copy went with the table's entry
                 out.append(r)
         self.recomputed_after_failures += len(out)
         self.last_copied = set()

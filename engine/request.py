@@ -171,8 +171,10 @@ class Request:
         self._view = None
 
     def recompute(self) -> None:
-        """Preempted by recompute: the KV is dropped, the tokens kept to be prefilled again."""
+        """Preempted by recompute: the KV is dropped (a host copy too), the tokens kept to be
+        prefilled again."""
         self.blocks, self.computed_tokens, self.state = 0, 0, "waiting"
+        self.swapped_blocks = 0
         self._view = None
 
     def resume_from_host(self, tokens: int, blocks: int) -> None:

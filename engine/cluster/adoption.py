@@ -178,7 +178,6 @@ def recompute_adopted(req: Request) -> None:
     stayed with its member, so one that had any is prefilled again from its whole context."""
     if req.computed_tokens or req.state != "waiting":
         req.recompute()
-        req.swapped_blocks = 0
         req.preemptions += 1
 
 
