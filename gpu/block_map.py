@@ -192,7 +192,7 @@ class BlockMap:
                     self.placed_blocks += 1
             if len(left) == len(todo):  # every home left is held
                 held = [at[homes[g]] for g in left if homes[g] in at]
-                spare = self._pop_avoiding(self._homes) if held else None
+                spare = self.spare(self._homes) if held else None
                 if spare is None:
                     break  # (held by reservations, or no spare block: those stay)
                 self._taken[spare] = False
@@ -209,16 +209,13 @@ class BlockMap:
             if h is not None and not self._taken[h] and not self._blocked[h]:
                 self._taken[h] = True
                 return h
-            b = self._pop_avoiding(self._homes)
+            b = self.spare(self._homes)
             if b is not None:
                 return b
         return self._pop()
 
     def spare(self, avoid: set[int]) -> int | None:
         """A free stage block outside `avoid`, taken now (None: none is left)."""
-        return self._pop_avoiding(avoid)
-
-    def _pop_avoiding(self, avoid: set[int]) -> int | None:
         for i in range(len(self._free) - 1, -1, -1):
             b = self._free[i]
             if not self._taken[b] and b not in avoid:

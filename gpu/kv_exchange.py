@@ -87,6 +87,10 @@ class ExchangeStats:
             self.sent_bytes += nbytes
             self.chunks_sent += 1
 
+    def add_gather(self, seconds: float) -> None:
+        with self._lock:
+            self.gather_s += seconds
+
 
 def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
                    transfers: Sequence[KvTransfer], chunk_blocks: int, epoch: int,
@@ -98,8 +102,7 @@ def send_transfers(plane: Channel, ranks: Sequence[int], me: int,
     began = time.perf_counter()
     mine = [t for t in transfers if t.src == me]
     staged = {id(t): gather(t).contiguous() for t in mine}
-    with stats._lock:
-        stats.gather_s += time.perf_counter() - began
+    stats.add_gather(time.perf_counter() - began)
     for dst in sorted({t.dst for t in mine}):
         for seq, (t, lo, hi) in enumerate(pair_chunks(transfers, me, dst, chunk_blocks)):
             chunk = staged[id(t)][lo:hi]
@@ -222,15 +225,13 @@ class KvReceiver:
         a request still pending raises it (a thread that died silently left them waiting)."""
         self.stats = stats
         self._began = time.perf_counter()
-        loops = [(ranks[src], pair_chunks(transfers, src, me, chunk_blocks), epoch, seq_base)
-                 for src in sorted({t.src for t in self._mine})]
+        loops = {src: (ranks[src], pair_chunks(transfers, src, me, chunk_blocks), epoch,
+                       seq_base) for src in self.sources}
         self._threads = [] if workers is not None else [
             threading.Thread(target=self._loop, args=args, daemon=True,
-                             name=f"shunter-kv-recv-{src}") for args, src in zip(
-                loops, sorted({t.src for t in self._mine}))]
+                             name=f"shunter-kv-recv-{src}") for src, args in loops.items()]
         self._jobs = [] if workers is None else [
-            workers[src].submit(self._loop, *args)
-            for args, src in zip(loops, sorted({t.src for t in self._mine}))]
+            workers[src].submit(self._loop, *args) for src, args in loops.items()]
         for th in self._threads:
             th.start()
 

@@ -186,6 +186,10 @@ class KvPrefetch:
         for r in self.rounds:
             if r.spans.pop(rid, None) is not None:
                 r.receiver.drop(rid)
+        self._let_go_empty()
+
+    def _let_go_empty(self) -> None:
+        """Rounds with no request left to write and no chunk still due are let go."""
         self.rounds = [r for r in self.rounds if r.spans or r.receiver.pending()]
 
     def step_spans(self, step: ExecuteStep) -> dict[int, tuple[int, int]]:
@@ -236,7 +240,7 @@ class KvPrefetch:
                     r.receiver.drop(rid)
             if self.named.get(rid, 0) > lo:
                 self.named[rid] = lo
-        self.rounds = [r for r in self.rounds if r.spans or r.receiver.pending()]
+        self._let_go_empty()
 
     def join(self, timeout: float) -> None:
         """Every round's chunks in (a dropped one's too: the tags go on). A member the data

@@ -239,7 +239,7 @@ def stop_prefetch(stage) -> None:
     prefetch = stage.prefetch
     if prefetch is not None:
         prefetch.stop()
-    kv = getattr(stage, "kv_prefetch", None)
+    kv = stage.kv_prefetch
     if kv is not None:  # (the head's: its receiving threads end with the channel)
         kv.close()
 

@@ -30,7 +30,7 @@ from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
 from shunter.cluster.sim_layout import freed_blocks
-from shunter.cluster.sim_restore import restore
+from shunter.cluster.sim_restore import OneStep, restore
 from sim.exchange import SimExchange
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
@@ -67,10 +67,10 @@ class SimGroups:
         """The coordinator's monitor (read for its plan counts in the report)."""
         self.reloading: set[int] = set()
         """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
-        self.one_step: dict = {}
+        self.one_step: dict[int, OneStep] = {}
+        """Heads in a one-step restore, until its copies land (sim_restore.py `OneStep`)."""
         self.prefetching: dict[int, anyio.CancelScope] = {}
         """Heads whose restore prefetch runs: cancelled when a member is lost (sim_restore.py)."""
-        """Heads in a one-step restore, until its copies land (sim_restore.py `OneStep`)."""
         self.counters = ClusterCounters()
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
