@@ -13,6 +13,8 @@ its `GroupStart` came ends the member's wait the same way.
 
 from __future__ import annotations
 
+import os
+
 import attrs
 
 from gpu.data_plane import (
@@ -37,7 +39,13 @@ from gpu.group_stage import GroupStage
 from gpu.kv_exchange import send_transfers
 from gpu.pipeline_stage import StageStep
 from gpu.restore_kv import restore_transfers, send_kv_prefetch
-from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, restore_weights, stop_prefetch
+from gpu.restore_prefetch import (
+    PREFETCH_FAULT_ENV,
+    GroupPrefetch,
+    WeightPrefetch,
+    restore_weights,
+    stop_prefetch,
+)
 from gpu.stage_view import restore_layers
 
 
@@ -118,12 +126,7 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
             stage, start = grown, msg
             continue
         if isinstance(msg, GroupPrefetch):  # the restore's weights, written while serving
-            try:
-                send_kv_prefetch(stage, start.ranks, me, start.layers, msg.kv_blocks,
-                                 start.chunk_blocks)  # (first: read before the vacating)
-                stage.prefetch = WeightPrefetch(stage, start.ranks, start.layers, msg)
-            except Exception as exc:  # noqa: BLE001 (the head learns it from the next step)
-                stage.prefetch_failed = exc
+            start_prefetch(stage, start, me, msg)
             continue
         if isinstance(msg, StageStep):
             try:
@@ -163,6 +166,32 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
                 "prefetch": stage.prefetch.report() if stage.prefetch is not None else None,
                 "grown": attrs.asdict(stage.grown) if hasattr(stage, "grown") else None,
                 "merged": attrs.asdict(stage.merged) if hasattr(stage, "merged") else None}
+
+
+def start_prefetch(stage: GroupStage, start: GroupStart, me: int, msg: GroupPrefetch) -> None:
+    """A member's part of the restore's prefetch: its first KV round (read before it vacates),
+    then its weights (gpu/restore_prefetch.py). An error that is not a loss leaves the group
+    serving, each part falling back to the restore's step (the next step's answer tells the
+    head): a first round that cannot be gathered goes as zeros of the same shapes, and so does
+    every later one (the head posted their receives: the chunks' numbers stay the head's; it
+    uses none of its prefetched KV then, `KvPrefetch.abandon`); a member that cannot vacate
+    writes its weights from its host copy at the step (`WeightPrefetch.from_host`)."""
+    try:
+        try:
+            if os.environ.get(PREFETCH_FAULT_ENV) == f"kv@{stage.plane.rank}":
+                del os.environ[PREFETCH_FAULT_ENV]  # (once)
+                raise RuntimeError("the test's fault: its first KV round could not be gathered")
+            send_kv_prefetch(stage, start.ranks, me, start.layers, msg.kv_blocks,
+                             start.chunk_blocks)
+        except GroupMemberLost:
+            raise
+        except Exception as exc:  # (the real round sends all of its chunks or none)
+            stage.kv_void = f"{type(exc).__name__}: {exc}"
+            send_kv_prefetch(stage, start.ranks, me, start.layers, msg.kv_blocks,
+                             start.chunk_blocks, placeholder=True)
+        stage.prefetch = WeightPrefetch(stage, start.ranks, start.layers, msg)
+    except Exception as exc:  # noqa: BLE001 (a loss, or vacated part-way: the next step's
+        stage.prefetch_failed = exc  # answer raises it)
 
 
 def _abandon(stage: GroupStage, why: str) -> dict:

@@ -132,6 +132,11 @@ class MemberReply:
     """At restore, from the last member (which sampled): each seeded request's generator."""
     prefetched: bool | None = None
     """Whether its prefetched weights are in (gpu/restore_prefetch.py); None: no prefetch."""
+    kv_void: str | None = None
+    """Why its prefetch's KV rounds are zeros (the head uses none of them: gpu/restore_kv.py
+    `KvPrefetch.abandon`); None: they are its KV."""
+    weights_from_host: str | None = None
+    """Why it could not vacate: its weights come from its host copy at the restore's step."""
 
 
 @attrs.frozen(kw_only=True)

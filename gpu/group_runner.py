@@ -52,7 +52,8 @@ from gpu.group_stage import GroupStage
 from gpu.kv_exchange import known_lost, lost_error
 from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
-from gpu.restore_kv import KvPrefetch, full_blocks, note_step, restore_group
+from gpu.restore_group import restore_group
+from gpu.restore_kv import KvPrefetch, full_blocks, note_step
 from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, room_outside, stop_prefetch
 from gpu.stage_view import group_pool_blocks, restore_layers
 
@@ -100,6 +101,11 @@ class GroupRunner:
         self.exchange = None  # the head's exchange counters (set at `open`)
         self.restore_stats: dict[str, object] = {}
         self._prefetched: set[int] = set()  # members whose prefetched weights are in
+        self.prefetch_heard: set[int] = set()
+        """Members that answered a step since the restore's prefetch began."""
+        self.prefetch_fallbacks: dict[str, str] = {}
+        """'<rank> kv' / '<rank> weights' -> why that part of its prefetch falls back to the
+        restore's step (gpu/group_member.py `start_prefetch`)."""
         self._computed: dict[int, int] = {}  # request -> tokens whose KV is written
         self.set_up: set[int] = set()
         """Requests some step of this group set up (an adopted one not among them still has its
@@ -204,8 +210,7 @@ class GroupRunner:
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
             self._note_arrived(m, reply.arrived)
-            if reply.prefetched:
-                self._prefetched.add(rank)
+            self._note_prefetch(rank, reply)
             replies.append(reply)
         self._note_arrived(0, mine.arrived)
         self._fed_back = replies[-1].sampled
@@ -236,6 +241,22 @@ class GroupRunner:
                 raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
                                       f"instance {rank})", RuntimeError(reply.error))
         return out
+
+    def _note_prefetch(self, rank: int, reply: MemberReply) -> None:
+        """A member's answer on the restore's prefetch (since it began: what it says of its
+        start is in): weights in; a fallback to the restore's step (its KV rounds are zeros:
+        none is used; its weights from its host copy there)."""
+        kv = self.stage.kv_prefetch
+        if kv is None:
+            return
+        self.prefetch_heard.add(rank)
+        if reply.prefetched:
+            self._prefetched.add(rank)
+        if reply.kv_void is not None:
+            kv.abandon(f"instance {rank}: {reply.kv_void}")
+        for what, why in (("kv", reply.kv_void), ("weights", reply.weights_from_host)):
+            if why is not None:
+                self.prefetch_fallbacks.setdefault(f"{rank} {what}", why)
 
     def _account(self, cut, replies: Sequence[MemberReply], wall: float) -> None:
         """Each stage's time per microbatch (its thread's CPU time where it reports one, else
@@ -287,7 +308,8 @@ class GroupRunner:
                              f"{len(pool)}")
         blocks = full_blocks(self.stage, self._computed)
         msg = GroupPrefetch(source=source, pool=pool, kv_blocks=blocks)
-        self._prefetched = set()  # (the head's own first: what refuses it refuses it here)
+        self._prefetched, self.prefetch_heard = set(), set()  # (the head's own first: what
+        self.prefetch_fallbacks = {}  # refuses it refuses it here)
         self.stage.prefetch = WeightPrefetch(self.stage, self.ranks, self.layers, msg)
         self.stage.kv_prefetch = KvPrefetch(self.stage, self.ranks, self.layers,
                                             self.chunk_blocks, blocks)

@@ -76,6 +76,9 @@ class GroupStage:
     (gpu/restore_kv.py)."""
     prefetch_failed: BaseException | None = None
     """A member's: why its prefetch could not start (its next step's reply raises it)."""
+    kv_void: str | None = None
+    """A member's: why its restore prefetch's first KV round could not be gathered; that
+    round and every later one go as zeros (gpu/group_member.py `start_prefetch`)."""
     kv_seq: int = 0
     """A member's next chunk number of its restore prefetch's KV rounds (gpu/restore_kv.py)."""
     host_bytes: int = 0
@@ -163,7 +166,7 @@ class GroupStage:
             if spans and os.environ.get(STEP_FAULT_ENV) == f"kv-round@{self.plane.rank}":
                 del os.environ[STEP_FAULT_ENV]  # (once)
                 raise RuntimeError("the test's fault: this step failed before its KV round")
-            self._kv_round(spans, placeholder=False)
+            self._kv_round(spans, placeholder=self.kv_void is not None)
         except GroupMemberLost:
             raise
         except Exception:
@@ -233,7 +236,9 @@ class GroupStage:
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),
-                           arrived=tuple(self.receiver.take_arrived()), prefetched=prefetched)
+                           arrived=tuple(self.receiver.take_arrived()), prefetched=prefetched,
+                           kv_void=self.kv_void, weights_from_host=getattr(
+                               self.prefetch, "from_host", None))
 
     def _activations(self, x: torch.Tensor, src: int, tag: int) -> None:
         """Receive them while watching the other members (`WatchedRecv`)."""

@@ -38,7 +38,10 @@ they stream) each held one blocked. Exchanged KV no step placed yet (a request n
 group formed) is written into its blocks before the restore reads them, here and on the members.
 Faults: a member whose step failed (an error, not a loss) still sends that step's round, zeros in
 its place, and the head voids it (`KvPrefetch.void`): the chunks' numbers stay the same on both
-ends. The restore waits for rounds still due before it changes anything, watching for a lost
+ends. A member whose first round could not be gathered sends it and every later one as zeros
+and says so in its answers (`MemberReply.kv_void`): the head then names no more rounds and uses
+none (`KvPrefetch.abandon`; every block's KV moves at the restore's step). The restore (gpu/
+restore_group.py) waits for rounds still due before it changes anything, watching for a lost
 member, at most `KV_JOIN_S` (then a plain error: the group serves on).
 """
 
@@ -51,13 +54,8 @@ import attrs
 import torch
 
 from engine.messages import ExecuteStep
-from gpu.data_plane import CONTROL_TAG, REPLY_TAG
-from gpu.group_messages import GroupRestore, MemberReply, restored_generator
-from gpu.kept_kv import own_moves, place_own
 from gpu.kv_exchange import (WATCH_SLICE_S, KvReceiver, KvTransfer, RecvWorker, known_lost,
                              lost_error, pair_chunks, send_transfers)
-from gpu.kv_moved import count_moved
-from gpu.restore_prefetch import prefetch_report, restore_weights
 
 KV_JOIN_S = 30.0
 """How long a restore waits for the prefetched KV rounds still due (under gloo's 60 s receive
@@ -108,7 +106,7 @@ def note_step(computed: dict[int, int], stage, step: ExecuteStep) -> tuple:
     return tuple((rid, lo, hi) for rid, (lo, hi) in sorted(spans.items()))
 
 
-def _block_shape(stage) -> tuple[int, ...]:
+def block_shape(stage) -> tuple[int, ...]:
     c = stage.model.config
     return (2, stage.block_size, c.num_kv_heads, c.head_dim)
 
@@ -154,6 +152,8 @@ class KvPrefetch:
         """The most host bytes the rounds' staging held at once (`KvReceiver.staged_bytes`)."""
         self.seq = 0
         """The next round's first chunk sequence number (on each member's pair with the head)."""
+        self.abandoned: str | None = None
+        """Why its rounds are not used (a member sends zeros: `abandon`); None: they are."""
         self.began_host = stage.host_bytes  # (the head's own KV read to host since: none)
         self.began_bytes = stage.stats.received_bytes
         self.add({rid: (0, n) for rid, n in blocks.items()})
@@ -163,7 +163,7 @@ class KvPrefetch:
         its receives are posted here, before the members are told."""
         stage, counts = self.stage, {rid: hi - lo for rid, (lo, hi) in spans.items()}
         receiver = KvReceiver(self.ranks, 0, prefetch_transfers(counts, self.layers),
-                              self.chunk_blocks, KV_EPOCH, _block_shape(stage),
+                              self.chunk_blocks, KV_EPOCH, block_shape(stage),
                               stage.model.arena.dtype, stage.stats, link=stage.plane,
                               seq_base=self.seq, workers=self.workers)
         self.seq += round_chunks(counts, self.layers, self.chunk_blocks)
@@ -205,7 +205,7 @@ class KvPrefetch:
                 self._forget(u.request_id)
                 self.generation[u.request_id] = self.generation.get(u.request_id, 0) + 1
         out, bs = {}, self.stage.block_size
-        for w in step.seqs:
+        for w in step.seqs if self.abandoned is None else ():
             lo, hi = self.named.get(w.request_id, 0), (w.start + w.num_tokens) // bs
             if hi > lo:
                 out[w.request_id] = (lo, hi)
@@ -218,7 +218,21 @@ class KvPrefetch:
     def usable(self, seqs: Mapping[int, object]) -> dict[int, int]:
         """Request -> prefetched leading blocks the restore takes from here."""
         return {rid: n for rid, n in self.named.items()
-                if n and rid in seqs and n <= len(seqs[rid].table)}
+                if n and rid in seqs and n <= len(seqs[rid].table)} if not self.abandoned else {}
+
+    def abandon(self, why: str) -> None:
+        """A member's rounds are zeros (its first could not be gathered: gpu/group_member.py
+        `start_prefetch`): no round is named from now on, none is used (what the others took
+        is let go; chunks still due are received and dropped: the tags go on), and the
+        restore's step moves every block's KV."""
+        if self.abandoned is None:
+            self.abandoned = why
+            for r in self.rounds:
+                for rid in r.spans:
+                    r.receiver.drop(rid)
+                r.spans.clear()
+            self.named.clear()
+            self._let_go_empty()
 
     def write(self, full: torch.Tensor, request_id: int, blocks: Sequence[int]) -> None:
         """Its prefetched KV (the current generation's rounds) into `blocks` of the full view,
@@ -227,7 +241,7 @@ class KvPrefetch:
         for r in self.rounds:
             lo, hi, g = r.spans.get(request_id, (0, 0, -1))
             if g == gen and lo < len(blocks):
-                _write(full, blocks[lo:hi], r.receiver.wait(request_id))
+                write_arrivals(full, blocks[lo:hi], r.receiver.wait(request_id))
 
     def void(self, spans: Mapping[int, tuple[int, int]]) -> None:
         """The step that named `spans` (its round) failed: what comes of that round is not
@@ -265,7 +279,7 @@ class KvPrefetch:
             w.close()
 
     def report(self) -> dict:
-        return {"kv_rounds": float(self.later[0]),
+        return {"kv_abandoned": self.abandoned, "kv_rounds": float(self.later[0]),
                 "kv_resets": float(sum(self.generation.values())),
                 "kv_round_blocks": float(self.later[1]),
                 "kv_staged_peak_bytes": float(self.staged_peak),
@@ -284,7 +298,7 @@ def send_kv_round(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
 
     def gather(t: KvTransfer) -> torch.Tensor:
         if placeholder:
-            return torch.zeros((t.blocks, len(t.layers), *_block_shape(stage)),
+            return torch.zeros((t.blocks, len(t.layers), *block_shape(stage)),
                                dtype=stage.model.arena.dtype)
         return stage.read_layers(stage.seqs[t.request_id].table[slice(*spans[t.request_id])])
 
@@ -294,96 +308,16 @@ def send_kv_round(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
 
 
 def send_kv_prefetch(stage, ranks: Sequence[int], me: int, layers: Sequence[range],
-                     blocks: Mapping[int, int], chunk_blocks: int) -> None:
+                     blocks: Mapping[int, int], chunk_blocks: int,
+                     placeholder: bool = False) -> None:
     """A member: its layers of the full blocks the head named as the prefetch began (the
-    first round)."""
+    first round; `placeholder`: zeros, `send_kv_round`)."""
     stage.kv_seq = 0
     send_kv_round(stage, ranks, me, layers, {rid: (0, n) for rid, n in blocks.items()},
-                  chunk_blocks)
+                  chunk_blocks, placeholder)
 
 
-def restore_group(runner, tables: Mapping[int, Sequence[int]], source: str,
-                  release: Sequence[int]) -> None:
-    """`GroupRunner.restore` (gpu/group_runner.py): solo again, each live request with its
-    table in `tables`."""
-    import gpu.group_runner as gr  # (its send_obj/recv_obj: stand-ins replace them there)
-
-    began, stage = time.perf_counter(), runner.stage
-    received = stage.stats.received_bytes
-    kv = stage.kv_prefetch
-    host = stage.host_bytes if kv is None else kv.began_host
-    staged = 0
-    if kv is not None:  # every prefetched round in before anything changes (members told,
-        staged = kv.staged_bytes()  # weights back): a failure here leaves the group serving
-        kv.join(KV_JOIN_S)
-    for rid in release:
-        stage.seqs.pop(rid, None)
-    for rid in stage.seqs:  # (as each member does: exchanged KV no step placed yet)
-        stage._place(rid)
-    for t in runner._fed_back:  # the head is not the last stage: tokens it has not appended
-        if t.request_id in stage.seqs:
-            stage.seqs[t.request_id].tokens.append(t.token_id)
-    runner._fed_back = ()  # (a loss below: `recover_from_host` must not append them again)
-    missing = set(stage.seqs) - set(tables)
-    if missing:
-        raise ValueError(f"restore needs a solo table for every live request; missing "
-                         f"{sorted(missing)}")
-    skip = kv.usable(stage.seqs) if kv is not None else {}
-    msg = GroupRestore(tables={r: tuple(t) for r, t in tables.items()}, source=source,
-                       release=tuple(release), skip=skip)
-    for rank in runner.ranks[1:]:
-        gr.send_obj(msg, rank, CONTROL_TAG, "the group was restored")
-    receiver = KvReceiver(runner.ranks, 0, restore_transfers(stage.seqs, runner.layers, skip),
-                          runner.chunk_blocks, 1, _block_shape(stage), stage.model.arena.dtype,
-                          stage.stats, link=stage.plane)
-    src, dst, in_place = own_moves(stage, tables)
-    placed = place_own(stage, src, dst)  # before the weights come back over any
-    if placed is not None:
-        src, dst, in_place = [], [], in_place + len(src)
-    own = stage.gather_layers(src)  # (none placed: gathered on the device, outside the arena)
-    w_began = time.perf_counter()
-    weights_at = restore_weights(stage, runner.ranks, runner.layers, source)
-    weights_s = time.perf_counter() - w_began
-    arena = stage.model.arena
-    full, keep = arena.kv, stage.keep  # [blocks, L, 2, bs, H, D], the full view again
-    full[torch.tensor(dst, dtype=torch.long, device=full.device), keep.start:keep.stop] = own
-    if kv is not None:
-        kv.close()
-    for rid, s in stage.seqs.items():
-        new = list(tables[rid])
-        n = min(len(new), len(s.table))
-        k = min(skip.get(rid, 0), n)
-        if k:  # the first blocks: moved while the group served
-            kv.write(full, rid, new[:k])
-        _write(full, new[k:n], receiver.wait(rid) if receiver.expects(rid) else ())
-        runner.solo._seqs[rid] = gr._solo_seq(runner.solo, s, new)
-    for rank in runner.ranks[1:]:
-        reply: MemberReply = gr.recv_obj(rank, REPLY_TAG, "its layers were restored")
-        if reply.error is not None:
-            raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
-        for rid, state in (reply.generator_states or {}).items():
-            seq = runner.solo._seqs.get(rid)
-            if seq is not None:  # the last member sampled: its generator goes on here
-                seq.generator = restored_generator(seq.sampling, rid, arena.device, state)
-    at = stage.stats.received_bytes - received
-    before = received - kv.began_bytes if kv is not None else 0
-    count_moved(runner.solo, at + before)
-    runner.restore_stats = {"source": source, "seconds": time.perf_counter() - began,
-                            "weights_s": weights_s,
-                            "kv_bytes": float(before + at), "kv_bytes_before": float(before),
-                            "kv_bytes_at": float(at),
-                            "weight_bytes_at": float(weights_at),
-                            "own_kv_host_bytes": float(stage.host_bytes - host),
-                            "own_kv_device_bytes": float(own.numel() * own.element_size()),
-                            "own_kv_in_place_blocks": float(in_place),
-                            "own_kv_arena_copies": float(len(placed or ())),
-                            "kv_staged_bytes": float(staged),
-                            **prefetch_report(stage), **(kv.report() if kv else {})}
-    stage.end_exchange()
-    runner.stage = None
-
-
-def _write(full: torch.Tensor, blocks: Sequence[int], arrivals) -> None:
+def write_arrivals(full: torch.Tensor, blocks: Sequence[int], arrivals) -> None:
     """Into `blocks` of the full view: each member's layers as they arrive ((transfer, data)
     pairs), their first len(blocks) blocks."""
     n = len(blocks)

@@ -29,11 +29,15 @@ Faults: a receiving thread that finds a member gone records it (`check` raises i
 step: the head recovers from its host copy as for any loss); `stop` ends the threads (after the
 channel is closed broken, which ends a receive still posted) before the host copy is written.
 Tests' fault point `restore-prefetch` (gpu/data_plane.py `fault_point`): a member killed as
-the prefetch reaches it, before it vacates or sends anything.
+the prefetch reaches it, before it vacates or sends anything. A member that cannot vacate (an
+error, not a loss: raised before any block moved) falls back to the restore's step for its own
+weights (`from_host`) while still sending its kept layers and taking the others' into scratch,
+so no peer's transfer waits on it; its answers say so (gpu/group_member.py `start_prefetch`).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -50,6 +54,10 @@ from gpu.stage_view import (
     kept_weight_ranges,
     restore_layers,
 )
+
+PREFETCH_FAULT_ENV = "SHUNTER_PREFETCH_FAULT"
+"""Tests' fault (an error, not a loss) as a member's prefetch starts, once: `kv@<rank>` its
+first KV round cannot be gathered (gpu/group_member.py), `vacate@<rank>` it cannot vacate."""
 
 PREFETCH_CHUNK_BLOCKS = 16
 """Arena blocks of weights per chunk on the KV lane (one block: every layer's KV of
@@ -119,9 +127,22 @@ class WeightPrefetch:
         began = time.perf_counter()
         view, L = model.drop_state.view, model.config.num_layers
         live = set(stage.map.locals({g for s in stage.seqs.values() for g in s.table}))
-        if stage.me == 0:  # the head's kept KV goes where its solo blocks' layers lie
-            stage.map.home(lambda g: view.local_at(g * L), msg.pool)
-        copies = stage.map.evacuate(dropped_mask(view, arena.layout, L), msg.pool)
+        self.from_host: str | None = None
+        """A member that could not vacate (why): it keeps its KV where it is, takes the
+        weights its peers send into scratch, and writes its own back from its host copy at
+        the restore's step (the one-step restore's part for it); it still sends its kept
+        layers, so every other member's prefetch goes on."""
+        try:
+            if os.environ.get(PREFETCH_FAULT_ENV) == f"vacate@{stage.plane.rank}":
+                del os.environ[PREFETCH_FAULT_ENV]  # (once)
+                raise RuntimeError("the test's fault: this member could not vacate")
+            if stage.me == 0:  # the head's kept KV goes where its solo blocks' layers lie
+                stage.map.home(lambda g: view.local_at(g * L), msg.pool)
+            copies = stage.map.evacuate(dropped_mask(view, arena.layout, L), msg.pool)
+        except Exception as exc:  # (raised before any block moved)
+            if stage.me == 0:  # the head's: refused before anything is sent
+                raise
+            self.from_host, copies = f"{type(exc).__name__}: {exc}", []
         self.vacated_blocks = len(copies)
         if stage.me == 0:
             copies += stage.map.place(msg.pool)
@@ -154,6 +175,10 @@ class WeightPrefetch:
                     stage.plane.queue.put(part, dst=rank, tag=WEIGHTS_TAG, kind="kv")
                     self.sent_bytes += part.numel() * part.element_size()
                 jobs.append((rank, chunks(kept_blocks(layout, layers[k]), per)))
+        if self.from_host is not None:  # nothing is written in place before the step
+            jobs = [(rank, parts) for rank, parts in jobs if rank is not None]
+            self._scratch = torch.empty(per * arena.layout.block_elems, dtype=arena.dtype,
+                                        device=arena.device)
         self._threads = [threading.Thread(target=self._fill, args=job, daemon=True,
                                           name="shunter-restore-prefetch") for job in jobs]
         for t in self._threads:
@@ -168,6 +193,8 @@ class WeightPrefetch:
                     if self._stop.is_set():
                         return
                     dst = arena.buffer[elem_range(arena, c)]
+                    if self.from_host is not None:  # taken and let go (see `from_host`)
+                        dst = self._scratch[:dst.numel()]
                     if rank is None:
                         first, saved = _held(host, c)
                         per = arena.layout.block_elems
@@ -176,7 +203,7 @@ class WeightPrefetch:
                         self.stage.plane.recv_tensor(dst, rank, WEIGHTS_TAG,
                                                      "its layers were being prefetched")
                     with self._lock:
-                        self.bytes += dst.numel() * dst.element_size()
+                        self.bytes += 0 if self.from_host else dst.numel() * dst.element_size()
         except BaseException as exc:  # noqa: BLE001 (raised by `check` / `finish`)
             with self._lock:
                 self.error = self.error or exc
@@ -211,7 +238,8 @@ class WeightPrefetch:
             t.join(timeout=30.0)
 
     def report(self) -> dict:
-        return {"source": self.source, "vacated_blocks": self.vacated_blocks,
+        return {"source": self.source, "from_host": self.from_host,
+                "vacated_blocks": self.vacated_blocks,
                 "vacated_live": self.vacated_live,
                 "vacate_s": self.vacate_s, "bytes": self.bytes, "sent_bytes": self.sent_bytes}
 
@@ -257,6 +285,10 @@ def restore_weights(stage, ranks: Sequence[int], layers: Sequence[range], source
     if prefetch is not None:  # in place already, or arriving: wait for the rest
         before = prefetch.bytes
         prefetch.finish()
+        if prefetch.from_host is not None:  # it could not vacate: all of them from its host
+            restore_layers(model)  # copy now (its KV there was read before: the caller)
+            prefetch.at_boundary = dropped
+            return dropped
         restore_layers(model, lambda blocks, dst: None)
         prefetch.at_boundary = prefetch.bytes - before
         return prefetch.at_boundary
