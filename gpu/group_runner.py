@@ -325,17 +325,17 @@ class GroupRunner:
         return (prefetch.check() and len(self._prefetched) == len(self.ranks) - 1
                 and not self.stage.kv_prefetch.pending())
 
-    def recover_from_host(self, lost: int) -> list[int]:
-        """After member instance `lost` was lost: every survivor is told to restore from its
-        host copy (`GroupAbandon`); the head's dropped layers come back from its own, and every
-        request keeps its tokens but no KV (an empty table): the engine must recompute them.
-        Returns their ids."""
+    def recover_from_host(self, lost: int, why: str | None = None) -> list[int]:
+        """After member instance `lost` was lost (-1: none, the group given up for `why`): every
+        survivor is told to restore from its host copy (`GroupAbandon`); the head's dropped
+        layers come back from its own, and every request keeps its tokens but no KV (an empty
+        table): the engine must recompute them. Returns their ids."""
         stage = self.stage
         for rank in self._unanswered:  # sent the step: read its answer (its waits watch the
             with contextlib.suppress(GroupMemberLost):  # plane; unread, that answer and our
                 recv_obj(rank, REPLY_TAG, "the step was answered")  # GroupAbandon deadlock)
         self._unanswered = []
-        abandon_members(self.ranks[1:], lost=lost, why=f"member instance {lost} lost")
+        abandon_members(self.ranks[1:], lost=lost, why=why or f"member instance {lost} lost")
         for t in self._fed_back:
             if t.request_id in stage.seqs:
                 stage.seqs[t.request_id].tokens.append(t.token_id)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import attrs
+import structlog
 
 from engine.cluster.stage_fits import StageFits
 from engine.cost_model import BatchShape
@@ -27,7 +28,14 @@ from engine.messages import ExecuteStep, StepFinished
 from gpu.data_plane import GroupMemberLost
 from gpu.group_runner import GroupRunner
 from gpu.group_messages import Adopted
+from gpu.restore_group import RestoreNotStarted
 from gpu.runner import TorchRunner
+
+log = structlog.get_logger(actor="kunserve-runner")
+
+RESTORE_TRIES = 3
+"""How many times a restore that fails before changing anything is tried (at consecutive
+steps) before the group is given up (`_restore_at`)."""
 
 
 class KunServeTorchRunner(TorchRunner):
@@ -88,6 +96,8 @@ class KunServeTorchRunner(TorchRunner):
         self.handing_over = False
         """Its group merges into another (`hand_over`): the step carrying the engine's plan of
         one does not restore it (its KV goes to the merged group's members instead)."""
+        self.restore_failures: list[str] = []
+        """Why each try of the pending restore failed (`_restore_at`); [] when none is due."""
 
     def hand_over(self, head: int) -> dict:
         """The group this instance leads merges into the one instance `head` leads, its
@@ -218,11 +228,15 @@ class KunServeTorchRunner(TorchRunner):
         """Restore now when no request is live on this engine (none will step to carry the
         restore): every sequence left on the group is one whose release no step carried yet.
         False when no group is open."""
-        group, self.group = self.group, None
+        group = self.group
         if group is None:
             return False
-        group.restore({}, self.restore_source, release=tuple(group.stage.seqs))
-        self.last_group = group
+        try:  # (`RestoreNotStarted`: raised, the group kept; the front door asks again)
+            group.restore({}, self.restore_source, release=tuple(group.stage.seqs))
+        except GroupMemberLost as exc:
+            self.lose_group(exc)
+            raise
+        self.group, self.last_group, self.restore_failures = None, group, []
         return True
 
     def expect_adopted(self, adopted: Sequence[Adopted]) -> None:
@@ -256,17 +270,11 @@ class KunServeTorchRunner(TorchRunner):
             if step.pool_blocks is not None and step.pool_blocks > len(pool):
                 raise RuntimeError(f"the engine's group pool of {step.pool_blocks} blocks is "
                                    f"larger than the group's {len(pool)} ({pool})")
-        elif plan is not None and self.group is not None:  # a plan of one: alone again
-            moved = dict(step.moves)
-            tables = {rid: [moved.get(b, b) for b in s.table]
-                      for rid, s in self.group.stage.seqs.items() if rid not in step.release}
-            try:
-                self.group.restore(tables, self.restore_source, release=step.release)
-            except GroupMemberLost as exc:
-                self._group_lost(exc)
-            group, self.group = self.group, None
-            self.last_group = group
-            step = attrs.evolve(step, release=(), moves=(), group=None, pool_blocks=None)
+        elif (plan is not None or self.restore_failures) and self.group is not None:
+            if self._restore_at(step):  # a plan of one (or a restore retried): alone again
+                step = attrs.evolve(step, release=(), moves=(), group=None, pool_blocks=None)
+            else:  # not restored yet: the group runs this step
+                step = attrs.evolve(step, group=None)
         if self.group is not None:
             try:
                 self.start_pending_prefetch()  # (before this step's own pool is noted)
@@ -279,6 +287,39 @@ class KunServeTorchRunner(TorchRunner):
             self._refuse_lost(step)
         return super().execute(step)
 
+    def _restore_at(self, step: ExecuteStep) -> bool:
+        """Restore the group this instance leads at `step`: True once it is alone again. A
+        restore that failed before it changed anything (`RestoreNotStarted`: a prefetched KV
+        round still due after `KV_JOIN_S`) leaves the group serving `step` (no request fails;
+        the engine, alone already, sends no plan again) and is tried again at each next step,
+        `RESTORE_TRIES` times in all; then it is given up, logged: the group ends as if a
+        member was lost (every member writes its dropped layers from its host copy) and the
+        engine recomputes every request (`GroupLost`)."""
+        moved = dict(step.moves)
+        tables = {rid: [moved.get(b, b) for b in s.table]
+                  for rid, s in self.group.stage.seqs.items() if rid not in step.release}
+        try:
+            self.group.restore(tables, self.restore_source, release=step.release)
+        except GroupMemberLost as exc:
+            self._group_lost(exc)
+        except RestoreNotStarted as exc:
+            self.restore_failures.append(str(exc))
+            tries = len(self.restore_failures)
+            if tries < RESTORE_TRIES:
+                log.error("restore failed; the group serves on and tries again at its next step",
+                          step_id=step.step_id, tries=tries, error=str(exc))
+                return False
+            log.error("restore given up; the group ends, its requests are recomputed",
+                      step_id=step.step_id, tries=tries, error=str(exc))
+            why = f"the group's restore failed {tries} times (last: {exc})"
+            self.lose_group(RuntimeError(why), lost=-1)
+            raise GroupLost(f"{why}; this instance serves alone again from its host copy and "
+                            f"recomputes its requests", self.num_blocks) from exc
+        group, self.group = self.group, None
+        group.restore_stats["failed_tries"] = self.restore_failures
+        self.last_group, self.restore_failures = group, []
+        return True
+
     def _group_lost(self, exc: GroupMemberLost) -> None:
         """A member went away: this instance serves alone again with its dropped layers from
         its host copy (the other survivors do the same); every request's KV is lost with the
@@ -290,14 +331,19 @@ class KunServeTorchRunner(TorchRunner):
         raise GroupLost(f"{exc}; this instance serves alone again from its host copy and "
                         f"recomputes its requests", self.num_blocks) from exc
 
-    def lose_group(self, exc: GroupMemberLost) -> None:
+    def lose_group(self, exc: Exception, lost: int | None = None) -> None:
         """`_group_lost` without raising: for a loss found outside a step (an empty step that
-        asked the members for arrivals); the caller tells the engine to recompute."""
+        asked the members for arrivals); the caller tells the engine to recompute. `lost`:
+        the member gone (`exc.rank`), or -1 for none (a restore given up)."""
         group, self.group = self.group, None
         self.last_group = group
         self.lost = str(exc)
         self._lost_ranks = group.ranks
-        group.recover_from_host(exc.rank)
+        self.restore_failures = []
+        if lost is None:
+            group.recover_from_host(exc.rank)
+        else:
+            group.recover_from_host(lost, why=str(exc))
         self._kv_lost = set(self._seqs)
 
     def _refuse_lost(self, step: ExecuteStep) -> None:
