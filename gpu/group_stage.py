@@ -189,9 +189,21 @@ class GroupStage:
             if not self.model.first_stage and m >= done_in:
                 self._activations(x, ranks[self.me - 1], activation_tag(msg.step.step_id, m))
             if not self.model.last_stage and m >= done_out:
-                self.plane.queue.put_activation(x.zero_(), dst=ranks[self.me + 1],
-                                                tag=activation_tag(msg.step.step_id, m))
-        self.plane.queue.flush("activation")
+                self._to_next(lambda x=x, m=m: self.plane.queue.put_activation(
+                    x.zero_(), dst=ranks[self.me + 1], tag=activation_tag(msg.step.step_id, m)))
+        self._to_next(lambda: self.plane.queue.flush("activation"))
+
+    def _to_next(self, send) -> None:
+        """`send()` (activations queued or flushed): a failed sending thread means the next
+        member went away, its loss (`GroupMemberLost` naming it: the head recovers at once,
+        reading no answer a live member would not give)."""
+        try:
+            send()
+        except GroupMemberLost:
+            raise
+        except RuntimeError as exc:
+            raise GroupMemberLost(self.start.ranks[min(self.me + 1, len(self.start.ranks) - 1)],
+                                  "activations were being sent", exc) from exc
 
     def _kv_round(self, spans: Mapping[int, tuple[int, int]], placeholder: bool) -> None:
         if spans:
@@ -228,11 +240,7 @@ class GroupStage:
             sampled.extend(out)
         own_core = self.model.arena.device.type == "cpu" and torch.get_num_threads() == 1
         prefetched = prefetch_state(self)  # raises a member lost
-        try:
-            self.plane.queue.flush("activation")  # KV chunks keep going behind them
-        except RuntimeError as exc:  # the sending thread failed: the next member went away
-            raise GroupMemberLost(self.start.ranks[min(self.me + 1, len(self.start.ranks) - 1)],
-                                  "activations were being sent", exc) from exc
+        self._to_next(lambda: self.plane.queue.flush("activation"))  # (KV chunks behind them)
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),
