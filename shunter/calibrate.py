@@ -24,6 +24,7 @@ from shunter.benchmark.driver import Driver
 from shunter.engine import Engine
 from shunter.workloads import BatchSource, Workload
 from sim.fit import COLUMNS, Fit
+from sim.arena_layout import weight_blocks
 from sim.profile import CopyLink, ModelShape, Profile
 
 
@@ -43,7 +44,10 @@ def profile_for(config: EngineConfig, *, name: str, fit: Fit, kv_cache_mib: floa
     where = platform.processor() or platform.machine()
     if device.type == "cuda":
         where = torch.cuda.get_device_name(device)
-    memory = (shape.weight_bytes + kv_cache_mib * 2**20) / 2**30
+    # the weights as the torch arena holds them (whole blocks, each layer from its own
+    # boundary): the profile's pool (`Profile.num_blocks`) is then the torch backend's
+    weights = weight_blocks(shape, config.block_size) * shape.block_bytes(config.block_size)
+    memory = (weights + kv_cache_mib * 2**20) / 2**30
     source = (f"fitted by `shunter profile fit` from {fit.rows} measured TorchRunner steps of "
               f"{config.model} on {device.type} ({where}, {dtype}); mean relative error "
               f"{fit.mean_relative_error:.1%}, max {fit.max_relative_error:.1%}; copy link "

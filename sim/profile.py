@@ -15,6 +15,7 @@ import attrs
 
 from engine.cost_model import CostModel
 from engine.errors import ConfigError
+from sim.arena_layout import weight_blocks
 
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
@@ -162,10 +163,14 @@ class Profile:
     a backend whose copies share its cores."""
 
     def num_blocks(self, block_size: int, memory_utilization: float | None = None) -> int:
-        """KV blocks that fit in the device memory left after the weights."""
+        """KV blocks that fit in the device memory left after the weights, as the torch
+        backend's arena holds them (gpu/arena.py): the usable memory in whole blocks, less the
+        blocks the weights take there, each decoder layer from its own block boundary
+        (sim/arena_layout.py `weight_blocks`; Llama-3-8B: 7,691 blocks of 16 tokens, where the
+        unaligned weights fill 7,658.x: 33 KV blocks fewer than counting those)."""
         usable = self.gpu_memory_gib * 2**30 * (memory_utilization or self.memory_utilization)
-        free = usable - self.model.weight_bytes - self.activation_gib * 2**30
-        n = int(free // self.model.block_bytes(block_size))
+        room = int((usable - self.activation_gib * 2**30) // self.model.block_bytes(block_size))
+        n = room - weight_blocks(self.model, block_size)
         if n <= 0:
             raise ConfigError(
                 f"profile {self.name}: the weights ({self.model.weight_bytes / 2**30:.1f} GiB) "

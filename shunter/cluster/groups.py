@@ -6,13 +6,14 @@ Forming a group (§4.1-4.2): each member that served alone hands its requests ov
 and their client streams, engine/cluster/adoption.py); the head adopts them, grows its pool by
 the members' pools and the weights they dropped (engine/cluster/drop_plan.py `group_pool`),
 and from its next step runs as a pipeline over the group (sim/group.py). The KV of every request
-in flight for the layers another member now keeps is exchanged over each source's link
-(sim/exchange.py); each request waits for its own bytes. New requests for a member go to the
-head. Restoring (§4.4): the members pull their dropped layers back and the head the KV of the
-layers it had dropped, while the group goes on serving or at one step, from peers or each
-member's host copy, as the policy's `restore_prefetch` / `restore_from` say (sim_restore.py);
-then the head's pool shrinks back (only once its requests fit) and every member serves alone
-again, the non-head ones with empty pools.
+in flight for the layers another member now keeps is exchanged over each source's link, in
+whole blocks (sim_formation.py, sim/exchange.py); each request waits for its own bytes. New
+requests for a member go to the head. Restoring (§4.4), once the exchange has settled: the
+members pull their dropped layers back and the head the KV of the layers it had dropped, while
+the group goes on serving or at one step, from peers or each member's host copy, as the
+policy's `restore_prefetch` / `restore_from` say (sim_restore.py); then the head's pool shrinks
+back (only once its requests fit) and every member serves alone again, the non-head ones with
+empty pools.
 The torch instances do the same through K2's wire commands (see the engine API note).
 """
 
@@ -25,13 +26,13 @@ from engine.cluster.counters import ClusterCounters
 from engine.cluster.drop_plan import GroupPlan, group_pool, queue_moves
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, TriggerFactory
-from engine.messages import HandOverStreams, Regroup, SwapDone, TakeOverStreams
+from engine.messages import HandOverStreams, Regroup, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
-from shunter.cluster.sim_layout import freed_blocks
+from shunter.cluster.sim_formation import Formation, exchange
+from sim.arena_layout import freed_blocks
 from shunter.cluster.sim_restore import OneStep, restore
-from sim.exchange import SimExchange
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
 from sim.profile import ModelShape
@@ -59,7 +60,7 @@ class SimGroups:
         self.block_bytes = model.block_bytes(block_size)
         self.weight_blocks = freed_blocks(model, block_size)
         """KV blocks each member past the first adds to a group's pool: its dropped decoder
-        layers' arena blocks, as torch frees them (sim_layout.py; not the global tensors)."""
+        layers' arena blocks, as torch frees them (sim/arena_layout.py, not the global tensors)."""
         self.groups: dict[int, GroupPlan] = {}
         self.faults: dict[int, int] = {}
         """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
@@ -69,6 +70,9 @@ class SimGroups:
         """Members of groups a fault dissolved, until their layers are back (sim_faults.py)."""
         self.one_step: dict[int, OneStep] = {}
         """Heads in a one-step restore, until its copies land (sim_restore.py `OneStep`)."""
+        self.exchanging: dict[int, Formation] = {}
+        """Each head's last formation exchange: the requests whose KV has not arrived (a
+        restore waits for them, sim_formation.py `settled`)."""
         self.prefetching: dict[int, anyio.CancelScope] = {}
         """Heads whose restore prefetch runs: cancelled when a member is lost (sim_restore.py)."""
         self.counters = ClusterCounters()
@@ -249,31 +253,8 @@ class SimGroups:
                 a._cancel_to[key] = (b.engine, new_ids[rid])
 
     def _exchange(self, g: GroupPlan, waiting, sources: dict[int, int]) -> None:
-        """Every waiting request's KV for the layers other members keep, over its source's
-        link; activations wait as the policy's `kv_exchange` says."""
-        layers = self.model.num_layers
-        kept = {m: len(r) / layers for m, r in zip(g.members, g.layers)}
-        token_bytes = self.model.kv_bytes_per_token
-        queues: dict[int, list[tuple[int, int]]] = {}
-        for q in waiting:
-            src = sources.get(q.id, g.head)
-            queues.setdefault(src, []).append(
-                (q.id, int(q.computed_tokens * token_bytes * (1 - kept[src]))))
-        head = self.instances[g.head].engine
-        net = head.backend.runner.network
-        net.exchanges = []
-
-        epoch = self.faults.get(g.head, 0)
-
-        async def arrived(rid: int) -> None:
-            if self.faults.get(g.head, 0) == epoch:  # after a fault they are recomputed
-                await head._scheduler_send.send(SwapDone(request_ids=(rid,)))
-
-        for queue in queues.values():
-            x = SimExchange(self.link, coordinated=self.coordinated)
-            net.exchanges.append(x)
-            self.counters.kv_exchanged_bytes += sum(b for _, b in queue)
-            self._tg.start_soon(x.run, queue, arrived)
+        """Every waiting request's KV for the layers other members keep (sim_formation.py)."""
+        exchange(self, g, waiting, sources)
 
     # ------------------------------------------------------------------ restoring
 

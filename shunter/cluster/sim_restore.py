@@ -4,7 +4,9 @@ and the head the KV of the live requests for the layers it gains (the members he
 head's pool shrinks back (only once its requests fit; with the prefetch before anything moves,
 as on torch) and every member serves alone again. It moves what the torch backend moves, and
 when (gpu/restore_prefetch.py, gpu/restore_kv.py, its `restore_stats`: weight_bytes_at,
-kv_bytes_before, kv_bytes_at).
+kv_bytes_before, kv_bytes_at). It starts once the group's formation exchange has settled
+(sim_formation.py `settled`, as torch's `_settled`: at most 10 s, else refused as a pool too
+small is, and asked again in a later round).
 
 What moves, per member m with layers r_m of L, a block of B bytes (every layer's KV):
 - weights: `layer x (L - |r_m|)` (the head's own dropped layers too), a layer's weights in
@@ -46,7 +48,8 @@ from engine.cluster.adoption import PoolTooSmall
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.messages import Regroup
-from shunter.cluster.sim_layout import layer_blocks
+from shunter.cluster.sim_formation import settled
+from sim.arena_layout import layer_blocks
 from sim.exchange import SimExchange
 from sim.network import NetworkLink
 
@@ -59,7 +62,7 @@ pool's shrink (the torch front door's poll, shunter/cluster/instance_restore.py)
 
 def layer_weight_bytes(model, block_bytes: int) -> int:
     """One decoder layer's weights as the torch arena holds them: from a fresh block boundary,
-    whole blocks (sim_layout.py, as gpu/arena.py `plan_layout`). The global tensors (embeddings,
+    whole blocks (sim/arena_layout.py, as gpu/arena.py `plan_layout`). The global tensors (embeddings,
     LM head, final norm) are no layer's: every member keeps them (gpu/stage_view.py
     `kept_weight_ranges`)."""
     block_size = block_bytes // model.kv_bytes_per_token
@@ -115,6 +118,14 @@ async def restore(groups, g: GroupPlan, ask) -> None:
     """`g`'s layers and KV back as the policy says; then it dissolves (or waits for the next
     round, when the head's requests do not fit its own pool)."""
     began = anyio.current_time()
+    settle_s = await settled(groups, g)  # the formation's KV in first, as on torch
+    if settle_s is None:
+        await _postponed(groups, g, PoolTooSmall(
+            f"group {list(g.members)} cannot restore yet: requests "
+            f"{sorted(groups.exchanging[g.head].pending)} still wait for its KV exchange"))
+        return
+    if groups.groups.get(g.head) is not g:
+        return  # a member was lost meanwhile: sim_faults.py dissolves the group
     head = groups.instances[g.head].engine
     pool = (await head.inspect()).scheduler
     used = pool.total_blocks - pool.free_blocks
@@ -193,7 +204,7 @@ async def restore(groups, g: GroupPlan, ask) -> None:
                      "used_blocks": used, "kept_layers": [len(r) for r in g.layers],
                      "prefetched": groups.restore_prefetch,
                      "source": groups.restore_from, "stall_s": stall,
-                     "stopped": stop,
+                     "stopped": stop, "settle_s": settle_s,
                      "restore_s": anyio.current_time() - began})
     log.info("group restored", members=g.members, copied_bytes=copied)
 

@@ -20,7 +20,7 @@ import shunter
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.cluster import Cluster
-from shunter.cluster.sim_layout import freed_blocks, global_blocks, layer_blocks
+from sim.arena_layout import freed_blocks, global_blocks, layer_blocks
 from sim.profile import load_profile
 
 BLOCK = 16

@@ -1,5 +1,6 @@
-"""A model's weights in arena blocks as the torch backend lays them out, without torch: what the
-simulator's KunServe groups free when members drop layers and move when they restore them.
+"""A model's weights in arena blocks as the torch backend lays them out, without torch: what an
+instance's KV pool leaves them (sim/profile.py `Profile.num_blocks`), what the simulator's
+KunServe groups free when members drop layers and what they move when they restore them.
 
 gpu/arena.py `plan_layout` places the global tensors (embeddings, final norm, untied LM head)
 from block 0, then each decoder layer from a fresh block boundary, every tensor starting on a
@@ -7,7 +8,8 @@ from block 0, then each decoder layer from a fresh block boundary, every tensor 
 the global tensors (gpu/stage_view.py `kept_weight_ranges`). The simulator's group pool
 (shunter/cluster/groups.py) and its restore's weight bytes (shunter/cluster/sim_restore.py) both
 read these two counts; tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout`
-and the torch group's pool (`group_pool_blocks`). The model shape (sim/profile.py `ModelShape`)
+and the torch group's pool (`group_pool_blocks`); tests/sim/test_sim_pool_layout.py holds
+`weight_blocks` equal to `plan_layout`'s. The model shape (sim/profile.py `ModelShape`)
 names no biases: a Qwen2 layer's q/k/v biases are not counted.
 """
 
@@ -42,3 +44,10 @@ def freed_blocks(model, block_size: int) -> int:
     (a group of two halves frees half the layers on each member). The global tensors stay on
     every member, so they are not counted."""
     return model.num_layers * layer_blocks(model, block_size)
+
+
+def weight_blocks(model, block_size: int) -> int:
+    """Blocks the whole weights take in the arena: the global tensors, then every layer from its
+    own block boundary (gpu/arena.py `ArenaLayout.weight_blocks`). Llama-3-8B at 16 tokens a
+    block: 1,003 + 32 x 209 = 7,691, where the unaligned bytes fill 7,658.x."""
+    return global_blocks(model, block_size) + model.num_layers * layer_blocks(model, block_size)
