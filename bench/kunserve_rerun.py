@@ -89,11 +89,34 @@ def plan() -> list[dict]:
     return out
 
 
-def _start(cmd: dict, code: Path, dest: Path, env: dict) -> subprocess.Popen:
+def whole(argv: list[str]) -> list[str]:
+    """A files command re-running every row of its file (baselines, SLO and demand too: what
+    a change of the instances' own pools moves), not merged into the committed file."""
+    out, skip = [], False
+    for a in argv:
+        if skip or a == "--merge":
+            skip = False
+            continue
+        if a == "--only":  # (bench/kunserve_dispatch.py's --policies kunserve: both policies)
+            skip = True
+            continue
+        if a == "--policies":
+            out += ["--policies", "vllm_dp,kunserve"]
+            skip = True
+            continue
+        out.append(a)
+    return out
+
+
+def _start(cmd: dict, code: Path, dest: Path, env: dict, *,
+           whole_files: bool) -> subprocess.Popen:
     out = dest / cmd["name"]
-    if cmd["merge"]:  # the committed file's baselines, SLO and demand, KunServe rows re-run
+    argv = cmd["argv"]
+    if cmd["set"] == "files" and whole_files:
+        argv = whole(argv)
+    elif cmd["merge"]:  # the committed file's baselines, SLO and demand, KunServe rows re-run
         shutil.copyfile(RESULTS / f"{cmd['name']}.json", out.with_suffix(".json"))
-    argv = [sys.executable, *cmd["argv"], "--out", str(out)]
+    argv = [sys.executable, *argv, "--out", str(out)]
     log = out.with_suffix(".log").open("w")
     return subprocess.Popen(argv, cwd=code, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -111,12 +134,14 @@ def run(args) -> None:
     if unknown:
         sys.exit(f"--only: no command named {', '.join(sorted(unknown))}")
     env = os.environ | {"KUNSERVE_CODE": args.commit, "PYTHONHASHSEED": "0"}
+    files = {c["name"] for c in todo if c["set"] == "files"}
     running: dict[str, tuple[subprocess.Popen, float]] = {}
     with (dest / "runs.jsonl").open("a") as book:
         while todo or running:
             while todo and len(running) < args.jobs:
                 cmd = todo.pop(0)
-                running[cmd["name"]] = (_start(cmd, code, dest, env), time.time())
+                running[cmd["name"]] = (_start(cmd, code, dest, env, whole_files=args.whole),
+                                        time.time())
                 print(f"{time.strftime('%H:%M:%S', time.gmtime())} start {cmd['name']}", flush=True)
             time.sleep(1.0)
             for name, (proc, began) in list(running.items()):
@@ -124,6 +149,7 @@ def run(args) -> None:
                     continue
                 del running[name]
                 row = {"name": name, "rc": proc.returncode, "commit": args.commit,
+                       "whole": args.whole and name in files,
                        "began": time.strftime("%H:%M:%S", time.gmtime(began)),
                        "ended": time.strftime("%H:%M:%S", time.gmtime()),
                        "wall_s": round(time.time() - began, 1), "load": os.getloadavg()[0]}
@@ -133,10 +159,11 @@ def run(args) -> None:
                       f"load {row['load']:.1f})", flush=True)
 
 
-def kunserve_rows(cmd: dict, report: dict) -> dict:
-    """The rows a command re-ran: its KunServe runs (files), or every run (modes, rules)."""
+def kunserve_rows(cmd: dict, report: dict, *, whole_file: bool = False) -> dict:
+    """The rows a command re-ran: its KunServe runs (files merged into the committed file), or
+    every run (files run whole, modes, rules)."""
     runs = report.get("runs", {})
-    if cmd["set"] != "files":
+    if cmd["set"] != "files" or whole_file:
         return runs
     argv = cmd["argv"]
     if "--only" in argv:
@@ -150,8 +177,9 @@ def recorded_rows(cmd: dict) -> dict | None:
     set, its restore runs at fitted links; the rules as rounds 9 measured them at 50 ms."""
     r12 = json.loads((RESULTS / "kunserve_pool_round12.json").read_text())
     name = cmd["name"]
-    if cmd["set"] == "files":
-        return r12["files"].get(name, {}).get("after")
+    if cmd["set"] == "files":  # the committed file's rows, its KunServe ones as round 12's
+        committed = json.loads((RESULTS / f"{name}.json").read_text())["runs"]
+        return committed | r12["files"].get(name, {}).get("after", {})
     if cmd["set"] == "modes" and not name.endswith("_halflinks"):
         return r12["restore_round12_fitted_links"].get(name.removeprefix("modes_"), {}).get(
             "after")
@@ -164,6 +192,13 @@ def recorded_rows(cmd: dict) -> dict | None:
 
 def _rule_name(f: str) -> str:
     return f"rules_{f.replace('round9_', '')}"
+
+
+def _best_kv(cmd: dict, runs: dict) -> float | None:
+    """The file's best KV-centric P99 TTFT (vllm_dp, infercept_swap), files set only."""
+    kv = [runs[b]["ttft_p99_s"] for b in ("vllm_dp", "infercept_swap")
+          if cmd["set"] == "files" and b in runs]
+    return min(kv) if kv else None
 
 
 def _norm(rows: dict | None) -> dict:
@@ -214,12 +249,15 @@ def collect(args) -> None:
                                      for b in books.get(lb, []))}
         if not got:
             continue
+        whole_in = {lb for lb in got if any(b["name"] == cmd["name"] and b.get("whole")
+                                            for b in books[lb])}
         rows = {"recorded": _norm(recorded_rows(cmd))} | {
-            lb: _norm(kunserve_rows(cmd, rep)) for lb, rep in got.items()}
+            lb: _norm(kunserve_rows(cmd, rep, whole_file=lb in whole_in))
+            for lb, rep in got.items()}
         any_rep = next(iter(got.values()))
-        kv = [any_rep["runs"][b]["ttft_p99_s"] for b in ("vllm_dp", "infercept_swap")
-              if cmd["set"] == "files" and b in any_rep.get("runs", {})]
-        best_kv = min(kv) if kv else None
+        best_kv = {lb: _best_kv(cmd, r) for lb, r in rows.items()}
+        for lb in got:  # a merged file's baselines are the committed ones
+            best_kv[lb] = best_kv[lb] or _best_kv(cmd, got[lb].get("runs", {}))
         report["files"][cmd["name"]] = {"workload": any_rep.get("workload"),
                                         "command": "python " + shlex.join(cmd["argv"])} | rows
         lines += [f"### {cmd['name']}: {any_rep.get('workload')}", "",
@@ -233,8 +271,8 @@ def collect(args) -> None:
                     continue
                 row = r[run_name]
                 code = row.get("code") or ("round 12" if lb == "recorded" else lb)
-                lines.append(f"| {run_name} | {lb}, {code} | " + " | ".join(cells(row, best_kv))
-                             + " |")
+                lines.append(f"| {run_name} | {lb}, {code} | "
+                             + " | ".join(cells(row, best_kv[lb])) + " |")
                 seen.append((lb, tuple(round(row[k], 6) for k in (
                     "ttft_p50_s", "ttft_p99_s", "tpot_p50_ms", "tpot_p99_ms"))))
             if len({v for _, v in seen}) > 1:
@@ -261,6 +299,9 @@ def main() -> None:
     r.add_argument("--sets", default="files,modes", help="files, modes, rules (comma-separated)")
     r.add_argument("--only", default="", help="command names (comma-separated)")
     r.add_argument("--jobs", type=int, default=2)
+    r.add_argument("--whole", action="store_true", help="files: every row re-run, not merged "
+                   "into the committed file (a change of the instances' own pools moves the "
+                   "baselines too)")
     c = sub.add_parser("collect", help="the labels' rows side by side")
     c.add_argument("--scratch", required=True)
     c.add_argument("--labels", default="before,after")

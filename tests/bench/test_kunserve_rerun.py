@@ -104,3 +104,30 @@ def test_collect_reads_back_the_re_run_rows_and_the_recorded_ones(tmp_path):
     assert "- kunserve_sim_conv / kunserve: recorded P99 TTFT 1.856 s; after P99 TTFT 1.500 s" \
         in md
     assert "1.33x" in md  # P99 against the best KV-centric baseline of the file (vllm_dp 2.0 s)
+
+
+def test_a_whole_re_run_drops_the_row_selection_and_the_merge():
+    plan = {c["name"]: c for c in kunserve_rerun.plan()}
+    ladder = kunserve_rerun.whole(plan["kunserve_sim_longctx"]["argv"])
+    assert "--merge" not in ladder and "--only" not in ladder
+    assert ladder[-2:] == ["--instances", "4"]
+    assert _spec(ladder[1:]) == _spec(plan["kunserve_sim_longctx"]["argv"][1:])
+    dispatch = kunserve_rerun.whole(plan["kunserve_dispatch_conv_1x"]["argv"])
+    assert dispatch[-2:] == ["--policies", "vllm_dp,kunserve"] and "--merge" not in dispatch
+
+
+def test_collect_shows_every_row_of_a_whole_re_run(tmp_path):
+    row = {"ttft_p50_s": 1.0, "ttft_p99_s": 2.0, "tpot_p50_ms": 50.0, "tpot_p99_ms": 70.0}
+    after = tmp_path / "after"
+    after.mkdir()
+    (after / "kunserve_sim_conv.json").write_text(json.dumps(
+        {"workload": "w", "runs": {"vllm_dp": row, "kunserve": row | {"ttft_p99_s": 1.0}}}))
+    (after / "runs.jsonl").write_text(json.dumps(
+        {"name": "kunserve_sim_conv", "rc": 0, "whole": True}) + "\n")
+    kunserve_rerun.collect(SimpleNamespace(scratch=str(tmp_path), labels="after",
+                                           out=str(tmp_path / "r")))
+    got = json.loads((tmp_path / "r.json").read_text())["files"]["kunserve_sim_conv"]
+    assert set(got["after"]) == {"vllm_dp", "kunserve"}
+    assert {"vllm_dp", "infercept_swap", "kunserve"} <= set(got["recorded"])
+    assert "| kunserve | after, after | 1.000 | 1.000 | 50.0 | 70.0 |  |  |  | 2.00x |" in \
+        (tmp_path / "r.md").read_text()
