@@ -128,8 +128,10 @@ def run(args) -> None:
                  f"the code's parent folder (ln -s /work/shared {code.parent / 'shared'})")
     dest = Path(args.scratch).resolve() / args.label
     dest.mkdir(parents=True, exist_ok=True)
-    sets, only = set(args.sets.split(",")), set(filter(None, args.only.split(",")))
+    sets, order = set(args.sets.split(",")), list(filter(None, args.only.split(",")))
+    only = set(order)
     todo = [c for c in plan() if c["set"] in sets and (not only or c["name"] in only)]
+    todo.sort(key=lambda c: order.index(c["name"]) if only else 0)  # --only's order
     unknown = only - {c["name"] for c in plan()}
     if unknown:
         sys.exit(f"--only: no command named {', '.join(sorted(unknown))}")
@@ -297,7 +299,8 @@ def main() -> None:
     r.add_argument("--label", required=True, help="before, after, ... (a folder of --scratch)")
     r.add_argument("--scratch", required=True)
     r.add_argument("--sets", default="files,modes", help="files, modes, rules (comma-separated)")
-    r.add_argument("--only", default="", help="command names (comma-separated)")
+    r.add_argument("--only", default="", help="command names (comma-separated), run in this "
+                   "order")
     r.add_argument("--jobs", type=int, default=2)
     r.add_argument("--whole", action="store_true", help="files: every row re-run, not merged "
                    "into the committed file (a change of the instances' own pools moves the "
