@@ -114,6 +114,8 @@ class SimGroups:
                 if (prefetch := self.prefetching.pop(head, None)) is not None:
                     prefetch.cancel()  # its copies to and from the lost member end with it
                 self._tg.start_soon(recover, self, g, lost, _ask)
+        if not self.busy:
+            await self._sweep_members(stats)
         if self.busy:  # a restore under way: a restore asked for now waits for the next round
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())
@@ -209,6 +211,26 @@ class SimGroups:
                          "forming_s": anyio.current_time() - began})
         log.info("group formed", members=g.members, pool_blocks=pool, adopted=len(adopted),
                  exchanging=len(waiting))
+
+    async def _sweep_members(self, stats) -> None:
+        """A request dispatched to a member while its group formed (after the member handed
+        its requests over, before the coordinator redirected it) goes to the head and is
+        prefilled again there (`Regroup.adopt_recompute`): a member serves nothing alone, its
+        layers being dropped. Each monitor round, for the members whose stats show requests."""
+        for head, g in list(self.groups.items()):
+            for m in g.members[1:]:
+                s = stats[m] if m < len(stats) else None
+                if s is None or not (s.running or s.waiting) or not self.instances[m].alive:
+                    continue
+                late = await self._move(m, head, queued_only=False)
+                if late:
+                    await _ask(self.instances[head].engine._scheduler_send, lambda r, late=late:
+                               Regroup(adopt=tuple(late), adopt_recompute=True, reply=r))
+                    self.counters.events.append({"t": anyio.current_time(), "event": "swept",
+                                                 "member": m, "head": head,
+                                                 "requests": len(late)})
+                    log.warning("requests on a group member moved to its head", member=m,
+                                head=head, requests=len(late))
 
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
