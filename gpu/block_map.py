@@ -168,38 +168,28 @@ class BlockMap:
     def place(self, pool: range) -> list[tuple[int, int]]:
         """Move every mapped id of `pool` whose home (`home`) is elsewhere there: (src, dst)
         stage blocks, for the caller to copy in this order (each dst is free when its copy
-        comes). An id on another's home steps aside to a free block that is no id's home first
-        (a cycle of ids on each other's homes costs one copy more); an id whose home a
-        reservation holds, or names no usable block, stays where it is."""
+        comes: `_order`, as `copy_order`). An id on another's home steps aside to a free block that is no
+        id's home first (a cycle of ids on each other's homes costs one copy more); an id whose
+        home a reservation holds, or names no usable block, stays where it is."""
         homes = {g: h for g in pool if self._local[g] >= 0
                  and (h := self._home(g)) is not None and not self._blocked[h]}
         at = {int(self._local[g]): int(g) for g in np.flatnonzero(self._local >= 0)}
-        todo, out = [g for g, h in homes.items() if self._local[g] != h], []
+        moves = [(int(self._local[g]), h) for g, h in homes.items() if self._local[g] != h]
+        srcs = {src for src, _ in moves}
+        held = {h for _, h in moves if self._taken[h] and h not in srcs}
 
-        def go(g: int, dst: int) -> None:
-            src = int(self._local[g])
-            out.append((src, dst))
-            self._taken[dst] = True
-            del at[src]
+        def go(src: int, dst: int) -> None:  # (as each copy comes: its src is free again)
+            g = at.pop(src)
             at[dst], self._local[g] = g, dst
+            self._taken[dst] = True
             self._release(src)
-
-        while todo:
-            left = [g for g in todo if self._taken[homes[g]]]
-            for g in todo:
-                if not self._taken[homes[g]]:
-                    go(g, homes[g])
-                    self.placed_blocks += 1
-            if len(left) == len(todo):  # every home left is held
-                held = [at[homes[g]] for g in left if homes[g] in at]
-                spare = self.spare(self._homes) if held else None
-                if spare is None:
-                    break  # (held by reservations, or no spare block: those stay)
-                self._taken[spare] = False
-                go(held[0], spare)
+            if homes.get(g) == dst:
+                self.placed_blocks += 1
+            else:
                 self.aside_blocks += 1
-            todo = [g for g in left if self._local[g] != homes[g]]
-        return out
+
+        return _order(moves, lambda avoid: self.spare(self._homes | avoid), held,
+                      aside=held & set(at), done=go)[0]
 
     def _fresh(self, group_id: int) -> int:
         """A free stage block for `group_id`: its home if free (after `home`), else one that is
@@ -258,17 +248,44 @@ def copy_order(moves: Iterable[tuple[int, int]],
     which none overwrites a src still to be read: a copy whose dst another still reads waits;
     a cycle goes round a spare block (`spare(avoid)`: a free block outside `avoid`; None when
     none is left, and then this returns None)."""
+    order, left = _order(moves, spare)
+    return None if left else order
+
+
+def _order(moves: Iterable[tuple[int, int]], spare: Callable[[set[int]], int | None],
+           held: Iterable[int] = (), aside: Iterable[int] = (),
+           done: Callable[[int, int], None] = lambda src, dst: None
+           ) -> tuple[list[tuple[int, int]], dict[int, int]]:
+    """The one mechanism of `copy_order` and `BlockMap.place`: (src, dst) copies (every dst
+    distinct) in an order to run them one at a time in which none overwrites a block still to
+    be read, and the moves left undone (src -> dst). A move waits while its dst is a src still
+    to be read or `held` (by a block that does not move). When none can go, the block on the
+    first waiting move's dst steps aside to a spare block (`spare(avoid)`, avoiding every src
+    and dst left): a src still to be read (a cycle: it goes on to its dst from there) or a
+    held block of `aside` (it stays there). Left: moves waiting on a held block not in `aside`,
+    or every waiting one once no spare is left. `done(src, dst)` follows each copy as it is
+    ordered (before the next spare is asked for)."""
     todo = {s: d for s, d in moves if s != d}
+    held, aside = set(held), set(aside)
     out: list[tuple[int, int]] = []
     while todo:
-        ready = [s for s, d in todo.items() if d not in todo]
-        for s in ready:
-            out.append((s, todo.pop(s)))
-        if not ready:  # every dst left is a src still to be read: cycles
-            s = next(iter(todo))
-            b = spare(set(todo) | set(todo.values()))
-            if b is None:
-                return None
-            out.append((s, b))
-            todo[b] = todo.pop(s)
-    return out
+        went = False
+        for s in list(todo):  # (a dst read earlier in this pass is free for a later move)
+            if todo[s] not in todo and todo[s] not in held:
+                out.append((s, todo.pop(s)))
+                done(*out[-1])
+                went = True
+        if went:
+            continue
+        on = next((d for d in todo.values() if d in todo or d in aside), None)
+        b = None if on is None else spare(set(todo) | set(todo.values()))
+        if b is None:
+            break
+        out.append((on, b))
+        done(on, b)
+        if on in todo:  # (it keeps its place in the order)
+            todo = {b if s == on else s: d for s, d in todo.items()}
+        else:
+            held.discard(on)
+            aside.discard(on)
+    return out, todo
