@@ -168,9 +168,9 @@ class BlockMap:
     def place(self, pool: range) -> list[tuple[int, int]]:
         """Move every mapped id of `pool` whose home (`home`) is elsewhere there: (src, dst)
         stage blocks, for the caller to copy in this order (each dst is free when its copy
-        comes: `_order`, as `copy_order`). An id on another's home steps aside to a free block that is no
-        id's home first (a cycle of ids on each other's homes costs one copy more); an id whose
-        home a reservation holds, or names no usable block, stays where it is."""
+        comes: `_order`, as `copy_order`). An id on another's home steps aside to a free block
+        that is no id's home first (a cycle of ids on each other's homes costs one copy more);
+        an id whose home a reservation holds, or names no usable block, stays where it is."""
         homes = {g: h for g in pool if self._local[g] >= 0
                  and (h := self._home(g)) is not None and not self._blocked[h]}
         at = {int(self._local[g]): int(g) for g in np.flatnonzero(self._local >= 0)}

@@ -6,6 +6,7 @@ pipelined steps, restore. It drives the runners directly, not through Engine/Clu
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import random
 import socket
 import time
@@ -94,6 +95,20 @@ def running_hosts(model_dir, num_blocks: int, block_size: int,
         h.proc.join(timeout=10)
         if h.proc.is_alive():
             h.proc.kill()
+
+
+def hosts_with_env(model_dir, num_blocks: int, block_size: int, n: int, env: str,
+                   value: str) -> Iterator[tuple[list[Host], list[range]]]:
+    """`running_hosts` with `env` set to `value` while the processes start (a test fault they
+    read: gpu/data_plane.py FAULT_ENV, gpu/group_stage.py STEP_FAULT_ENV, ...)."""
+    os.environ[env] = value
+    try:
+        gen = running_hosts(model_dir, num_blocks, block_size, n=n)
+        started = next(gen)
+    finally:
+        del os.environ[env]
+    yield started
+    next(gen, None)
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:

@@ -19,7 +19,6 @@ came); the head stops reading answers at the first error: 'lost: pipeline group 
 
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
@@ -32,10 +31,10 @@ from tests.gpu.kunserve_driver import (
     form_group,
     group_step,
     group_steps,
+    hosts_with_env,
     random_prompt,
     restored_kv_is_a_prefill,
     run_alone,
-    running_hosts,
     solo_steps,
 )
 from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a fixture)
@@ -55,14 +54,7 @@ LAYERS3 = (range(2), range(2, 3), range(3, 4))
 @pytest.fixture
 def hosts3(model_dir):
     """Three instances; instance 1's first step carrying a KV round fails once."""
-    os.environ[STEP_FAULT_ENV] = "step@1"
-    try:
-        gen = running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=3)
-        started = next(gen)
-    finally:
-        del os.environ[STEP_FAULT_ENV]
-    yield started
-    next(gen, None)
+    yield from hosts_with_env(model_dir, SOLO_BLOCKS, BLOCK, 3, STEP_FAULT_ENV, "step@1")
 
 
 def _grouped3(model_dir, hosts, solos):

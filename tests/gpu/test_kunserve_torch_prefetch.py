@@ -35,6 +35,7 @@ from tests.gpu.kunserve_driver import (
     form_group,
     group_step,
     group_steps,
+    hosts_with_env,
     left_of,
     random_prompt,
     restored_kv_is_a_prefill,
@@ -66,14 +67,7 @@ def hosts(model_dir):
 @pytest.fixture
 def hosts_member_dies(model_dir):
     """Two instances; instance 1 kills itself as the restore's prefetch reaches it."""
-    os.environ[FAULT_ENV] = "restore-prefetch@1"
-    try:
-        gen = running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=2)
-        started = next(gen)
-    finally:
-        del os.environ[FAULT_ENV]
-    yield started
-    next(gen, None)
+    yield from hosts_with_env(model_dir, SOLO_BLOCKS, BLOCK, 2, FAULT_ENV, "restore-prefetch@1")
 
 
 def _grouped(model_dir, h0, h1, solo0, solo1, seed: int):

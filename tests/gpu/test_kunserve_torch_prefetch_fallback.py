@@ -23,9 +23,10 @@ from __future__ import annotations
 import pytest
 
 from gpu.restore_prefetch import PREFETCH_FAULT_ENV
-from tests.gpu.kunserve_driver import restored_kv_is_a_prefill, run_alone
+from tests.gpu.kunserve_driver import hosts_with_env, restored_kv_is_a_prefill, run_alone
 from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a fixture)
     BLOCK,
+    SOLO_BLOCKS,
     _check,
     _full_block_bytes,
     _grouped,
@@ -35,12 +36,13 @@ from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a
     _shrink,
     model_dir,
 )
-from tests.gpu.test_kunserve_torch_prefetch_faults import _hosts_with, _moved_back
+from tests.gpu.test_kunserve_torch_prefetch_faults import _moved_back
 
 
 @pytest.fixture(params=["kv@1", "vacate@1"])
 def hosts_prefetch_fails(model_dir, request):
-    for started in _hosts_with(model_dir, PREFETCH_FAULT_ENV, request.param):
+    for started in hosts_with_env(model_dir, SOLO_BLOCKS, BLOCK, 2, PREFETCH_FAULT_ENV,
+                                  request.param):
         yield (*started, request.param)
 
 

@@ -19,17 +19,15 @@ drives them.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from gpu.data_plane import FAULT_ENV
 from gpu.group_stage import STEP_FAULT_ENV
 from tests.gpu.kunserve_driver import (
     group_step,
+    hosts_with_env,
     restored_kv_is_a_prefill,
     run_alone,
-    running_hosts,
 )
 from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a fixture)
     BLOCK,
@@ -45,14 +43,8 @@ from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a
 
 
 def _hosts_with(model_dir, env: str, value: str):
-    os.environ[env] = value
-    try:
-        gen = running_hosts(model_dir, SOLO_BLOCKS, BLOCK, n=2)
-        started = next(gen)
-    finally:
-        del os.environ[env]
-    yield started
-    next(gen, None)
+    """Two instances started with `env` set to `value` (a test fault)."""
+    yield from hosts_with_env(model_dir, SOLO_BLOCKS, BLOCK, 2, env, value)
 
 
 @pytest.fixture(params=["kv-round@1", "step@0"])

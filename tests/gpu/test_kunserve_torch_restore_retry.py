@@ -25,20 +25,28 @@ import pytest
 from engine.cluster.drop_plan import GroupPlan
 from gpu.kunserve_runner import RESTORE_TRIES
 from gpu.restore_group import RESTORE_FAULT_ENV
-from tests.gpu.kunserve_driver import group_step, restored_kv_is_a_prefill, run_alone
+from tests.gpu.kunserve_driver import (
+    group_step,
+    hosts_with_env,
+    restored_kv_is_a_prefill,
+    run_alone,
+)
 from tests.gpu.test_kunserve_torch_prefetch import (  # noqa: F401 (model_dir: a fixture)
+    BLOCK,
+    SOLO_BLOCKS,
     _check,
     _grouped,
     _serve_until_ready,
     _shrink,
     model_dir,
 )
-from tests.gpu.test_kunserve_torch_prefetch_faults import _hosts_with, _moved_back
+from tests.gpu.test_kunserve_torch_prefetch_faults import _moved_back
 
 
 @pytest.fixture(params=["join@0", "join-always@0"])
 def hosts_restore_fails(model_dir, request):
-    for started in _hosts_with(model_dir, RESTORE_FAULT_ENV, request.param):
+    for started in hosts_with_env(model_dir, SOLO_BLOCKS, BLOCK, 2, RESTORE_FAULT_ENV,
+                                  request.param):
         yield (*started, request.param)
 
 
