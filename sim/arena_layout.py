@@ -6,14 +6,16 @@ gpu/arena.py `plan_layout` places the global tensors (embeddings, final norm, un
 from block 0, then each decoder layer from a fresh block boundary, every tensor starting on a
 256-byte multiple. A member that drops layers frees only those layers' blocks: every member keeps
 the global tensors (gpu/stage_view.py `kept_weight_ranges`). The simulator's group pool
-(shunter/cluster/groups.py) and its restore's weight bytes (shunter/cluster/sim_restore.py) both
-read these two counts; tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout`
-and the torch group's pool (`group_pool_blocks`); tests/sim/test_sim_pool_layout.py holds
-`weight_blocks` equal to `plan_layout`'s. The model shape (sim/profile.py `ModelShape`)
-names no biases: a Qwen2 layer's q/k/v biases are not counted.
+(shunter/cluster/groups.py) and its restore's weight bytes (shunter/cluster/sim_restore.py) read
+these counts; tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout` and the
+torch group's pool (`group_pool_blocks`, for every split: `stage_capacity`), and
+tests/sim/test_kunserve_instance_pool.py `weight_blocks` to `plan_layout`'s. The model shape
+(sim/profile.py `ModelShape`) names no biases: a Qwen2 layer's q/k/v biases are not counted.
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 ALIGN_BYTES = 256
 """gpu/arena.py `_ALIGN_BYTES`: each weight starts at a multiple of this many bytes."""
@@ -51,3 +53,34 @@ def weight_blocks(model, block_size: int) -> int:
     own block boundary (gpu/arena.py `ArenaLayout.weight_blocks`). Llama-3-8B at 16 tokens a
     block: 1,003 + 32 x 209 = 7,691, where the unaligned bytes fill 7,658.x."""
     return global_blocks(model, block_size) + model.num_layers * layer_blocks(model, block_size)
+
+
+def stride_layers(num_layers: int, kept: int) -> int:
+    """gpu/stage_view.py `stride_layers`: the smallest divisor of the layer count at least the
+    layers a member keeps (its stage blocks are that many layers apart)."""
+    return next(d for d in range(kept, num_layers + 1) if num_layers % d == 0)
+
+
+def stage_capacity(model, block_size: int, total_blocks: int, keep: range) -> int:
+    """Stage blocks free for KV in an arena of `total_blocks` blocks re-viewed for a member
+    keeping layers `keep` (gpu/stage_view.py `StageView.capacity`): blocks `stride` layers
+    apart, each holding the kept layers' K and V, less those over weights still kept (the
+    global tensors and the kept layers' blocks)."""
+    L = model.num_layers
+    stride, span = stride_layers(L, len(keep)), len(keep)
+    first = keep.start % stride  # in units of one layer's K and V of a block
+    n = (total_blocks * L - first - span) // stride + 1
+    starts = first + np.arange(n, dtype=np.int64) * stride
+    g, per = global_blocks(model, block_size), layer_blocks(model, block_size)
+    usable = np.ones(n, dtype=bool)
+    for lo, hi in ((0, g), (g + keep.start * per, g + keep.stop * per)):
+        usable &= ~((starts < hi * L) & (starts + span > lo * L))
+    return int(np.count_nonzero(usable))
+
+
+def group_pool_blocks(model, block_size: int, total_blocks: int,
+                      layers: tuple[range, ...]) -> int:
+    """A group's KV blocks when every member has an arena of `total_blocks` blocks: its
+    smallest member's stage capacity (gpu/stage_view.py `group_pool_blocks`). Uneven splits
+    waste what their stride leaves over (Llama-3-8B in 3: 11 layers kept 16 apart)."""
+    return min(stage_capacity(model, block_size, total_blocks, keep) for keep in layers)

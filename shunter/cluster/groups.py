@@ -31,7 +31,7 @@ from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
 from shunter.cluster.sim_formation import Formation, exchange
-from sim.arena_layout import freed_blocks
+from sim.arena_layout import freed_blocks, group_pool_blocks, weight_blocks
 from shunter.cluster.sim_restore import OneStep, restore
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
@@ -195,7 +195,7 @@ class SimGroups:
                 sources[q.id] = m
             adopted += reqs
         own = (await head.inspect()).scheduler.live_requests
-        pool = group_pool([self.base_pools[m] for m in g.members], self.weight_blocks)
+        pool = self.pool_of(g)
         waiting = await _ask(head._scheduler_send, lambda r: Regroup(
             adopt=tuple(adopted), exchange=own, pool_blocks=pool, group=g, reply=r))
         self.groups = {h: old for h, old in self.groups.items()
@@ -231,6 +231,17 @@ class SimGroups:
                                                  "requests": len(late)})
                     log.warning("requests on a group member moved to its head", member=m,
                                 head=head, requests=len(late))
+
+    def pool_of(self, g: GroupPlan) -> int:
+        """The KV blocks `g`'s head gets: torch's group pool, its smallest member's stage
+        capacity in an arena of the weights and its own pool (sim/arena_layout.py; an uneven
+        split wastes what its stride leaves over); members with pools of different sizes (no
+        torch group has them): their pools and the dropped layers' blocks."""
+        pools = [self.base_pools[m] for m in g.members]
+        if len(set(pools)) > 1:
+            return group_pool(pools, self.weight_blocks)
+        return group_pool_blocks(self.model, self.block_size,
+                                 weight_blocks(self.model, self.block_size) + pools[0], g.layers)
 
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its

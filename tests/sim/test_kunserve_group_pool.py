@@ -20,7 +20,7 @@ import shunter
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.cluster import Cluster
-from sim.arena_layout import freed_blocks, global_blocks, layer_blocks
+from sim.arena_layout import freed_blocks, global_blocks, group_pool_blocks, layer_blocks
 from sim.profile import load_profile
 
 BLOCK = 16
@@ -41,6 +41,37 @@ def _layer_blocks_from_shapes(model, block_size: int) -> int:
 def _expected_pool(model, pools: list[int]) -> int:
     return sum(pools) + (len(pools) - 1) * model.num_layers \
         * _layer_blocks_from_shapes(model, BLOCK)
+
+
+def _torch_config(model):
+    from gpu.config import ModelConfig
+
+    return ModelConfig(arch="llama", vocab_size=model.vocab_size, hidden_size=model.hidden_size,
+                       intermediate_size=model.intermediate_size, num_layers=model.num_layers,
+                       num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                       head_dim=model.head_dim, tie_word_embeddings=model.tie_word_embeddings)
+
+
+def _split(num_layers: int, k: int) -> tuple[range, ...]:
+    return tuple(range(j * num_layers // k, (j + 1) * num_layers // k) for j in range(k))
+
+
+@pytest.mark.parametrize("profile", ["llama3-8b-a10", "llama2-7b-a100"])
+def test_uneven_splits_get_the_torch_groups_smaller_pool(profile):
+    """Every split of 2-7 members, even or not, and a split by hand (the head keeping more):
+    the simulator's count (sim/arena_layout.py) is torch's stage capacity. An uneven one wastes
+    what its stride leaves over (Llama-3-8B in 3, 2,469 blocks each: 13,714, not 20,783)."""
+    torch = pytest.importorskip("torch")
+    from gpu.arena import plan_layout
+    from gpu.stage_view import group_pool_blocks as torch_pool
+
+    model = load_profile(profile).model
+    config, L = _torch_config(model), model.num_layers
+    for base in (300, 2469):
+        total = plan_layout(config, BLOCK, torch.bfloat16).weight_blocks + base
+        for layers in [_split(L, k) for k in range(2, 8)] + [(range(0, 20), range(20, L))]:
+            assert group_pool_blocks(model, BLOCK, total, layers) == torch_pool(
+                config, BLOCK, torch.bfloat16, total, layers), (base, layers)
 
 
 @pytest.mark.parametrize("profile", ["llama3-8b-a10", "llama2-7b-a100"])
@@ -70,10 +101,10 @@ def test_the_group_pool_is_the_torch_groups(profile):
         assert torch_pool == k * base + (k - 1) * freed_blocks(model, BLOCK)
 
 
-async def _burst():
+async def _burst(instances: int = 2, n: int = 40):
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300,
                           policy=policy_path("kunserve_drop"))
-    async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
+    async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
         ends = []
 
         async def one(i: int) -> None:
@@ -84,7 +115,7 @@ async def _burst():
 
         with anyio.fail_after(120):  # virtual seconds: a lost request fails here
             async with anyio.create_task_group() as tg:
-                for i in range(40):
+                for i in range(n):
                     tg.start_soon(one, i)
             snap = await cluster.inspect()
         return ends, snap, cluster.groups
@@ -100,3 +131,24 @@ def test_a_simulated_group_gets_that_pool():
     assert groups.monitor.weight_blocks == expected - 600  # the planner sizes groups alike
     head = next(iter(groups.groups))  # kunserve_drop never restores: still grouped
     assert snap.snapshots[head].scheduler.total_blocks == expected
+
+
+def test_a_simulated_group_of_three_gets_torchs_pool():
+    """Three instances and a larger burst: one group of three (layers 10 | 11 | 11, each
+    member's kept layers 16 apart), whose pool is torch's for that split (9,376 blocks), not
+    900 + 2 x 6,688."""
+    torch = pytest.importorskip("torch")
+    from gpu.arena import plan_layout
+    from gpu.stage_view import group_pool_blocks as torch_pool
+
+    ends, _, groups = trio.run(_burst, 3, 60, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert sorted(set(ends)) == [("length", 60)] and len(ends) == 60
+    config = _torch_config(groups.model)
+    total = plan_layout(config, BLOCK, torch.bfloat16).weight_blocks + 300
+    formed = [e for e in groups.counters.events if e["event"] == "group"]
+    threes = [e for e in formed if len(e["members"]) == 3]
+    assert threes, formed
+    (g,) = groups.groups.values()
+    expected = torch_pool(config, BLOCK, torch.bfloat16, total, g.layers)
+    assert [e["pool_blocks"] for e in threes] == [expected] * len(threes)
+    assert expected < 900 + 2 * 6688
