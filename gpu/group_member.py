@@ -134,8 +134,7 @@ def serve_stage(stage: GroupStage, start: GroupStart | None, head_rank: int) -> 
             except GroupMemberLost as exc:
                 reply = MemberReply(step_id=msg.step.step_id, error=str(exc), lost=exc.rank)
             except Exception as exc:  # noqa: BLE001 (reported to the head, which fails the step)
-                reply = MemberReply(step_id=msg.step.step_id,
-                                    error=f"{type(exc).__name__}: {exc}")
+                reply = stage.failed_reply(msg.step.step_id, exc)
             try:
                 send_obj(reply, head_rank, REPLY_TAG, "answering a step")
             except GroupMemberLost as exc:

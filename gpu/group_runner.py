@@ -206,13 +206,12 @@ class GroupRunner:
         finally:
             self._fed_back = ()  # run() appended them to the head's sequences
         replies = [mine]
-        for m, (rank, reply) in enumerate(self._answers(step), start=1):
+        self._note_arrived(0, mine.arrived)  # (taken from its receiver: noted whatever follows)
+        for rank, reply in self._answers(step):
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
-            self._note_arrived(m, reply.arrived)
             self._note_prefetch(rank, reply)
             replies.append(reply)
-        self._note_arrived(0, mine.arrived)
         self._fed_back = replies[-1].sampled
         missing = ({w.request_id for w in step.seqs if w.sample}
                    - {t.request_id for t in self._fed_back})
@@ -233,9 +232,10 @@ class GroupRunner:
         """Every member's answer to `step`, all read before any is judged (one left unread would
         answer the next step); a loss one reports raises `GroupMemberLost`."""
         out = []
-        for rank in self.ranks[1:]:
+        for m, rank in enumerate(self.ranks[1:], start=1):
             out.append((rank, recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")))
             self._unanswered.remove(rank)
+            self._note_arrived(m, out[-1][1].arrived)  # (a failed step's too: taken there)
         for rank, reply in out:
             if reply.lost is not None:
                 raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "

@@ -172,8 +172,15 @@ class GroupStage:
         except Exception:
             self._level_activations(msg)  # the next member's step must end too
             self._kv_round(spans, placeholder=True)  # (the real one sends all or nothing)
-            raise
-        return reply
+            raise  # (the requests whose KV arrived stay in its receiver: `failed_reply`)
+        return attrs.evolve(reply, arrived=tuple(self.receiver.take_arrived()))
+
+    def failed_reply(self, step_id: int, exc: Exception) -> MemberReply:
+        """A member's answer to a step that failed here (not a loss): the error, and the
+        requests whose KV arrived since its last answer (taken now: were they lost with the
+        failed step, the head would never hear of them and they would wait for ever)."""
+        return MemberReply(step_id=step_id, error=f"{type(exc).__name__}: {exc}",
+                           arrived=tuple(self.receiver.take_arrived()))
 
     def _level_activations(self, msg: StageStep) -> None:
         """The step failed here (not a loss): take the activations still due from the previous
@@ -244,7 +251,7 @@ class GroupStage:
         return MemberReply(step_id=step.step_id, sampled=tuple(sampled),
                            compute_s=tuple(compute), wait_s=tuple(waits),
                            cpu_s=tuple(cpu) if own_core else (),
-                           arrived=tuple(self.receiver.take_arrived()), prefetched=prefetched,
+                           prefetched=prefetched,
                            kv_void=self.kv_void, weights_from_host=getattr(
                                self.prefetch, "from_host", None))
 

@@ -1,0 +1,83 @@
+"""KV arrivals reported with a failed grouped step are not lost (the reviewer's s32 item 1). A
+member's answer carries the requests whose exchanged KV arrived there since its last answer,
+taken off its receiver; the head notes each answer's arrivals as it reads it
+(gpu/group_runner.py `_answers`) and its own as its stage answers, before judging any, and a
+member whose step failed still sends its arrivals with its error (gpu/group_stage.py
+`failed_reply`). Before, a failed step dropped them: those requests never became `arrived()`,
+the engine kept them waiting for their KV for ever, and `_settled` refused every restore. Stand-in
+stages and channel, no processes."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+import gpu.group_runner as gr
+from engine.messages import ExecuteStep, SeqWork
+from gpu.group_messages import GroupStep, MemberReply
+from gpu.group_runner import GroupRunner
+from gpu.group_stage import GroupStage
+
+STEP = ExecuteStep(step_id=3, release=(), setups=(), blocks=(),
+                   seqs=(SeqWork(request_id=1, start=0, num_tokens=2, sample=True),))
+MSG = GroupStep(step=STEP, fed_back=(), micro=(((0, 0, 2),),))
+
+
+class _Receiver:
+    def __init__(self, arrived) -> None:
+        self.arrived = list(arrived)
+
+    def take_arrived(self) -> list[int]:
+        out, self.arrived = self.arrived, []
+        return out
+
+
+def _runner(monkeypatch, head, replies) -> GroupRunner:
+    """A head of members 1 and 2 (ranks 5 and 6): requests 7, 8, 9 wait for their KV on
+    member 1, member 2 and the head; `head` runs its stage's step, `replies` answer it."""
+    runner = GroupRunner.__new__(GroupRunner)
+    runner.ranks, runner._unanswered, runner._fed_back = (4, 5, 6), [], ()
+    runner._expect, runner._ready = {7: {1}, 8: {2}, 9: {0}}, []
+    runner.stage = SimpleNamespace(run=head, kv_prefetch=None, receiver=_Receiver(()))
+    monkeypatch.setattr(gr, "send_obj", lambda *args: None)
+    monkeypatch.setattr(gr, "recv_obj", lambda rank, tag, what: replies[rank])
+    return runner
+
+
+@pytest.mark.parametrize("fails", ["a member", "the head"])
+def test_arrivals_answered_with_a_failed_step_are_noted(monkeypatch, fails):
+    def head(msg):
+        if fails == "the head":
+            raise ValueError("the head's step failed here")
+        return MemberReply(step_id=3, arrived=(9,))
+
+    error = "RuntimeError: boom" if fails == "a member" else None
+    runner = _runner(monkeypatch, head, {5: MemberReply(step_id=3, error=error, arrived=(7,)),
+                                         6: MemberReply(step_id=3, arrived=(8,))})
+    with pytest.raises((RuntimeError, ValueError), match="boom|the head's step failed"):
+        runner._run(STEP, MSG, 0.0)
+    want = [7, 8, 9] if fails == "a member" else [7, 8]  # (the head's own: still in its
+    assert sorted(runner.arrived()) == want, "arrivals lost with the failed step"  # receiver)
+    assert runner.exchanging() == ({9} if fails == "the head" else set())
+
+
+def test_a_member_whose_step_fails_after_it_ran_answers_its_arrivals():
+    """The KV round fails once the step ran (its reply built): the arrivals go with the error."""
+    stage = GroupStage.__new__(GroupStage)
+    stage.receiver, stage.me = _Receiver([7]), 1
+
+    def run(msg):
+        stage._micro_io = [1, 1]  # (its activations all went: nothing to level)
+        return MemberReply(step_id=3)
+
+    def kv_round(spans, placeholder):
+        if not placeholder:
+            raise OSError("the round could not be gathered")
+
+    stage._run, stage._kv_round = run, kv_round
+    stage._level_activations = lambda msg: None
+    with pytest.raises(OSError) as info:
+        stage.run(MSG)
+    reply = stage.failed_reply(3, info.value)
+    assert reply.arrived == (7,) and reply.error == "OSError: the round could not be gathered"
