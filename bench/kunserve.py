@@ -46,6 +46,7 @@ from policies import policy_path
 from shunter.benchmark.driver import Driver
 from shunter.benchmark.run import replay_task_order_exactly
 from shunter.cluster.cluster import Cluster
+from sim.arena_layout import freed_blocks
 from sim.group import GroupNetwork, SimGroup
 from sim.network import LINKS
 from sim.profile import load_profile
@@ -85,6 +86,14 @@ async def sample_demand(cluster, capacity_blocks: int, block_size: int, out: lis
         await anyio.sleep(0.5)
 
 
+def static_pair_blocks(model, one: int, block_size: int) -> int:
+    """The static pipeline's pool: two instances' pools and what the pair frees, as a KunServe
+    pair's (one copy of the decoder layers in arena blocks, sim/arena_layout.py, as torch frees
+    them; until round 13 the whole weights' bytes, 7,658 blocks of Llama-3-8B where the pair
+    frees 6,688: the embeddings, LM head and final norm stay on both members)."""
+    return group_pool([one, one], freed_blocks(model, block_size))
+
+
 async def serve(label: str, policy_file: Path, workload, base: EngineConfig, instances: int):
     config = attrs.evolve(base, policy=policy_file)
     static = label == "pipeline2"
@@ -94,10 +103,10 @@ async def serve(label: str, policy_file: Path, workload, base: EngineConfig, ins
     if label == "memory_oracle":  # vllm_dp with 16x the KV: what no memory mechanism can beat
         config = attrs.evolve(config, num_blocks=16 * one)
     if static:  # N/2 instances, each the head of a fixed two-member group
-        wb = profile.model.weight_bytes // profile.model.block_bytes(base.block_size)
         # as a KunServe group (engine/cluster/adoption.py `GroupSeat.stages`): each of the
         # 2 stages an instance's token budget, the group one instance's sequences
-        config = attrs.evolve(config, num_blocks=group_pool([one, one], wb),
+        config = attrs.evolve(config, num_blocks=static_pair_blocks(profile.model, one,
+                                                                    base.block_size),
                               max_batched_tokens=2 * base.max_batched_tokens)
         instances //= 2
     demand: list = []
