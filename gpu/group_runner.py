@@ -54,7 +54,8 @@ from gpu.kv_moved import count_moved, transfer_bytes
 from gpu.pipeline import StepRecord
 from gpu.restore_group import restore_group
 from gpu.restore_kv import KvPrefetch, full_blocks, note_step
-from gpu.restore_prefetch import GroupPrefetch, WeightPrefetch, room_outside, stop_prefetch
+from gpu.restore_prefetch import (GroupPrefetch, PrefetchBroken, WeightPrefetch, room_outside,
+                                  stop_prefetch)
 from gpu.stage_view import group_pool_blocks, restore_layers
 
 MIN_CHUNK_TOKENS = 4
@@ -237,6 +238,8 @@ class GroupRunner:
             self._unanswered.remove(rank)
             self._note_arrived(m, out[-1][1].arrived)  # (a failed step's too: taken there)
         for rank, reply in out:
+            if reply.lost == -1:  # (none gone: a member's prefetch broke part-way)
+                raise PrefetchBroken(f"instance {rank}: {reply.error}")
             if reply.lost is not None:
                 raise GroupMemberLost(reply.lost, f"step {step.step_id} ran (reported by "
                                       f"instance {rank})", RuntimeError(reply.error))

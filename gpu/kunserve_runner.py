@@ -340,10 +340,10 @@ class KunServeTorchRunner(TorchRunner):
         self.lost = str(exc)
         self._lost_ranks = group.ranks
         self.restore_failures = []
-        if lost is None:
+        if lost is None and exc.rank >= 0:
             group.recover_from_host(exc.rank)
-        else:
-            group.recover_from_host(lost, why=str(exc))
+        else:  # (none gone: every member told why)
+            group.recover_from_host(-1, why=str(exc))
         self._kv_lost = set(self._seqs)
 
     def _refuse_lost(self, step: ExecuteStep) -> None:

@@ -33,6 +33,10 @@ the prefetch reaches it, before it vacates or sends anything. A member that cann
 error, not a loss: raised before any block moved) falls back to the restore's step for its own
 weights (`from_host`) while still sending its kept layers and taking the others' into scratch,
 so no peer's transfer waits on it; its answers say so (gpu/group_member.py `start_prefetch`).
+A prefetching thread that fails (not a loss) does the same from there (the head's too): its
+peer's chunks still due are taken into scratch. A vacating that fails part-way (its map moved
+blocks whose KV did not) breaks the group: `PrefetchBroken` ends it as a loss does, every
+member told, every request recomputed.
 """
 
 from __future__ import annotations
@@ -56,8 +60,9 @@ from gpu.stage_view import (
 )
 
 PREFETCH_FAULT_ENV = "SHUNTER_PREFETCH_FAULT"
-"""Tests' fault (an error, not a loss) as a member's prefetch starts, once: `kv@<rank>` its
-first KV round cannot be gathered (gpu/group_member.py), `vacate@<rank>` it cannot vacate."""
+"""Tests' faults (errors, not losses), once: `kv@<rank>` a member's first KV round cannot be
+gathered (gpu/group_member.py), `vacate@<rank>` it cannot vacate, `copy@<rank>` its vacating
+fails after one copy, `fill@<rank>` (the head's too) a prefetched chunk cannot be written."""
 
 PREFETCH_CHUNK_BLOCKS = 16
 """Arena blocks of weights per chunk on the KV lane (one block: every layer's KV of
@@ -146,8 +151,15 @@ class WeightPrefetch:
         self.vacated_blocks = len(copies)
         if stage.me == 0:
             copies += stage.map.place(msg.pool)
-        for src, dst in copies:  # (in order: each one's dst is free when it comes)
-            stage._copy_block(src, dst)
+        try:
+            for k, (src, dst) in enumerate(copies):  # (in order: each dst free when it comes)
+                if k == 1 and os.environ.get(PREFETCH_FAULT_ENV) == f"copy@{stage.plane.rank}":
+                    del os.environ[PREFETCH_FAULT_ENV]  # (once: a device error part-way)
+                    raise RuntimeError("the test's fault: a vacating copy failed part-way")
+                stage._copy_block(src, dst)
+        except Exception as exc:  # its map moved blocks whose KV did not
+            raise PrefetchBroken(f"instance {stage.plane.rank} vacating: "
+                                 f"{type(exc).__name__}: {exc}") from exc
         self.vacated_live = sum(src in live for src, _ in copies[:self.vacated_blocks])
         """Of them, blocks a live request's table holds (the others: freed ids still in the
         pool, kept for a prefix cache's sake)."""
@@ -177,14 +189,16 @@ class WeightPrefetch:
                 jobs.append((rank, chunks(kept_blocks(layout, layers[k]), per)))
         if self.from_host is not None:  # nothing is written in place before the step
             jobs = [(rank, parts) for rank, parts in jobs if rank is not None]
-            self._scratch = torch.empty(per * arena.layout.block_elems, dtype=arena.dtype,
-                                        device=arena.device)
+        self._scratch: torch.Tensor | None = None
         self._threads = [threading.Thread(target=self._fill, args=job, daemon=True,
                                           name="shunter-restore-prefetch") for job in jobs]
         for t in self._threads:
             t.start()
 
     def _fill(self, rank: int | None, parts: list[range]) -> None:
+        """One source's chunks into place. An error that is not a loss makes the member fall
+        back to its host copy at the restore's step (`from_host`): a peer's chunks still to
+        come are taken into scratch (its sends must end: its KV lane goes on behind them)."""
         arena = self.stage.model.arena
         host = self.stage.model.drop_state.host_copy
         try:
@@ -192,21 +206,50 @@ class WeightPrefetch:
                 for c in parts:
                     if self._stop.is_set():
                         return
-                    dst = arena.buffer[elem_range(arena, c)]
-                    if self.from_host is not None:  # taken and let go (see `from_host`)
-                        dst = self._scratch[:dst.numel()]
-                    if rank is None:
-                        first, saved = _held(host, c)
-                        per = arena.layout.block_elems
-                        dst.copy_(saved[(c.start - first) * per:(c.stop - first) * per])
-                    else:
-                        self.stage.plane.recv_tensor(dst, rank, WEIGHTS_TAG,
-                                                     "its layers were being prefetched")
+                    posted, n = False, len(c) * arena.layout.block_elems
+                    try:
+                        self._fault()
+                        dst = arena.buffer[elem_range(arena, c)]
+                        if self.from_host is not None:  # taken and let go (see `from_host`)
+                            dst = self._scratch_of(n)
+                        if rank is None:
+                            first, saved = _held(host, c)
+                            per = arena.layout.block_elems
+                            dst.copy_(saved[(c.start - first) * per:(c.stop - first) * per])
+                        else:
+                            posted = True
+                            self.stage.plane.recv_tensor(dst, rank, WEIGHTS_TAG,
+                                                         "its layers were being prefetched")
+                    except GroupMemberLost:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 (not a loss: the host copy then)
+                        with self._lock:
+                            self.from_host = self.from_host or (
+                                f"prefetching its layers failed: {type(exc).__name__}: {exc}")
+                        if rank is None:
+                            return  # (nothing is due from anyone)
+                        if not posted:  # (this chunk is still due from the peer: taken too)
+                            self.stage.plane.recv_tensor(self._scratch_of(n), rank, WEIGHTS_TAG,
+                                                         "its layers were being prefetched")
+                        continue
                     with self._lock:
                         self.bytes += 0 if self.from_host else dst.numel() * dst.element_size()
         except BaseException as exc:  # noqa: BLE001 (raised by `check` / `finish`)
             with self._lock:
                 self.error = self.error or exc
+
+    def _scratch_of(self, n: int) -> torch.Tensor:
+        with self._lock:
+            if self._scratch is None or self._scratch.numel() < n:
+                arena = self.stage.model.arena
+                self._scratch = torch.empty(n, dtype=arena.dtype, device=arena.device)
+            return self._scratch[:n]
+
+    def _fault(self) -> None:
+        with self._lock:
+            if os.environ.get(PREFETCH_FAULT_ENV) == f"fill@{self.stage.plane.rank}":
+                del os.environ[PREFETCH_FAULT_ENV]  # (once)
+                raise OSError("the test's fault: a prefetched chunk could not be written")
 
     @property
     def done(self) -> bool:
@@ -251,13 +294,26 @@ def _held(host: dict, blocks: range) -> tuple[int, torch.Tensor]:
     raise KeyError(f"blocks {blocks} are in no host copy of the dropped layers")
 
 
+class PrefetchBroken(GroupMemberLost):
+    """A restore prefetch that failed part-way (an error, not a loss: a member's KV may be half
+    moved out of the dropped layers' memory): the group can neither serve on nor restore as it
+    stands, so it ends as after a loss (rank -1: no member is gone, every one is told), and
+    the engine recomputes every request."""
+
+    def __init__(self, why: str) -> None:
+        RuntimeError.__init__(self, f"the group's restore prefetch broke: {why}")
+        self.rank = -1
+
+
 def prefetch_state(stage) -> bool | None:
     """For a step's reply: whether `stage`'s prefetched weights are all in (None: no prefetch
-    runs); raises what ended its prefetch (a member lost: `GroupMemberLost`)."""
+    runs); raises what ended its prefetch (a member lost: `GroupMemberLost`; one that failed
+    part-way: `PrefetchBroken`)."""
     if isinstance(failed := stage.prefetch_failed, GroupMemberLost):
         raise failed
     if failed is not None:
-        raise RuntimeError(f"its restore prefetch could not start: {failed}")
+        raise PrefetchBroken(f"a member's prefetch failed as it started: "
+                             f"{type(failed).__name__}: {failed}")
     prefetch = stage.prefetch
     return None if prefetch is None else prefetch.check()
 
@@ -323,7 +379,9 @@ def prefetch_report(stage) -> dict:
     if prefetch is None:
         return {"prefetched": False}
     r = prefetch.report()
-    return {"prefetched": True, "weight_bytes_before": float(r["bytes"] - prefetch.at_boundary),
+    return {"prefetched": True, "from_host": r["from_host"],
+            "weight_bytes_before": 0.0 if r["from_host"] else float(
+                r["bytes"] - prefetch.at_boundary),
             "vacated_blocks": r["vacated_blocks"], "vacated_live": r["vacated_live"],
             "vacate_s": r["vacate_s"], "placed_blocks": float(stage.map.placed_blocks),
             "aside_blocks": float(stage.map.aside_blocks)}

@@ -120,9 +120,8 @@ async def _prefetched(groups, group) -> str:
     from shunter.cluster.instance_groups import _ask
 
     runner, began = groups.runner, time.monotonic()
-    await runner._thread.run(runner.prefetch_restore, runner.restore_source, runner.num_blocks)
+    state = await runner._thread.run(_state, runner, group, True)
     while True:
-        state = await runner._thread.run(_state, runner, group)
         if state == "lost":
             me = group.ranks[0]
             solo = GroupPlan(group_id=-1, members=(me,), layers=(
@@ -136,15 +135,19 @@ async def _prefetched(groups, group) -> str:
         if time.monotonic() - began > LIMIT_S:  # the restore waits for the rest itself
             return "late"
         await anyio.sleep(POLL_S)
+        state = await runner._thread.run(_state, runner, group)
 
 
-def _state(runner, group) -> str:
-    """On the device thread: where the group's prefetch is."""
+def _state(runner, group, start: bool = False) -> str:
+    """On the device thread: where the group's prefetch is (`start`: ask for it first; one
+    that breaks the group as it starts, `PrefetchBroken`, ends it as a loss does)."""
     from gpu.data_plane import GroupMemberLost
 
     if runner.group is not group:
         return "gone"
     try:
+        if start:
+            runner.prefetch_restore(runner.restore_source, runner.num_blocks)
         runner.start_pending_prefetch()
         if time.monotonic() - group.last_step > QUIET_S:
             group.poll(0)  # no step for a while: the members answer an empty one
