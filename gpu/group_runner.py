@@ -174,11 +174,11 @@ class GroupRunner:
     def execute(self, step: ExecuteStep) -> StepFinished:
         began = time.perf_counter()
         self.set_up.update(s.request_id for s in step.setups)
-        spans = note_step(self._computed, self.stage, step)  # (a restore prefetch's next round)
         cut = self.fits.cut(step.seqs, self.microbatches, self.microbatch,
                             min_tokens=MIN_CHUNK_TOKENS) if step.seqs else ()
-        check_cut(step.seqs, cut)
+        check_cut(step.seqs, cut)  # (before a round is named: no member would send it)
         self.last_cut = cut
+        spans = note_step(self._computed, self.stage, step)  # (a restore prefetch's next round)
         msg = GroupStep(step=step, fed_back=self._fed_back, micro=cut, kv_spans=spans)
         self.last_step = time.monotonic()
         if gone := known_lost(self.ranks[1:]):

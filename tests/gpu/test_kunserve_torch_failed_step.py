@@ -1,11 +1,16 @@
-"""KV arrivals reported with a failed grouped step are not lost (the reviewer's s32 item 1). A
+"""A grouped step that fails (an error, not a loss), around the head (gpu/group_runner.py).
+
+KV arrivals reported with a failed grouped step are not lost (the reviewer's s32 item 1). A
 member's answer carries the requests whose exchanged KV arrived there since its last answer,
 taken off its receiver; the head notes each answer's arrivals as it reads it
 (gpu/group_runner.py `_answers`) and its own as its stage answers, before judging any, and a
 member whose step failed still sends its arrivals with its error (gpu/group_stage.py
 `failed_reply`). Before, a failed step dropped them: those requests never became `arrived()`,
-the engine kept them waiting for their KV for ever, and `_settled` refused every restore. Stand-in
-stages and channel, no processes."""
+the engine kept them waiting for their KV for ever, and `_settled` refused every restore.
+
+A step whose cut fails names no KV round of a restore prefetch (review s32 item 4): before, the
+round was named (its receives posted) and no member got the step. Stand-in stages and channel,
+no processes."""
 
 from __future__ import annotations
 
@@ -81,3 +86,21 @@ def test_a_member_whose_step_fails_after_it_ran_answers_its_arrivals():
         stage.run(MSG)
     reply = stage.failed_reply(3, info.value)
     assert reply.arrived == (7,) and reply.error == "OSError: the round could not be gathered"
+
+
+def test_a_step_whose_cut_fails_names_no_kv_round(monkeypatch):
+    """The head names a step's KV round (posting its receives) only once the step's cut is
+    made and checked (review s32 item 4): a cut that fails sends no member the step, so none
+    would send that round, and every later round would be read one round behind."""
+    named = []
+    kv = SimpleNamespace(step_spans=lambda step: {1: (0, 1)}, add=named.append)
+
+    def cut(*args, **kwargs):
+        raise ValueError("no cut for this step")
+
+    runner = _runner(monkeypatch, None, {})
+    runner.stage.kv_prefetch, runner._computed, runner.set_up = kv, {}, set()
+    runner.fits, runner.microbatches, runner.microbatch = SimpleNamespace(cut=cut), 2, "tokens"
+    with pytest.raises(ValueError, match="no cut"):
+        runner.execute(STEP)
+    assert named == [], "a round was named for a step no member got"
