@@ -76,6 +76,7 @@ class SimGroups:
         self.prefetching: dict[int, anyio.CancelScope] = {}
         """Heads whose restore prefetch runs: cancelled when a member is lost (sim_restore.py)."""
         self.counters = ClusterCounters()
+        self.swept: list[dict] = []  # `_sweep_members`' moves (not `events`: groups' lives)
         self.busy = False
         self._tg: anyio.abc.TaskGroup | None = None
         for inst in instances:
@@ -216,7 +217,8 @@ class SimGroups:
         """A request dispatched to a member while its group formed (after the member handed
         its requests over, before the coordinator redirected it) goes to the head and is
         prefilled again there (`Regroup.adopt_recompute`): a member serves nothing alone, its
-        layers being dropped. Each monitor round, for the members whose stats show requests."""
+        layers being dropped. Each monitor round, for the members whose stats show requests;
+        each move is noted in `swept`."""
         for head, g in list(self.groups.items()):
             for m in g.members[1:]:
                 s = stats[m] if m < len(stats) else None
@@ -226,9 +228,8 @@ class SimGroups:
                 if late:
                     await _ask(self.instances[head].engine._scheduler_send, lambda r, late=late:
                                Regroup(adopt=tuple(late), adopt_recompute=True, reply=r))
-                    self.counters.events.append({"t": anyio.current_time(), "event": "swept",
-                                                 "member": m, "head": head,
-                                                 "requests": len(late)})
+                    self.swept.append({"t": anyio.current_time(), "member": m, "head": head,
+                                       "requests": len(late)})
                     log.warning("requests on a group member moved to its head", member=m,
                                 head=head, requests=len(late))
 
@@ -336,7 +337,6 @@ class SimGroups:
                 "plans_refused": self.monitor.refused if self.monitor else None,
                 "head_of_line_plans": self.monitor.head_only_plans if self.monitor else None}
 
-
     def report(self, t0: float) -> dict:
         """The bench JSON's `cluster` block: counters, bubble ratio, the Eq. 1-3 fit's error, and
         per-instance KV usage over time (each monitor round; at most 600 points)."""
@@ -345,6 +345,7 @@ class SimGroups:
         fits = [f for n in self.networks() for f in n.fits]
         return {
             **c.block(t0), "bubble_ratio": self.bubble_ratio(), **self.pipeline_report(),
+            "swept": [{**x, "t": x["t"] - t0} for x in self.swept],
             "activation_stall_s": sum(x.stalled_s for n in self.networks() for x in n.exchanges),
             "restore_stall_s": sum(s for n in self.networks() for s in n.restore_stalls),
             "cost_model_error": (sum(f.mean_error for f in fits) / len(fits)) if fits else None,

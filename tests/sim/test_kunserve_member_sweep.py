@@ -2,7 +2,8 @@
 is forming (after the member handed its requests over, before the redirect) does not stay on
 the member, served alone by an engine whose layers are dropped (kun-bench, s32: on long
 contexts at 0.2x one ran there for 35 s): the next monitor round moves it to the head, which
-prefills it again (shunter/cluster/groups.py `SimGroups._sweep_members`).
+prefills it again (shunter/cluster/groups.py `SimGroups._sweep_members`; noted in the report's
+`swept`).
 
 Requests arrive all along (every 5 ms for 1.5 s), so some land on the member, which has none
 in flight once it exported them, in the formation's window."""
@@ -56,7 +57,9 @@ def test_a_request_sent_to_a_forming_member_moves_to_the_head(monkeypatch):
     assert sorted(set(ends)) == [("length", 60)] and len(ends) == N
     assert groups.counters.groups_formed >= 1
     held = [k for k, r in enumerate(rounds) if any(r.values())]
-    swept = [e for e in groups.counters.events if e["event"] == "swept"]
+    swept = groups.swept
+    assert groups.report(0.0)["swept"] == swept
+    assert {e["event"] for e in groups.counters.events} <= {"group", "restore", "fault"}
     # the window was hit, and a member holds requests in one round at most each time
     assert held
     assert not [k for k in held if k + 1 in held], [rounds[k] for k in held]
