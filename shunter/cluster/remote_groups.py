@@ -27,21 +27,20 @@ import anyio
 import structlog
 
 from engine.cluster.counters import ClusterCounters
-from engine.cluster.drop_plan import GroupPlan, queue_moves
+from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore
 from engine.errors import EngineDeadError
 from shunter.cluster.group_wire import (
-    AdoptQueued,
     AskGroupStats,
     ExportGroup,
-    ExportQueued,
     FreePort,
     GroupAnswer,
     HeadGroup,
     JoinDataPlane,
     LeaveGroup,
 )
+from shunter.cluster.remote_queues import reschedule_queued, sweep_members
 
 log = structlog.get_logger(actor="coordinator")
 
@@ -161,6 +160,7 @@ class RemoteGroups:
             if isinstance(action, Restore):
                 await self.coordinator.send(GroupsChanged())
             return
+        await sweep_members(self, stats)
         if action is None and self.groups:
             await self._reschedule_queued(stats)
             return
@@ -279,35 +279,7 @@ class RemoteGroups:
             log.error("the head could not take them", head=g.head, error=str(exc))
 
     async def _reschedule_queued(self, stats) -> None:
-        """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
-        free memory go to the group head with the most free blocks, if it can hold them (§4.1:
-        queued requests are rescheduled onto the enlarged memory; the rule is
-        engine/cluster/drop_plan.py `queue_moves`, shared with the simulator's instances)."""
-        for i, best in queue_moves(
-                stats, block_size=self.block_size,
-                grouped={m for g in self.groups.values() for m in g.members},
-                heads=list(self.groups), alive=[inst.alive for inst in self.instances]):
-            try:
-                n = await self._move_queued(i, best)
-            except (GroupCommandError, EngineDeadError) as exc:
-                log.error("queued requests not moved", src=i, head=best, error=str(exc))
-                continue
-            self.counters.rescheduled_requests += n
-            if n:
-                self.counters.events.append({"t": anyio.current_time(), "event": "rescheduled",
-                                             "from": i, "to": best, "requests": n})
-
-    async def _move_queued(self, src: int, head: int) -> int:
-        moved = await self._command(src, lambda key: ExportQueued(key=key))
-        if not moved:
-            return 0
-        a, b = self.instances[src], self.instances[head]
-        for mv in moved:  # their outputs come from the head's link from now on
-            live = a._live.pop(mv.cluster_key, None)
-            if live is not None:
-                b._live[mv.cluster_key] = live
-                a.moved_to[mv.cluster_key] = b
-        return await self._command(head, lambda key: AdoptQueued(key=key, moved=tuple(moved)))
+        await reschedule_queued(self, stats)  # (shunter/cluster/remote_queues.py)
 
     async def _restore_all(self, heads) -> None:
         try:
