@@ -35,8 +35,7 @@ from engine.step_plan import BidirectionalMemory, build_run_step, finish_step, l
 
 log = structlog.get_logger(actor="scheduler")
 
-IDLE_POLL_S = 0.005
-"""How long to wait before asking the policy again when it scheduled nothing."""
+IDLE_POLL_S = 0.005  # how long to wait before asking the policy again when it scheduled nothing
 
 
 class Scheduler(AdoptionMixin):
@@ -61,9 +60,7 @@ class Scheduler(AdoptionMixin):
         self._release: list[int] = []
         self._outputs: list[TokenOutput] = []
         self._turns: Counter[str] = Counter()  # conversation -> turns seen
-        self._iteration = 0
-        self._step_started = 0.0
-        self._last_iteration_ms = 0.0
+        self._iteration, self._step_started, self._last_iteration_ms = 0, 0.0, 0.0
         self._stats = SchedulerStats(total_blocks=num_blocks, block_size=config.block_size,
                                      record_iterations=config.record_iterations, cost=cost,
                                      correction_window=config.correction_window)
