@@ -260,19 +260,24 @@ def collect(args) -> None:
         best_kv = {lb: _best_kv(cmd, r) for lb, r in rows.items()}
         for lb in got:  # a merged file's baselines are the committed ones
             best_kv[lb] = best_kv[lb] or _best_kv(cmd, got[lb].get("runs", {}))
+        argv = whole(cmd["argv"]) if whole_in else cmd["argv"]
         report["files"][cmd["name"]] = {"workload": any_rep.get("workload"),
-                                        "command": "python " + shlex.join(cmd["argv"])} | rows
+                                        "command": "python " + shlex.join(argv)} | rows
         lines += [f"### {cmd['name']}: {any_rep.get('workload')}", "",
-                  f"`python {shlex.join(cmd['argv'])} --out ...`", "", HEADER,
+                  f"`python {shlex.join(argv)} --out ...`"
+                  + (f" (whole: {', '.join(sorted(whole_in))})" if whole_in else ""), "", HEADER,
                   "|" + "---|" * 11]
         names = list(dict.fromkeys(k for r in rows.values() for k in r))
+        r12_rows = _norm(json.loads((RESULTS / "kunserve_pool_round12.json").read_text())[
+            "files"].get(cmd["name"], {}).get("after"))
         for run_name in names:
             seen = []
             for lb, r in rows.items():
                 if run_name not in r:
                     continue
                 row = r[run_name]
-                code = row.get("code") or ("round 12" if lb == "recorded" else lb)
+                code = row.get("code") or (lb if lb != "recorded" else "round 12" if (
+                    run_name in r12_rows or cmd["set"] == "modes") else "committed file")
                 lines.append(f"| {run_name} | {lb}, {code} | "
                              + " | ".join(cells(row, best_kv[lb])) + " |")
                 seen.append((lb, tuple(round(row[k], 6) for k in (
