@@ -227,15 +227,25 @@ class KunServeTorchRunner(TorchRunner):
     def dissolve_idle(self) -> bool:
         """Restore now when no request is live on this engine (none will step to carry the
         restore): every sequence left on the group is one whose release no step carried yet.
-        False when no group is open."""
+        False when no group is open. A restore that fails before changing anything
+        (`RestoreNotStarted`) is raised, the group kept, and counts as a try (`_restore_at`):
+        the last one gives the group up (every member told, as after a loss)."""
         group = self.group
         if group is None:
             return False
-        try:  # (`RestoreNotStarted`: raised, the group kept; the front door asks again)
+        try:
             group.restore({}, self.restore_source, release=tuple(group.stage.seqs))
         except GroupMemberLost as exc:
             self.lose_group(exc)
             raise
+        except RestoreNotStarted as exc:  # the group kept (the front door asks again), at
+            self.restore_failures.append(str(exc))  # most `RESTORE_TRIES` times in all
+            if len(self.restore_failures) < RESTORE_TRIES:
+                raise
+            why = f"the group's restore failed {RESTORE_TRIES} times (last: {exc})"
+            log.error("restore given up; the group ends", error=why)
+            self.lose_group(RuntimeError(why), lost=-1)  # (nothing live to recompute)
+            return True
         self.group, self.last_group, self.restore_failures = None, group, []
         return True
 

@@ -18,7 +18,9 @@ layers written back while the group keeps serving (gpu/restore_prefetch.py), the
    pipelined step asks them when no step ran for a while).
 3. The scheduler's next step carries the plan of one (`Regroup(group=solo)`): that step's
    restore moves only the KV and switches every member to its whole model. With no live
-   request, the runner restores at once (no step would carry it).
+   request, the runner restores at once (no step would carry it). The answer waits for that
+   step (`_restored`): a restore that failed there before changing anything is tried again at
+   the next steps, or here once no request is live (no step would come).
 
 A member lost while the prefetch runs: a step that finds it fails as any grouped step does
 (`GroupLost`: the head serves alone from its host copy, the engine recomputes every request);
@@ -48,6 +50,8 @@ ended (a member stuck but not known lost) leaves the rest to the restore's bound
 SETTLE_S = 10.0
 """How long a restore waits for its group's KV exchange to settle before it is refused (as
 shunter/cluster/instance_grow.py's growth: the adopted requests must have run a step here)."""
+RESTORED_S = 30.0
+"""How long the answer waits for the step that restores (the front door's own wait)."""
 QUIET_S = 0.05
 """No step sent for this long: the wait asks the members itself (an empty pipelined step)."""
 
@@ -85,7 +89,22 @@ async def leave_here(groups) -> dict:
     idle = not await _live(eng)
     if idle:  # no step will come to carry the restore
         await runner._thread.run(runner.dissolve_idle)
+    else:
+        await _restored(groups, group)
     return {**out, "restored_at_once": idle}
+
+
+async def _restored(groups, group) -> None:
+    """Until a step restored `group` (at most `RESTORED_S`; the front door then waits for it as
+    before). One that failed before changing anything is tried again at the runner's next
+    steps (gpu/kunserve_runner.py `_restore_at`); once no request is live no step comes, so it
+    is tried here (`dissolve_idle`; its error is the answer: the front door asks again later)."""
+    runner, began = groups.runner, time.monotonic()
+    while runner.group is group and time.monotonic() - began < RESTORED_S:
+        if runner.restore_failures and not await _live(groups.engine):
+            await runner._thread.run(runner.dissolve_idle)
+            return
+        await anyio.sleep(POLL_S)
 
 
 async def _live(eng) -> tuple[int, ...]:
