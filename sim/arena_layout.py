@@ -7,7 +7,8 @@ from block 0, then each decoder layer from a fresh block boundary, every tensor 
 256-byte multiple. A member that drops layers frees only those layers' blocks: every member keeps
 the global tensors (gpu/stage_view.py `kept_weight_ranges`). The simulator's group pool
 (shunter/cluster/groups.py) and its restore's weight bytes (shunter/cluster/sim_restore.py) read
-these counts; tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout` and the
+these counts, and so does the monitor's planner (`planned_pool`: the groups as they will be);
+tests/sim/test_kunserve_group_pool.py holds them equal to `plan_layout` and the
 torch group's pool (`group_pool_blocks`, for every split: `stage_capacity`), and
 tests/sim/test_kunserve_instance_pool.py `weight_blocks` to `plan_layout`'s. The model shape
 (sim/profile.py `ModelShape`) names no biases: a Qwen2 layer's q/k/v biases are not counted.
@@ -15,7 +16,12 @@ tests/sim/test_kunserve_instance_pool.py `weight_blocks` to `plan_layout`'s. The
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import lru_cache
+
 import numpy as np
+
+from engine.cluster.plan import stage_layers
 
 ALIGN_BYTES = 256
 """gpu/arena.py `_ALIGN_BYTES`: each weight starts at a multiple of this many bytes."""
@@ -84,3 +90,26 @@ def group_pool_blocks(model, block_size: int, total_blocks: int,
     smallest member's stage capacity (gpu/stage_view.py `group_pool_blocks`). Uneven splits
     waste what their stride leaves over (Llama-3-8B in 3: 11 layers kept 16 apart)."""
     return min(stage_capacity(model, block_size, total_blocks, keep) for keep in layers)
+
+
+def sized_pool(model, block_size: int, pools: Sequence[int], layers: tuple[range, ...]) -> int:
+    """The KV blocks of a group whose members alone had `pools` and keep `layers`: torch's
+    (`group_pool_blocks`, in an arena of the weights and the member's own pool); members with
+    pools of different sizes (no torch group has them): their pools and the dropped layers'
+    blocks (engine/cluster/drop_plan.py `group_pool`'s count)."""
+    if len(set(pools)) > 1:
+        return sum(pools) + (len(pools) - 1) * freed_blocks(model, block_size)
+    return group_pool_blocks(model, block_size, weight_blocks(model, block_size) + pools[0],
+                             layers)
+
+
+def planned_pool(model, block_size: int):
+    """The group pool the monitor's planner sizes groups with (engine/cluster/overload.py
+    `OverloadMonitor(pool=...)`): `sized_pool` of members in pipeline order, the layers split
+    as every plan splits them (engine/cluster/plan.py `stage_layers`)."""
+
+    @lru_cache(maxsize=256)
+    def pool(pools: tuple[int, ...]) -> int:
+        return sized_pool(model, block_size, pools, stage_layers(model.num_layers, len(pools)))
+
+    return lambda pools: pool(tuple(pools))

@@ -14,7 +14,7 @@ larger than it has to be. Plain and synchronous: the coordinator decides when, t
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import attrs
@@ -77,13 +77,16 @@ def group_pool(pools: Sequence[int], weight_blocks: int) -> int:
 
 
 def plan_drop(instances: Sequence[InstanceCapacity], *, num_layers: int, weight_blocks: int,
-              groups: Sequence[Sequence[int]] = ()) -> DropPlan | None:
+              groups: Sequence[Sequence[int]] = (),
+              pool: Callable[[Sequence[int]], int] | None = None) -> DropPlan | None:
     """Greedy grouping: start from the current `groups` (index tuples; unlisted instances are
     alone); while a group's queued demand exceeds its free blocks, merge the smallest such group
     (ties: the lowest index) with the smallest other group. None when a group that does not fit
     cannot grow any more: one group of every instance cannot hold the demand, or the merge would
     need more stages than the model has layers (the caller falls back to KV-centric preemption,
-    §4.1)."""
+    §4.1). `pool` gives the KV blocks of a group whose members alone had these pools (pipeline
+    order); by default `group_pool`, which an uneven torch group falls short of (its stride
+    wastes blocks: sim/arena_layout.py `group_pool_blocks`)."""
     if weight_blocks < 0:
         raise ValueError(f"weight_blocks must be >= 0, got {weight_blocks}")
     by_index = {c.index: c for c in instances}
@@ -93,8 +96,9 @@ def plan_drop(instances: Sequence[InstanceCapacity], *, num_layers: int, weight_
     current = start + [(c.index,) for c in instances if c.index not in grouped]
 
     def free(g: tuple[int, ...]) -> int:
-        return (sum(by_index[i].pool_blocks - by_index[i].used_blocks for i in g)
-                + (len(g) - 1) * weight_blocks)
+        pools = [by_index[i].pool_blocks for i in g]
+        whole = pool(pools) if pool is not None and len(g) > 1 else group_pool(pools, weight_blocks)
+        return whole - sum(by_index[i].used_blocks for i in g)
 
     def demand(g: tuple[int, ...]) -> int:
         return sum(by_index[i].queued_blocks for i in g)

@@ -122,12 +122,19 @@ class OverloadMonitor:
     their own pools."""
 
     def __init__(self, *, base_pools: Sequence[int], block_size: int, num_layers: int,
-                 weight_blocks: int, triggers: TriggerFactory) -> None:
+                 weight_blocks: int, triggers: TriggerFactory,
+                 pool: Callable[[Sequence[int]], int] | None = None) -> None:
         self.base_pools = list(base_pools)
         self.block_size = block_size
         self.num_layers = num_layers
         self.weight_blocks = weight_blocks
         """KV blocks one copy of the weights becomes when dropped (§4.1)."""
+        self.pool = pool
+        """The KV blocks of a group whose members alone had these pools (pipeline order, the
+        layers split as `stage_layers` splits them), as the group manager will size it: the
+        planner sizes groups with it. None: the pools plus `weight_blocks` a member past the
+        first (drop_plan.py `group_pool`), which an uneven torch group falls short of (its
+        stride wastes blocks: sim/arena_layout.py `group_pool_blocks`)."""
         self._make = triggers
         self._triggers: dict[int, Trigger] = {}
         """Each unit's own triggers, by the instance heading it."""
@@ -242,7 +249,7 @@ class OverloadMonitor:
             # condition found blocked), so memory still grows where it blocks the queue
             plan = plan_drop(self._capacities(stats, alive, out, head_only=head_only),
                              num_layers=self.num_layers, weight_blocks=self.weight_blocks,
-                             groups=groups)
+                             groups=groups, pool=self.pool)
             if plan is not None:
                 self.head_only_plans += head_only
                 break

@@ -4,7 +4,7 @@ engine/cluster/overload.py), this does it, talking to each engine's actors by th
 
 Forming a group (§4.1-4.2): each member that served alone hands its requests over (their state
 and their client streams, engine/cluster/adoption.py); the head adopts them, grows its pool by
-the members' pools and the weights they dropped (engine/cluster/drop_plan.py `group_pool`),
+torch's group pool (sim/arena_layout.py `sized_pool`; the monitor plans with the same count),
 and from its next step runs as a pipeline over the group (sim/group.py). The KV of every request
 in flight for the layers another member now keeps is exchanged over each source's link, in
 whole blocks (sim_formation.py, sim/exchange.py); each request waits for its own bytes. New
@@ -23,7 +23,7 @@ import anyio
 import structlog
 
 from engine.cluster.counters import ClusterCounters
-from engine.cluster.drop_plan import GroupPlan, group_pool, queue_moves
+from engine.cluster.drop_plan import GroupPlan, queue_moves
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore, Trigger, TriggerFactory
 from engine.messages import HandOverStreams, Regroup, TakeOverStreams
@@ -31,7 +31,7 @@ from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
 from shunter.cluster.sim_formation import Formation, exchange
-from sim.arena_layout import freed_blocks, group_pool_blocks, weight_blocks
+from sim.arena_layout import freed_blocks, planned_pool, sized_pool
 from shunter.cluster.sim_restore import OneStep, restore
 from sim.group import GroupNetwork
 from sim.network import NetworkLink
@@ -58,9 +58,6 @@ class SimGroups:
         the profile's host link (32 GB/s, PCIe 4.0 x16, when the profile names none)."""
         self.block_size = block_size
         self.block_bytes = model.block_bytes(block_size)
-        self.weight_blocks = freed_blocks(model, block_size)
-        """KV blocks each member past the first adds to a group's pool: its dropped decoder
-        layers' arena blocks, as torch frees them (sim/arena_layout.py, not the global tensors)."""
         self.groups: dict[int, GroupPlan] = {}
         self.faults: dict[int, int] = {}
         """Groups dissolved by a fault, by head (their KV exchanges no longer report)."""
@@ -234,15 +231,10 @@ class SimGroups:
                                 head=head, requests=len(late))
 
     def pool_of(self, g: GroupPlan) -> int:
-        """The KV blocks `g`'s head gets: torch's group pool, its smallest member's stage
-        capacity in an arena of the weights and its own pool (sim/arena_layout.py; an uneven
-        split wastes what its stride leaves over); members with pools of different sizes (no
-        torch group has them): their pools and the dropped layers' blocks."""
-        pools = [self.base_pools[m] for m in g.members]
-        if len(set(pools)) > 1:
-            return group_pool(pools, self.weight_blocks)
-        return group_pool_blocks(self.model, self.block_size,
-                                 weight_blocks(self.model, self.block_size) + pools[0], g.layers)
+        """The KV blocks `g`'s head gets: torch's group pool (sim/arena_layout.py `sized_pool`:
+        an uneven split wastes what its stride leaves over), as the monitor planned it."""
+        return sized_pool(self.model, self.block_size, [self.base_pools[m] for m in g.members],
+                          g.layers)
 
     async def _reschedule_queued(self, stats) -> None:
         """Queued requests (no KV yet) of an instance serving alone whose demand exceeds its
@@ -397,4 +389,4 @@ def overload_monitor(policy, config, engines: list) -> OverloadMonitor | None:
     return OverloadMonitor(
         base_pools=[e.backend.runner.num_blocks for e in engines], block_size=config.block_size,
         num_layers=model.num_layers, weight_blocks=freed_blocks(model, config.block_size),
-        triggers=triggers)
+        triggers=triggers, pool=planned_pool(model, config.block_size))
