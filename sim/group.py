@@ -125,6 +125,12 @@ class GroupNetwork:
     fault_holds: list[float] = attrs.field(factory=list)
     """The same for a hold a fault moved (its reload, not a restore's copies)."""
     _moved: anyio.Event | None = None
+    loaded_at: float = 0.0
+    """A merged group's members load the layers they gain from their host copies (as torch's
+    members do at a re-split, gpu/kept_kv.py): its grouped steps start no earlier
+    (shunter/cluster/sim_formation.py `merge_load_s`)."""
+    load_waits: list[float] = attrs.field(factory=list)
+    """Virtual seconds grouped steps waited for it, one per step that waited."""
 
     def hold_to(self, until: float, why: str) -> None:
         """The head's first step alone waits until `until` (a waiter already holding follows)."""
@@ -287,6 +293,9 @@ class SimGroup:
                     if last[q] > first[q] and step.seqs[q].sample), default=0.0)
 
     async def step(self, step: ExecuteStep) -> StepFinished:
+        if (load := self.net.loaded_at - anyio.current_time()) > 0:  # a merge's gained layers
+            await anyio.sleep(load)
+            self.net.load_waits.append(load)
         now = anyio.current_time()
         filled = self.net.note_step(step)
         keyed = self._microbatches(step) if step.seqs else []

@@ -30,7 +30,7 @@ from engine.messages import HandOverStreams, Regroup, TakeOverStreams
 from engine.policy import MemorySettings
 from engine.reply import Reply
 from shunter.cluster.sim_faults import recover
-from shunter.cluster.sim_formation import Formation, exchange
+from shunter.cluster.sim_formation import Formation, exchange, merge_load_s
 from sim.arena_layout import freed_blocks, planned_pool, sized_pool
 from shunter.cluster.sim_restore import OneStep, restore
 from sim.group import GroupNetwork
@@ -170,6 +170,8 @@ class SimGroups:
         began = anyio.current_time()
         head = self.instances[g.head].engine
         members = {m: h for h, old in self.groups.items() for m in old.members[1:]}
+        before = {m: r for old in self.groups.values() for m, r in zip(old.members, old.layers)}
+        merge = sum(1 for old in self.groups.values() if set(old.members) & set(g.members)) > 1
         sources: dict[int, int] = {}
         adopted = []
         for m in g.members[1:]:
@@ -199,6 +201,8 @@ class SimGroups:
         self.groups = {h: old for h, old in self.groups.items()
                        if not set(old.members) & set(g.members)}
         self.groups[g.head] = g
+        load_s = merge_load_s(self, g, before, merge)
+        head.backend.runner.network.loaded_at = anyio.current_time() + load_s
         await self.coordinator.send(GroupsChanged(formed=g))
         self._exchange(g, waiting, sources)
         c = self.counters
@@ -206,7 +210,7 @@ class SimGroups:
         c.adopted_requests += len(adopted)
         c.events.append({"t": anyio.current_time(), "event": "group", "members": list(g.members),
                          "pool_blocks": pool, "adopted": len(adopted), "exchanging": len(waiting),
-                         "forming_s": anyio.current_time() - began})
+                         "forming_s": anyio.current_time() - began, "load_s": load_s})
         log.info("group formed", members=g.members, pool_blocks=pool, adopted=len(adopted),
                  exchanging=len(waiting))
 

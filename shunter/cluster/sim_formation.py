@@ -8,6 +8,10 @@ ceil(computed tokens / block size) blocks, the head's own its table's, the same 
 request's partly filled last block goes whole. Activations wait for it as the policy's
 `kv_exchange` says (sim/exchange.py); each request waits only for its own bytes.
 
+A re-split (a running group grows, or groups merge): the members that now keep layers they had
+dropped get them first, from their host copies at a merge, from the new member at a growth; the
+group's steps wait for them (`merge_load_s`).
+
 When it has settled: once the head's scheduler has every request's arrival (`Formation`). A
 restore waits for that first (`settled`, as shunter/cluster/instance_restore.py `_settled`
 does on torch), for at most `SETTLE_S`; one that waits longer is refused as a pool too small
@@ -21,6 +25,7 @@ import attrs
 
 from engine.cluster.drop_plan import GroupPlan
 from engine.messages import SwapDone
+from sim.arena_layout import layer_blocks
 from sim.exchange import SimExchange
 from sim.profile import ModelShape
 
@@ -83,6 +88,28 @@ def exchange(groups, g: GroupPlan, waiting, sources: dict[int, int]) -> None:
         net.exchanges.append(x)
         groups.counters.kv_exchanged_bytes += sum(b for _, b in queue)
         groups._tg.start_soon(x.run, queue, arrived)
+
+
+def gained_layers(g: GroupPlan, before: dict[int, range]) -> list[int]:
+    """Layers each member of `g` keeps that it did not hold before (`before`: each member of a
+    group that ran, its layers there; an instance alone held every layer)."""
+    return [len(set(r) - set(before.get(m, r))) for m, r in zip(g.members, g.layers)]
+
+
+def merge_load_s(groups, g: GroupPlan, before: dict[int, range], merge: bool) -> float:
+    """How long `g`'s members take to get the layers they gain at a re-split, as torch's do:
+    in a `merge` of running groups (gpu/group_merge.py) each from its host copy, over its own
+    host link (a pair-to-four merge of Llama-3-8B: two members, 8 layers each, 3.5 GB, 0.11 s
+    at 32 GB/s): the slowest member's; in a growth (gpu/group_grow.py, `PEER_GAINS`) from the
+    first new member, which holds every layer, over its pipeline link, one after another."""
+    per = layer_blocks(groups.model, groups.block_size) * groups.block_bytes
+    gained = gained_layers(g, before)
+    if not any(gained):
+        return 0.0
+    if merge:
+        host = groups.host_link()
+        return max(host.send_s(n * per) for n in gained if n)
+    return groups.link.send_s(sum(gained) * per)
 
 
 async def settled(groups, g: GroupPlan) -> float | None:

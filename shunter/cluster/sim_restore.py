@@ -32,8 +32,10 @@ filled last block (the torch backend's rounds, kun-delta's design, s31). `off`: 
 the restore's step. Either way the group stops at the end of its step in flight (or now, if
 idle) and the head's first step alone starts when the slowest member's copies at the step have
 landed (`GroupNetwork.hold`): copy_m = link(w_m + kv_m) from peers, max(host(w_m), link(kv_m))
-from the host (the prefetch leaves w_m = 0 there). A member lost before they land:
-sim_faults.py (one fault: the head recomputes and reloads from its host copy; no restore).
+from the host (the prefetch leaves w_m = 0 there), the head's kv being every member's (it takes
+them all over its one link; since s32: each member's was charged on its own link before). A
+member lost before they land: sim_faults.py (one fault: the head recomputes and reloads from its
+host copy; no restore).
 """
 
 from __future__ import annotations
@@ -94,10 +96,14 @@ def _send_s(link: NetworkLink, nbytes: int) -> float:
 def one_step_s(link: NetworkLink, host: NetworkLink | None, weights: list[int],
                kv: list[int]) -> float:
     """How long the restore's step stops the group: the slowest member's copies then (`host`
-    None: its weights from peers, over its pipeline link with its KV)."""
+    None: its weights from peers, over its pipeline link with its KV). The head (member 0)
+    receives every member's KV over its one link, as torch's head does (gpu/restore_kv.py):
+    its copies are its own weights and all of the members' KV (in a group of four, three
+    members' share through one link)."""
+    into_head = [sum(kv)] + list(kv[1:])
     return max((_send_s(link, w + k) if host is None
                 else max(_send_s(host, w), _send_s(link, k))
-                for w, k in zip(weights, kv)), default=0.0)
+                for w, k in zip(weights, into_head)), default=0.0)
 
 
 @attrs.define
