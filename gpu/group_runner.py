@@ -211,7 +211,6 @@ class GroupRunner:
         for rank, reply in self._answers(step):
             if reply.error is not None:
                 raise RuntimeError(f"pipeline group member instance {rank}: {reply.error}")
-            self._note_prefetch(rank, reply)
             replies.append(reply)
         self._fed_back = replies[-1].sampled
         missing = ({w.request_id for w in step.seqs if w.sample}
@@ -237,6 +236,7 @@ class GroupRunner:
             out.append((rank, recv_obj(rank, REPLY_TAG, f"step {step.step_id} ran")))
             self._unanswered.remove(rank)
             self._note_arrived(m, out[-1][1].arrived)  # (a failed step's too: taken there)
+            self._note_prefetch(rank, out[-1][1])  # (so are its prefetch's flags)
         for rank, reply in out:
             if reply.lost == -1:  # (none gone: a member's prefetch broke part-way)
                 raise PrefetchBroken(f"instance {rank}: {reply.error}")

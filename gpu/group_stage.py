@@ -178,9 +178,20 @@ class GroupStage:
     def failed_reply(self, step_id: int, exc: Exception) -> MemberReply:
         """A member's answer to a step that failed here (not a loss): the error, and the
         requests whose KV arrived since its last answer (taken now: were they lost with the
-        failed step, the head would never hear of them and they would wait for ever)."""
-        return MemberReply(step_id=step_id, error=f"{type(exc).__name__}: {exc}",
-                           arrived=tuple(self.receiver.take_arrived()))
+        failed step, the head would never hear of them and they would wait for ever); and, as
+        every answer, the state of its restore prefetch (weights in, a fallback to the
+        restore's step), so the head need not wait for a step that succeeds to hear it. A
+        prefetch that ended in a loss is answered as one."""
+        arrived, error = tuple(self.receiver.take_arrived()), f"{type(exc).__name__}: {exc}"
+        try:
+            prefetched = prefetch_state(self)
+        except GroupMemberLost as lost:
+            return MemberReply(step_id=step_id, error=str(lost), lost=lost.rank, arrived=arrived)
+        except Exception:  # noqa: BLE001 (the next step's answer raises it: not a loss)
+            prefetched = None
+        return MemberReply(step_id=step_id, error=error, arrived=arrived, prefetched=prefetched,
+                           kv_void=self.kv_void,
+                           weights_from_host=getattr(self.prefetch, "from_host", None))
 
     def _level_activations(self, msg: StageStep) -> None:
         """The step failed here (not a loss): take the activations still due from the previous

@@ -8,6 +8,10 @@ member whose step failed still sends its arrivals with its error (gpu/group_stag
 `failed_reply`). Before, a failed step dropped them: those requests never became `arrived()`,
 the engine kept them waiting for their KV for ever, and `_settled` refused every restore.
 
+The answers to a failed step also carry the member's restore prefetch flags (`prefetched`,
+`kv_void`, `weights_from_host`; review-2 s32), and the head notes them as it notes the
+arrivals: before, they waited for a step that succeeded.
+
 A step whose cut fails names no KV round of a restore prefetch (review s32 item 4): before, the
 round was named (its receives posted) and no member got the step. Stand-in stages and channel,
 no processes."""
@@ -20,6 +24,7 @@ import pytest
 
 import gpu.group_runner as gr
 from engine.messages import ExecuteStep, SeqWork
+from gpu.data_plane import GroupMemberLost
 from gpu.group_messages import GroupStep, MemberReply
 from gpu.group_runner import GroupRunner
 from gpu.group_stage import GroupStage
@@ -104,3 +109,43 @@ def test_a_step_whose_cut_fails_names_no_kv_round(monkeypatch):
     with pytest.raises(ValueError, match="no cut"):
         runner.execute(STEP)
     assert named == [], "a round was named for a step no member got"
+
+
+def test_a_failed_steps_answer_carries_the_members_prefetch_flags():
+    """A member whose step failed still says that its prefetched weights are in, that its KV
+    rounds are zeros (`kv_void`) and that its weights come from its host copy; one whose
+    prefetch ended in a loss answers that loss."""
+    stage = GroupStage.__new__(GroupStage)
+    stage.receiver = _Receiver([7])
+    stage.kv_void = "the first KV round could not be gathered"
+    stage.prefetch = SimpleNamespace(check=lambda: True, from_host="it could not vacate")
+    reply = stage.failed_reply(3, RuntimeError("boom"))
+    assert (reply.error, reply.arrived, reply.prefetched, reply.kv_void,
+            reply.weights_from_host) == ("RuntimeError: boom", (7,), True, stage.kv_void,
+                                         "it could not vacate"), reply
+    stage.prefetch_failed = GroupMemberLost(6, "its KV round was sent", OSError("gone"))
+    lost = stage.failed_reply(4, RuntimeError("boom"))
+    assert lost.lost == 6 and "instance 6 was lost" in lost.error, lost
+
+
+@pytest.mark.parametrize("fails", ["a member", "the head"])
+def test_the_head_notes_the_prefetch_flags_of_a_failed_steps_answers(monkeypatch, fails):
+    """The head hears member 1's fallback (its KV rounds void: none is used) and member 2's
+    weights in from the answers to a step that failed, its own or a member's."""
+    def head(msg):
+        if fails == "the head":
+            raise ValueError("the head's step failed here")
+        return MemberReply(step_id=3)
+
+    abandoned = []
+    runner = _runner(monkeypatch, head, {
+        5: MemberReply(step_id=3, error="RuntimeError: boom" if fails == "a member" else None,
+                       prefetched=False, kv_void="gather failed"),
+        6: MemberReply(step_id=3, prefetched=True)})
+    runner.stage.kv_prefetch = SimpleNamespace(abandon=abandoned.append, void=lambda spans: None)
+    runner._prefetched, runner.prefetch_heard, runner.prefetch_fallbacks = set(), set(), {}
+    with pytest.raises((RuntimeError, ValueError), match="boom|the head's step failed"):
+        runner._run(STEP, MSG, 0.0)
+    assert abandoned == ["instance 5: gather failed"], "a failed step's kv_void was dropped"
+    assert runner.prefetch_heard == {5, 6} and runner._prefetched == {6}, runner.prefetch_heard
+    assert runner.prefetch_fallbacks == {"5 kv": "gather failed"}
