@@ -205,8 +205,16 @@ def _best_kv(cmd: dict, runs: dict) -> float | None:
 
 def _norm(rows: dict | None) -> dict:
     """Rows by variant name without the shipped policy's mark (which rule carries it moved in
-    round 9)."""
-    return {k.removesuffix(" (kunserve)"): v for k, v in (rows or {}).items()}
+    round 9), without their series (`_slim`)."""
+    return {k.removesuffix(" (kunserve)"): _slim(v) for k, v in (rows or {}).items()}
+
+
+def _slim(row: dict) -> dict:
+    """A row without its per-request and per-round series (the re-run files keep them)."""
+    row = {k: v for k, v in row.items() if k not in ("ttft_series", "demand")}
+    if "kv_usage" not in (row.get("cluster") or {}):
+        return row
+    return row | {"cluster": {k: v for k, v in row["cluster"].items() if k != "kv_usage"}}
 
 
 def _events(row: dict) -> str:
