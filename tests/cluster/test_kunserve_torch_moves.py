@@ -11,6 +11,7 @@ fails the first; `instance_down` not called fails the second.
 
 from __future__ import annotations
 
+import math
 import random
 
 import anyio
@@ -24,14 +25,21 @@ from tests.conftest import slow_scale
 from tests.reference import assert_matches, greedy_reference
 
 
+MOVES_FED = 16
+"""The queued-moves test's second burst, sent only when none of the first's requests moved:
+instance 2 gets 8 of them, 80 blocks of demand for its 24, so it queues for many monitor
+rounds (the first burst's 4 queued for a few steps at a time)."""
+
+
 @pytest.mark.anyio
 async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
         anyio_backend, kunserve_config, kunserve_model, tmp_path):
     """Three instance processes; instances 0 and 1 form a group (by the group manager's own
     `form`, the cluster idle), so new requests go round robin to the head and to instance 2,
-    alone. Instance 2's 24-block pool cannot hold its share, so its queue grows; the planner's
-    drop would grow the running group, which the head refuses (4 layers over 3 stages keep
-    2 | 1 | 1: its pool would not grow; asked once), so its queued requests (no KV:
+    alone. Instance 2's 24-block pool cannot hold its share, so its queue grows (and if none
+    moved, a larger burst follows: `feed`); the planner's drop would grow the running group,
+    which the head refuses (4 layers over 3 stages keep 2 | 1 | 1: its pool would not grow;
+    asked once), so its queued requests (no KV:
     never run, or preempted by recompute) move to the head instead (§4.1), and every request
     still gives transformers' tokens; the client of the first moved request cancels as it
     moves, and the head counts that cancel. A restore asked for while the head's requests hold
@@ -56,22 +64,39 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
     got: dict[int, list[int]] = {}
 
     streams, scopes, cancelled = {}, {}, []
+    ended_send, ended = anyio.create_memory_object_stream[int](math.inf)
 
     async def one(cluster: Cluster, i: int) -> None:
         got[i] = []
-        with anyio.CancelScope() as scopes[i]:
-            async with cluster.generate(prompts[i], shunter.SamplingParams(
-                    max_tokens=32, temperature=0)) as stream:
-                streams[i] = stream
-                async for chunk in stream:
-                    got[i] += chunk.token_ids
-                    assert chunk.error is None, (i, chunk.error)
+        try:
+            with anyio.CancelScope() as scopes[i]:
+                async with cluster.generate(prompts[i], shunter.SamplingParams(
+                        max_tokens=32, temperature=0)) as stream:
+                    streams[i] = stream
+                    async for chunk in stream:
+                        got[i] += chunk.token_ids
+                        assert chunk.error is None, (i, chunk.error)
+        finally:
+            ended_send.send_nowait(i)
+
+    async def feed(cluster: Cluster, tg) -> None:
+        """Once the first burst ended: if none of its requests moved, a burst of `MOVES_FED`.
+        A move needs a monitor round that sees instance 2's queued context exceed its free
+        blocks while the head queues nothing; at load 5-8 instance 2 served the first
+        burst's short queue before one did (no move: the test hung)."""
+        for _ in range(len(prompts)):
+            await ended.receive()
+        if cluster.groups.counters.rescheduled_requests:  # (`moved_to` forgets ended ones)
+            return
+        for _ in range(MOVES_FED):
+            prompts.append(_prompt(rng, 8))
+            tg.start_soon(one, cluster, len(prompts) - 1)
 
     async def cancel_one_moved(cluster: Cluster) -> None:
         """The client of the first request that moved gives up: its cancel must reach the head
         (the front door routes it there: `moved_to`)."""
         moved = cluster.instances[2].moved_to
-        while not moved:
+        while not moved:  # (cancelled once every request ended: the test then fails)
             await anyio.sleep(0.001)
         key = next(iter(moved))
         i = next(i for i, st in streams.items() if st.request_id == key)
@@ -83,10 +108,15 @@ async def test_queued_requests_of_an_instance_alone_move_to_a_group_head(
             await cluster.groups.form(GroupPlan(group_id=1, members=(0, 1),
                                                 layers=(range(2), range(2, 4))))
             with anyio.fail_after(180):
-                async with anyio.create_task_group() as tg:
-                    for i in range(len(prompts)):
-                        tg.start_soon(one, cluster, i)
-                    tg.start_soon(cancel_one_moved, cluster)
+                async with anyio.create_task_group() as watch:
+                    watch.start_soon(cancel_one_moved, cluster)
+                    async with anyio.create_task_group() as tg:
+                        for i in range(len(prompts)):
+                            tg.start_soon(one, cluster, i)
+                        tg.start_soon(feed, cluster, tg)
+                    watch.cancel_scope.cancel()
+                assert cancelled, (f"none of {len(prompts)} requests moved from instance 2: "
+                                   f"{cluster.groups.report(0.0)}")
                 snap = await cluster.wait_idle()
                 # the head holds more blocks than its own pool: the restore must wait
                 longer = shunter.SamplingParams(max_tokens=60, temperature=0)
