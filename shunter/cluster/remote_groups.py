@@ -30,6 +30,7 @@ from engine.cluster.counters import ClusterCounters
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.messages import GroupsChanged
 from engine.cluster.overload import Drop, OverloadMonitor, Restore
+from engine.cluster.plan import stage_layers
 from engine.errors import EngineDeadError
 from shunter.cluster.group_wire import (
     AskGroupStats,
@@ -349,9 +350,11 @@ class _TooSmall(Exception):
 def torch_overload_monitor(policy, config, runner, count: int) -> OverloadMonitor | None:
     """KunServe's global monitor for a cluster of `count` torch instance processes built from
     `config` (`runner`: the front door's unstarted TorchRunner, for the model's facts), when
-    the policy has `overload` triggers and the runner can lead groups; else None. The planner's
-    group pool is the torch group's (gpu/stage_view.py `group_pool_blocks`: a two-way group's
-    pool less the two members' own is what one copy of the weights becomes)."""
+    the policy has `overload` triggers and the runner can lead groups; else None. The planner
+    sizes every group as torch will (gpu/stage_view.py `group_pool_blocks` of the split
+    `stage_layers` gives it: an uneven group gets its smallest stage's capacity, short of the
+    linear count); `weight_blocks` (a two-way group's pool less the two members' own) is kept
+    for the monitor's other uses."""
     from gpu.arena import plan_layout
     from gpu.stage_view import group_pool_blocks
     from shunter.cluster.groups import policy_triggers
@@ -368,5 +371,13 @@ def torch_overload_monitor(policy, config, runner, count: int) -> OverloadMonito
     total = plan_layout(model, bs, dtype).weight_blocks + base
     half = layers // 2
     pair = group_pool_blocks(model, bs, dtype, total, (range(half), range(half, layers)))
+    sizes: dict[int, int] = {}
+
+    def pool(pools) -> int:  # every member's pool is `base`: the group's size decides
+        if len(pools) not in sizes:
+            sizes[len(pools)] = group_pool_blocks(model, bs, dtype, total,
+                                                  stage_layers(layers, len(pools)))
+        return sizes[len(pools)]
+
     return OverloadMonitor(base_pools=[base] * count, block_size=bs, num_layers=layers,
-                           weight_blocks=max(0, pair - 2 * base), triggers=triggers)
+                           weight_blocks=max(0, pair - 2 * base), triggers=triggers, pool=pool)
