@@ -174,13 +174,26 @@ def kunserve_rows(cmd: dict, report: dict, *, whole_file: bool = False) -> dict:
     return {k: v for k, v in runs.items() if k.startswith("kunserve")}
 
 
+RECORDED_REV: str | None = None
+"""`collect --recorded-rev`: the commit whose bench/results files are "recorded" (a round that
+replaced the files reads the ones before it)."""
+
+
+def _results(name: str) -> dict:
+    if RECORDED_REV is None:
+        return json.loads((RESULTS / name).read_text())
+    return json.loads(subprocess.run(
+        ["git", "show", f"{RECORDED_REV}:bench/results/{name}"], cwd=ROOT, check=True,
+        capture_output=True, text=True).stdout)
+
+
 def recorded_rows(cmd: dict) -> dict | None:
     """Round 12's figures for the command, where a file kept them: its summary of the files
     set, its restore runs at fitted links; the rules as rounds 9 measured them at 50 ms."""
     r12 = json.loads((RESULTS / "kunserve_pool_round12.json").read_text())
     name = cmd["name"]
     if cmd["set"] == "files":  # the committed file's rows, its KunServe ones as round 12's
-        committed = json.loads((RESULTS / f"{name}.json").read_text())["runs"]
+        committed = _results(f"{name}.json")["runs"]
         return committed | r12["files"].get(name, {}).get("after", {})
     if cmd["set"] == "modes" and not name.endswith("_halflinks"):
         return r12["restore_round12_fitted_links"].get(name.removeprefix("modes_"), {}).get(
@@ -322,6 +335,7 @@ def main() -> None:
     c.add_argument("--scratch", required=True)
     c.add_argument("--labels", default="before,after")
     c.add_argument("--out", required=True)
+    c.add_argument("--recorded-rev", default=None, help="read the recorded files at this commit")
     args = ap.parse_args()
     if args.what == "plan":
         COMMANDS.write_text(json.dumps(plan(), indent=1) + "\n")
@@ -329,6 +343,8 @@ def main() -> None:
     elif args.what == "run":
         run(args)
     else:
+        global RECORDED_REV
+        RECORDED_REV = args.recorded_rev
         collect(args)
 
 
