@@ -88,6 +88,16 @@ def restore_threshold(rule: str | None) -> float | None:
     return float(m.group(1)) / 100 if m else None
 
 
+EVENT_COLORS = {"group": "tab:red", "restore": "tab:green"}
+
+
+def event_lines(events: list[dict]) -> list[tuple[float, str]]:
+    """The vertical lines: red where a group formed, green where one restored. Other events
+    (a fault, the torch runs' `swept` or `rescheduled`) get none: drawn as restores, they
+    showed restores that never happened."""
+    return [(e["t"], EVENT_COLORS[e["event"]]) for e in events if e["event"] in EVENT_COLORS]
+
+
 def last_arrival(series: list) -> float | None:
     """The last arrival in a run's `ttft_series` (a window at rate 0.5x spans twice its
     duration, so the spec's `duration` is not where the arrivals end)."""
@@ -117,9 +127,8 @@ def plot(report: dict, path: Path) -> bool:
     for a in ax:
         for lo, hi in spans:
             a.axvspan(lo, hi, color="0.92", zorder=0)
-        for e in c["events"]:
-            a.axvline(e["t"], color="tab:red" if e["event"] == "group" else "tab:green",
-                      ls="--", lw=0.8)
+        for t, color in event_lines(c["events"]):
+            a.axvline(t, color=color, ls="--", lw=0.8)
         end = last_arrival(run.get("ttft_series") or [])
         if end is not None:
             a.axvline(end, color="k", ls=":", lw=0.8)
