@@ -26,7 +26,7 @@ from engine.cluster.messages import (
     SetTriggers,
     StatsReported,
 )
-from engine.cluster.overload import OverloadMonitor, dissolve_only
+from engine.cluster.overload import Drop, OverloadMonitor, dissolve_only
 
 log = structlog.get_logger(actor="coordinator")
 
@@ -44,6 +44,14 @@ class Coordinator:
         self.rule = rule
         """The running policy's dispatch rule (`engine.cluster.dispatch.DISPATCH_RULES`)."""
         self._inbox = inbox
+        self._forming: dict[int, int] = {}
+        """KunServe: the members of the groups the last `CheckOverload` planned (to form or to
+        grow) -> their head. They are redirected from the plan on, before any of them hands its
+        requests over, so no new request reaches a member between its export and its serving
+        the group (it would run there alone, and its sequence be cleared as the member joins).
+        The front door acts on a plan before it asks again: at the next `CheckOverload` the
+        redirects that no formed group holds are undone (a plan refused, postponed or not
+        acted on)."""
 
     async def run(self, *, task_status: anyio.abc.TaskStatus = anyio.TASK_STATUS_IGNORED) -> None:
         task_status.started()
@@ -75,10 +83,20 @@ class Coordinator:
             case InspectCluster(reply=reply):
                 reply.send(tuple(self.table.views()))
             case CheckOverload(reply=reply):
+                if self.overload is None:
+                    reply.send(None)
+                    return
+                self._undo_forming()
                 views = self.table.views()
-                reply.send(None if self.overload is None else self.overload.decide(
+                action = self.overload.decide(
                     [self.table.stats(v.index) for v in views], [v.alive for v in views],
-                    now=anyio.current_time()))
+                    now=anyio.current_time())
+                if isinstance(action, Drop):
+                    for g in action.new_groups:
+                        for m in g.members[1:]:
+                            if m not in self.table.redirect:
+                                self.table.redirect[m] = self._forming[m] = g.head
+                reply.send(action)
             case GroupsChanged(formed=GroupPlan() as group):
                 self.overload.formed(group)
                 for head, g in list(self.overload.groups.items()):
@@ -93,3 +111,10 @@ class Coordinator:
                 self.overload.restored(head)
             case _:
                 assert_never(msg)
+
+    def _undo_forming(self) -> None:
+        grouped = {m: h for h, g in self.overload.groups.items() for m in g.members[1:]}
+        for m, head in self._forming.items():
+            if self.table.redirect.get(m) == head and grouped.get(m) != head:
+                del self.table.redirect[m]
+        self._forming.clear()

@@ -120,7 +120,8 @@ class DispatchTable:
         self._block_size = block_size
         self.dispatches = 0
         self.redirect: dict[int, int] = {}
-        """KunServe: a grouped member -> its head; a member is never chosen while grouped."""
+        """KunServe: a grouped member -> its head; a member is never chosen while grouped, nor
+        from the monitor round that plans its group on (actors/coordinator.py `_forming`)."""
 
     def views(self) -> list[InstanceView]:
         out = []
