@@ -241,6 +241,36 @@ def group_step(head: Host, sched: Scheduler, step: ExecuteStep | None = None):
     return done
 
 
+def fail_a_victims_step(head: Host, sched: Scheduler, block: int):
+    """Group steps with only the live request with the most tokens left (the others held back)
+    until one, which fills a block of it, fails (a test fault makes it). Returns the victim,
+    the requests held back, that step and its error; fails if no step within a block did."""
+    live = sched.live()
+    victim = max(live, key=lambda r: r.max_tokens - len(r.out))
+    assert len(live) >= 2 and victim.max_tokens - len(victim.out) > block + 1, left_of(live)
+    others = [r for r in live if r is not victim]
+    for r in others:
+        r.ready = False
+    for _ in range(block + 1):
+        step = sched.next_step()
+        try:
+            group_step(head, sched, step)
+        except RuntimeError as exc:
+            return victim, others, step, str(exc)
+    raise AssertionError("no step filled a block of the victim: the fault never fired")
+
+
+def end_the_failed(sched: Scheduler, victim: Req, others: Sequence[Req]) -> None:
+    """As the engine: the failed step's request ends with its error and is released; the
+    requests held back for it run again."""
+    sched.free += victim.table
+    victim.table = []
+    sched.release.append(victim.rid)
+    del sched.reqs[victim.rid]
+    for r in others:
+        r.ready = True
+
+
 def all_ready(sched: Scheduler) -> bool:
     """Every live request's KV is in (its exchange arrived on every member)."""
     return all(r.ready for r in sched.live())

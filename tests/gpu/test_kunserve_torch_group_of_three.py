@@ -28,8 +28,9 @@ from tests.gpu.kunserve_driver import (
     Req,
     Scheduler,
     adopt_live,
+    end_the_failed,
+    fail_a_victims_step,
     form_group,
-    group_step,
     group_steps,
     hosts_with_env,
     random_prompt,
@@ -90,32 +91,11 @@ def test_a_middle_members_failed_step_levels_the_last_and_the_group_serves_on(
     s0, reqs, moved = _grouped3(model_dir, (h0, h1, h2), solos)
     _shrink(h0, s0, solos[0])
     h0.call("prefetch", "peer")
-    live = s0.live()
-    victim = max(live, key=lambda r: r.max_tokens - len(r.out))
-    assert len(live) >= 2 and victim.max_tokens - len(victim.out) > BLOCK + 1, \
-        [(r.name, len(r.out), r.max_tokens) for r in live]
-    others = [r for r in live if r is not victim]
-    for r in others:  # the victim alone until a step fills one of its blocks (and fails)
-        r.ready = False
-    failed = None
-    for _ in range(BLOCK + 1):
-        step = s0.next_step()
-        try:
-            group_step(h0, s0, step)
-        except RuntimeError as exc:
-            failed = (step, str(exc))
-            break
-    assert failed is not None, "no step filled a block of the victim: the fault never fired"
-    step, message = failed
+    victim, others, step, message = fail_a_victims_step(h0, s0, BLOCK)
     assert "member instance 1: RuntimeError: the test's fault" in message, message
     assert "lost" not in message, message
     assert {w.request_id for w in step.seqs} == {victim.rid}, step.seqs
-    s0.free += victim.table  # as the engine: the failed step's request ends, is released
-    victim.table = []
-    s0.release.append(victim.rid)
-    del s0.reqs[victim.rid]
-    for r in others:
-        r.ready = True
+    end_the_failed(s0, victim, others)
     _serve_until_ready(h0, s0, worked=2)
     partial = _partial_block_bytes(model_dir, s0)  # (the members' layers: 2 of 4, as in 2)
     restored, _ = _restore(h0, h1, s0, solos[0])

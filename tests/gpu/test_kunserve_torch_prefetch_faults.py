@@ -24,7 +24,8 @@ import pytest
 from gpu.data_plane import FAULT_ENV
 from gpu.group_stage import STEP_FAULT_ENV
 from tests.gpu.kunserve_driver import (
-    group_step,
+    end_the_failed,
+    fail_a_victims_step,
     hosts_with_env,
     restored_kv_is_a_prefill,
     run_alone,
@@ -72,33 +73,11 @@ def test_a_member_step_failing_while_kv_rounds_run_leaves_the_restore_whole(
     s0, reqs, moved = _grouped(model_dir, h0, h1, solo0, solo1, seed=4)
     _shrink(h0, s0, solo0)
     h0.call("prefetch", "peer")
-    live = s0.live()
-    victim = max(live, key=lambda r: r.max_tokens - len(r.out))
-    assert len(live) >= 2 and victim.max_tokens - len(victim.out) > BLOCK + 1, \
-        [(r.name, len(r.out), r.max_tokens) for r in live]
-    others = [r for r in live if r is not victim]
-    for r in others:  # the victim alone until a step fills one of its blocks (and fails)
-        r.ready = False
-    failed = None
-    for _ in range(BLOCK + 1):
-        step = s0.next_step()
-        try:
-            group_step(h0, s0, step)
-        except RuntimeError as exc:
-            failed = (step, str(exc))
-            break
-    assert failed is not None, "no step filled a block of the victim: the fault never fired"
-    step, message = failed
+    victim, others, step, message = fail_a_victims_step(h0, s0, BLOCK)
     assert "the test's fault" in message and "lost" not in message, message
     assert ("member instance" not in message) == (fault == "step@0"), message  # (whose)
     assert {w.request_id for w in step.seqs} == {victim.rid}, step.seqs
-    # as the engine: the failed step's request ends with its error and is released
-    s0.free += victim.table
-    victim.table = []
-    s0.release.append(victim.rid)
-    del s0.reqs[victim.rid]
-    for r in others:
-        r.ready = True
+    end_the_failed(s0, victim, others)
     _serve_until_ready(h0, s0, worked=2)  # (before: never ready; it failed here after 120 s)
     partial = _partial_block_bytes(model_dir, s0)
     restored, _ = _restore(h0, h1, s0, solo0)
