@@ -188,7 +188,7 @@ def hand_over_group(runner, head_rank: int) -> dict:
     from gpu.group_member import serve_stage
 
     group, runner.group = runner.group, None
-    runner.last_group = group
+    runner.last_group, runner.last_ended = group, "merged"
     try:
         for rank in group.ranks[1:]:
             try:

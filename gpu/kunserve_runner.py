@@ -60,6 +60,9 @@ class KunServeTorchRunner(TorchRunner):
         (gpu/kv_moved.py); never reset."""
         self.last_group: GroupRunner | None = None
         """The group runner of the last group led (its counters outlive it)."""
+        self.last_ended: str | None = None
+        """How it ended: "restored", "lost" (a member gone, or its restore given up), or
+        "merged" (handed over to another head, gpu/group_merge.py)."""
         self.lost: str | None = None
         """Why the group this instance led broke (a member went away), once it did."""
         self._kv_lost: set[int] = set()
@@ -247,6 +250,7 @@ class KunServeTorchRunner(TorchRunner):
             self.lose_group(RuntimeError(why), lost=-1)  # (nothing live to recompute)
             return True
         self.group, self.last_group, self.restore_failures = None, group, []
+        self.last_ended = "restored"
         return True
 
     def expect_adopted(self, adopted: Sequence[Adopted]) -> None:
@@ -327,7 +331,7 @@ class KunServeTorchRunner(TorchRunner):
                             f"recomputes its requests", self.num_blocks) from exc
         group, self.group = self.group, None
         group.restore_stats["failed_tries"] = self.restore_failures
-        self.last_group, self.restore_failures = group, []
+        self.last_group, self.restore_failures, self.last_ended = group, [], "restored"
         return True
 
     def _group_lost(self, exc: GroupMemberLost) -> None:
@@ -346,7 +350,7 @@ class KunServeTorchRunner(TorchRunner):
         asked the members for arrivals); the caller tells the engine to recompute. `lost`:
         the member gone (`exc.rank`), or -1 for none (a restore given up)."""
         group, self.group = self.group, None
-        self.last_group = group
+        self.last_group, self.last_ended = group, "lost"
         self.lost = str(exc)
         self._lost_ranks = group.ranks
         self.restore_failures = []

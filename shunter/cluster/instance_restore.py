@@ -63,7 +63,12 @@ async def leave_here(groups) -> dict:
     eng, runner = groups.engine, groups.runner
     group = runner.group
     if group is None:
-        raise RuntimeError("this instance leads no group")
+        if runner.last_group is None:
+            raise RuntimeError("this instance leads no group")
+        # it ended at a step since the front door last asked (restored there after a failed
+        # try, or given up): answered as over, so the front door lets it go (else it asked
+        # again every round for good, its members redirected to a head leading nothing)
+        return {"ended_already": runner.last_ended, "restored_at_once": False}
     solo = GroupPlan(group_id=-1, members=(group.ranks[0],), layers=(
         range(runner._model_config.num_layers),))
     await _settled(groups, group)

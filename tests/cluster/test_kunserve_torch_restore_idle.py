@@ -77,3 +77,37 @@ def test_dissolve_idle_gives_the_group_up_after_its_tries():
     assert tries == [(3,)] * (RESTORE_TRIES - 1)
     (why, kw), = lost
     assert kw == {"lost": -1} and f"restore failed {RESTORE_TRIES} times" in why, lost
+
+
+@pytest.mark.anyio
+async def test_leave_group_for_a_group_already_ended_answers_it_over(anyio_backend):
+    """A group that ended at a step since the front door last asked (restored there after a
+    failed try, or given up as after a loss): its `LeaveGroup` answers it over, so the front
+    door lets it go. Before, it answered "this instance leads no group", the front door kept
+    the group and asked again every round for good (reviewer s32, review-2.md)."""
+    from shunter.cluster.instance_restore import leave_here
+
+    if anyio_backend != "asyncio":
+        pytest.skip("the stand-ins do not depend on the event loop")
+    for how in ("restored", "lost"):
+        runner = SimpleNamespace(group=None, last_group=object(), last_ended=how)
+        out = await leave_here(SimpleNamespace(runner=runner, engine=None))
+        assert out == {"ended_already": how, "restored_at_once": False}, out
+    never = SimpleNamespace(runner=SimpleNamespace(group=None, last_group=None), engine=None)
+    with pytest.raises(RuntimeError, match="leads no group"):
+        await leave_here(never)
+
+
+
+def test_the_runner_records_how_its_group_ended():
+    runner = KunServeTorchRunner.__new__(KunServeTorchRunner)
+    runner._seqs, told = {}, []
+    runner.group = SimpleNamespace(
+        ranks=(0, 1), recover_from_host=lambda rank, why=None: told.append(rank))
+    runner.lose_group(RuntimeError("the test's give-up"), lost=-1)
+    assert (runner.group, runner.last_ended, told) == (None, "lost", [-1])
+    restored = SimpleNamespace(restore=lambda tables, source, release: None,
+                               stage=SimpleNamespace(seqs={}))
+    runner.group, runner.restore_source, runner.restore_failures = restored, "peer", []
+    assert runner.dissolve_idle() is True
+    assert (runner.group, runner.last_group, runner.last_ended) == (None, restored, "restored")
