@@ -16,12 +16,12 @@ import pytest
 import trio
 import trio.testing
 
-import shunter
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.cluster import Cluster
 from sim.arena_layout import freed_blocks, global_blocks, group_pool_blocks, layer_blocks
 from sim.profile import load_profile
+from tests.sim.kunserve_burst import ends_of, start_burst
 
 BLOCK = 16
 
@@ -105,20 +105,12 @@ async def _burst(instances: int = 2, n: int = 40):
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300,
                           policy=policy_path("kunserve_drop"))
     async with Cluster.start(config, instances=instances, kind="inprocess") as cluster:
-        ends = []
-
-        async def one(i: int) -> None:
-            await anyio.sleep(i * 0.005)
-            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
-                max_tokens=60, ignore_eos=True))
-            ends.append((done.finish_reason, len(done.token_ids)))
-
+        done = []
         with anyio.fail_after(120):  # virtual seconds: a lost request fails here
             async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(one, i)
+                start_burst(tg, cluster, done, n, max_tokens=60)
             snap = await cluster.inspect()
-        return ends, snap, cluster.groups
+        return ends_of(done), snap, cluster.groups
 
 
 def test_a_simulated_group_gets_that_pool():

@@ -18,12 +18,12 @@ import pytest
 import trio
 import trio.testing
 
-import shunter
 from actors import coordinator
 from engine.cluster.overload import OverloadMonitor
 from engine.config import EngineConfig
 from policies import policy_path
 from shunter.cluster.cluster import Cluster
+from tests.sim.kunserve_burst import ends_of, start_burst
 
 N = 300
 
@@ -32,19 +32,11 @@ async def _stream(rounds: list):
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300,
                           policy=policy_path("kunserve_exchange"))
     async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
-        ends = []
-
-        async def one(i: int) -> None:
-            await anyio.sleep(i * 0.005)
-            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
-                max_tokens=60, ignore_eos=True))
-            ends.append((done.finish_reason, len(done.token_ids)))
-
+        done = []
         with anyio.fail_after(300):  # virtual seconds
             async with anyio.create_task_group() as tg:
-                for i in range(N):
-                    tg.start_soon(one, i)
-        return ends, cluster.groups
+                start_burst(tg, cluster, done, N, max_tokens=60)
+        return ends_of(done), cluster.groups
 
 
 @pytest.mark.parametrize("redirect", [True, False], ids=["redirect", "sweep-only"])

@@ -16,7 +16,6 @@ import pytest
 import trio
 import trio.testing
 
-import shunter
 from engine.cluster.drop_plan import GroupPlan
 from engine.cluster.plan import stage_layers
 from engine.config import EngineConfig
@@ -27,6 +26,7 @@ from shunter.cluster.sim_restore import one_step_s
 from sim.arena_layout import layer_blocks
 from sim.network import NetworkLink
 from sim.profile import load_profile
+from tests.sim.kunserve_burst import ends_of, start_burst
 
 L = 32
 PAIR, FOUR = stage_layers(L, 2), stage_layers(L, 4)
@@ -81,25 +81,17 @@ async def _merge():
                           policy=policy_path("kunserve_drop"))
     async with Cluster.start(config, instances=4, kind="inprocess") as cluster:
         groups = cluster.groups
-        ends = []
-
-        async def one(i: int) -> None:
-            await anyio.sleep(i * 0.005)
-            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
-                max_tokens=300, ignore_eos=True))
-            ends.append((done.finish_reason, len(done.token_ids)))
-
+        done = []
         with anyio.fail_after(300):  # virtual seconds: a lost request fails here
             async with anyio.create_task_group() as tg:
-                for i in range(90):
-                    tg.start_soon(one, i)
+                start_burst(tg, cluster, done, 90, max_tokens=300)
                 while len(groups.groups) < 2:  # (1, 0) and (2, 3)
                     await anyio.sleep(0.01)
                 await anyio.sleep(0.5)  # the pairs serve a while
                 before = {m: r for g in groups.groups.values()
                           for m, r in zip(g.members, g.layers)}
                 await groups._form(GroupPlan(group_id=9, members=(0, 1, 2, 3), layers=FOUR))
-        return ends, groups, before
+        return ends_of(done), groups, before
 
 
 def test_a_merge_waits_for_the_members_gained_layers_from_their_host_copies():

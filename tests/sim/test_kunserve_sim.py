@@ -16,6 +16,7 @@ from policies import policy_path
 from shunter.cluster.cluster import Cluster
 from sim.exchange import SimExchange
 from sim.network import NetworkLink
+from tests.sim.kunserve_burst import start_burst
 
 
 def _virtual(fn, *args):
@@ -26,23 +27,16 @@ async def _burst(policy: str, n: int = 40):
     config = EngineConfig(backend="sim", cpu_swap_blocks=0, num_blocks=300,
                           policy=policy_path(policy))
     async with Cluster.start(config, instances=2, kind="inprocess") as cluster:
-        ends = []
-
-        async def one(i: int) -> None:
-            await anyio.sleep(i * 0.005)
-            done = await cluster.complete(list(range(1, 400)), shunter.SamplingParams(
-                max_tokens=200, ignore_eos=True))
-            ends.append((done.finish_reason, len(done.token_ids), done.timeline.ttft_s))
-
+        done = []
         with anyio.fail_after(120):  # virtual seconds: a lost request fails here
             async with anyio.create_task_group() as tg:
-                for i in range(n):
-                    tg.start_soon(one, i)
+                start_burst(tg, cluster, done, n, max_tokens=200)
             snap = await cluster.wait_idle()
             # low load: 4 calm seconds (kunserve.policy's hold), then the restore
             # copies 8 GB of layers per link (1 s)
             await anyio.sleep(7.0)
             after = await cluster.inspect()
+        ends = [(d.finish_reason, len(d.token_ids), d.timeline.ttft_s) for d in done]
         return ends, snap, after, cluster.groups
 
 
