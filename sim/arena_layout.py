@@ -21,6 +21,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from engine.cluster.drop_plan import group_pool
 from engine.cluster.plan import stage_layers
 
 ALIGN_BYTES = 256
@@ -98,7 +99,7 @@ def sized_pool(model, block_size: int, pools: Sequence[int], layers: tuple[range
     pools of different sizes (no torch group has them): their pools and the dropped layers'
     blocks (engine/cluster/drop_plan.py `group_pool`'s count)."""
     if len(set(pools)) > 1:
-        return sum(pools) + (len(pools) - 1) * freed_blocks(model, block_size)
+        return group_pool(pools, freed_blocks(model, block_size))
     return group_pool_blocks(model, block_size, weight_blocks(model, block_size) + pools[0],
                              layers)
 
